@@ -1,0 +1,1 @@
+"""Chip backends, one folder per chip family; each is a plugin registered under `flagdeploy.backends`."""

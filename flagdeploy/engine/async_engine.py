@@ -1,0 +1,107 @@
+"""The engine loop on its own thread, with an asyncio face for the server.
+
+torch releases the GIL inside its kernels, so the event loop keeps accepting and streaming while a
+step runs. Requests and aborts cross into the loop thread through a queue; outputs come back through
+`call_soon_threadsafe` into one asyncio.Queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from .llm_engine import LLMEngine
+from .sampling import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.max_model_len
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="flagdeploy-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop --------------------------------------------------------------
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        self.engine.check_prompt(prompt_token_ids)  # raise before anything is queued
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        self._inbox.put(("add", request_id, prompt_token_ids, params))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the client went away (or the consumer stopped early)
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread -----------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                msg = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if msg[0] == "add":
+                _, rid, prompt, params = msg
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except Exception as exc:  # bad input for this request only
+                    self._deliver(rid, exc)
+            elif msg[0] == "abort":
+                self.engine.abort(msg[1])
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_work())
+            if not self.engine.has_work():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failed step fails its requests, not the server
+                log.exception("engine step failed")
+                for rid in list(self.engine.requests):
+                    self.engine.abort(rid)
+                    self._deliver(rid, RuntimeError(f"generation failed: {exc}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)

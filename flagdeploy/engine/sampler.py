@@ -1,0 +1,27 @@
+"""Next-token choice per row: greedy rows in one argmax, sampled rows with their own generators."""
+
+from __future__ import annotations
+
+import torch
+
+from .sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """logits [S, V] float32, one row per sequence that needs a token this step."""
+    out = logits.argmax(-1).tolist()
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.greedy:
+            continue
+        row = logits[i] / p.temperature
+        if p.top_k:
+            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = row.softmax(-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = probs.sort(descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < p.top_p  # the token that crosses top_p stays
+            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+        out[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
+    return out

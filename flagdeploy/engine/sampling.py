@@ -1,0 +1,56 @@
+"""What a request asks of generation, and what the engine hands back as it goes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings, in the OpenAI vocabulary.
+
+    temperature 0 means greedy. A seed makes sampling reproducible per request (its own generator),
+    independent of whatever else is batched with it.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class RequestOutput:
+    """One increment of a request's output.
+
+    `text` is the new text since the previous output (already cut at a stop string); `token_ids`
+    are the new tokens. The final output has `finished=True` and a `finish_reason` of
+    "stop", "length" or "abort".
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0

@@ -1,0 +1,94 @@
+"""Which sequences run in the next step, and how many of their tokens: continuous batching.
+
+Every step has a token budget. Running sequences go first (one token each when decoding, the next
+chunk when a long prompt is being prefilled), then waiting ones are admitted in arrival order while
+budget, sequence slots and cache blocks last. When blocks run out for a running sequence, the most
+recently admitted one is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per sequence, tokens computed this step
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.budget
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        running = list(self.running)
+        while running and budget:
+            seq = running.pop(0)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.ensure_slots(seq, seq.num_computed + n):
+                victim = running.pop() if running else seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.blocks.match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.blocks.ensure_slots(seq, seq.num_computed + n):
+                if not self.running and not seqs:  # nothing will ever free blocks for it
+                    raise RuntimeError("KV cache too small for a single sequence; raise --kv-cache-memory")
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.blocks.release(seq)

@@ -1,0 +1,56 @@
+"""A request's state inside the engine: its tokens, how many are computed, its blocks, its sampler."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from .sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens capped by the context window
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.num_computed = 0  # tokens whose k/v are in the cache
+        self.num_cached_tokens = 0  # of the prompt, served by the prefix cache at admission
+        self.finish_reason: str | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    def reset_for_recompute(self) -> None:
+        """After preemption its cache is gone: prompt and output so far are recomputed as one prefill."""
+        self.block_table = []
+        self.num_hashed_blocks = 0
+        self.num_computed = 0
+        self.status = Status.WAITING

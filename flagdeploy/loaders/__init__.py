@@ -1,0 +1,1 @@
+"""Model sources (where weights come from) and the readers that turn them into a runnable model."""

@@ -1,0 +1,31 @@
+"""The op layer: models call these functions, never a chip's API.
+
+Each name below routes to the active backend's override or, failing that, to the plain-torch
+reference in `flagdeploy.ops.reference`. `use_backend(...)` picks the backend (default: detected).
+"""
+
+from . import reference as _reference  # noqa: F401  (declares the ops)
+from .registry import (
+    OPS, Backend, OpSpec, Tolerance, active_backend, backends, detect_backend, dispatch, get_backend, prepare_weight,
+    use_backend,
+)
+from .reference import rope_tables
+from .weights import Int4Weight, Int8Weight
+
+linear = dispatch("linear")
+linear_w4a16 = dispatch("linear_w4a16")
+linear_w8a16 = dispatch("linear_w8a16")
+embedding = dispatch("embedding")
+rms_norm = dispatch("rms_norm")
+add_rms_norm = dispatch("add_rms_norm")
+rope = dispatch("rope")
+swiglu = dispatch("swiglu")
+attention_prefill = dispatch("attention_prefill")
+paged_attention_decode = dispatch("paged_attention_decode")
+write_kv_cache = dispatch("write_kv_cache")
+
+__all__ = [
+    "OPS", "Backend", "OpSpec", "Tolerance", "active_backend", "backends", "detect_backend", "get_backend",
+    "use_backend", "prepare_weight", "rope_tables", "Int4Weight", "Int8Weight", "linear", "linear_w4a16", "linear_w8a16", "embedding", "rms_norm", "add_rms_norm", "rope", "swiglu",
+    "attention_prefill", "paged_attention_decode", "write_kv_cache",
+]

@@ -1,0 +1,264 @@
+"""Reference implementations of the hot ops: the specification every backend is checked against.
+
+Plain torch, written for clarity over speed; each runs on any torch device and in any float dtype
+(float64 included, which is how the references themselves are checked). Shapes use T for tokens of
+a flattened batch, H / KH for query / key-value heads, D for head size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .registry import OpSpec, Tolerance, register_op
+from .weights import Int4Weight, Int8Weight
+
+# Per-dtype tolerances against a float64 run of the same reference: float32 is tight; half types
+# carry ~3 significant digits and accumulate over the reduction dimension.
+_TOL = {
+    torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: Tolerance(atol=3e-2, rtol=3e-2),
+    torch.float16: Tolerance(atol=5e-3, rtol=5e-3),
+}
+
+
+# Weight-only "A16" linears may run their activations in 16 bits even for a float32 model (that is
+# what the packed kernels take), so float32 gets the 16-bit tolerance there.
+_TOL_A16 = {**_TOL, torch.float32: _TOL[torch.bfloat16]}
+
+
+def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: str, scale: float = 1.0):
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
+
+
+# ---- linear / embedding -----------------------------------------------------------------------------
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.T + bias, weight stored [out, in] as in HF checkpoints."""
+    y = x @ weight.t()
+    return y + bias if bias is not None else y
+
+
+def linear_w4a16(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only int4 linear (group-wise scales and zeros), activations in the run dtype."""
+    return linear(x, weight.dequantize(x.dtype), bias)
+
+
+def linear_w8a16(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only int8 linear (per-channel scales), activations in the run dtype."""
+    return linear(x, weight.dequantize(x.dtype), bias)
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return table[ids]
+
+
+# ---- norms ------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in at least float32, cast back: what Llama/Qwen/GLM reference code does."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm residual step fused as one op."""
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
+# ---- rotary embedding -------------------------------------------------------------------------------
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding in the rotate-half (GPT-NeoX / HF Llama) layout.
+
+    q [T, H, D], k [T, KH, D]; cos/sin [T, D/2], already gathered for each token's position (once per
+    step, by the model, rather than once per layer).
+    """
+    c = cos.unsqueeze(1)
+    s = sin.unsqueeze(1)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        xf1, xf2 = x1.to(c.dtype), x2.to(c.dtype)
+        return torch.cat((xf1 * c - xf2 * s, xf2 * c + xf1 * s), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def rope_tables(head_dim: int, max_pos: int, theta: float, dtype=torch.float32, device="cpu"):
+    """cos/sin tables for `rope`, computed in float64 so every run dtype starts from the same angles."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    ang = torch.outer(torch.arange(max_pos, dtype=torch.float64, device=device), inv)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+# ---- activations ------------------------------------------------------------------------------------
+
+
+def swiglu(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up with gate_up = [gate | up] on the last dim; `limit` clamps like GLM/gpt-oss."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+# ---- attention --------------------------------------------------------------------------------------
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """One sequence: q [Tq, H, D], k/v [Tk, KH, D]; causal aligned bottom-right (q are the last Tq)."""
+    h, kh = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(h // kh, dim=1)
+    v = v.repeat_interleave(h // kh, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k).to(torch.promote_types(q.dtype, torch.float32)) * scale
+    if causal:
+        tq, tk = q.shape[0], k.shape[0]
+        allowed = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def attention_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention over a packed batch of sequences (varlen).
+
+    Sequence i owns q[cu_q[i]:cu_q[i+1]] and k/v[cu_k[i]:cu_k[i+1]]; when it has more keys than
+    queries (a cached prefix, a later prefill chunk) its queries are the last positions.
+    """
+    out = torch.empty_like(q)
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(bq) - 1):
+        out[bq[i] : bq[i + 1]] = _attend(q[bq[i] : bq[i + 1]], k[bk[i] : bk[i + 1]], v[bk[i] : bk[i + 1]], scale, True)
+    return out
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new query token per sequence against its paged cache.
+
+    q [B, H, D]; caches [num_blocks, block_size, KH, D]; block_tables [B, max_blocks] (unused slots any
+    value); context_lens [B] counts the keys, the new token's own included.
+    """
+    bs = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for i, n in enumerate(context_lens.tolist()):
+        blocks = block_tables[i, : (n + bs - 1) // bs]
+        k = k_cache[blocks].flatten(0, 1)[:n]
+        v = v_cache[blocks].flatten(0, 1)[:n]
+        out[i] = _attend(q[i : i + 1], k, v, scale, False)[0]
+    return out
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store token t's k/v at flat slot slot_mapping[t] (block * block_size + offset); -1 skips."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+# ---- declarations with their random-input makers ----------------------------------------------------
+
+
+def _linear_inputs(dtype, device, g):
+    return (_randn(g, 5, 64, dtype=dtype, device=device), _randn(g, 48, 64, dtype=dtype, device=device, scale=0.1),
+            _randn(g, 48, dtype=dtype, device=device)), {}
+
+
+def _w4_inputs(dtype, device, g):
+    n, k, gs = 48, 64, 32
+    w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8).to(device),
+                   _randn(g, n, k // gs, dtype=torch.float32, device=device, scale=0.02).abs(),
+                   _randn(g, n, k // gs, dtype=torch.float32, device=device, scale=0.02), gs, n, k)
+    return (_randn(g, 5, k, dtype=dtype, device=device), w, _randn(g, n, dtype=dtype, device=device)), {}
+
+
+def _w8_inputs(dtype, device, g):
+    w = Int8Weight.quantize(_randn(g, 48, 64, dtype=torch.float32, device=device, scale=0.1))
+    return (_randn(g, 5, 64, dtype=dtype, device=device), w, None), {}
+
+
+def _embedding_inputs(dtype, device, g):
+    return (torch.randint(0, 100, (7,), generator=g).to(device), _randn(g, 100, 32, dtype=dtype, device=device)), {}
+
+
+def _norm_inputs(dtype, device, g):
+    return (_randn(g, 6, 96, dtype=dtype, device=device), _randn(g, 96, dtype=dtype, device=device), 1e-5), {}
+
+
+def _add_norm_inputs(dtype, device, g):
+    x, w, eps = _norm_inputs(dtype, device, g)[0]
+    return (x, _randn(g, 6, 96, dtype=dtype, device=device), w, eps), {}
+
+
+def _rope_inputs(dtype, device, g):
+    cos, sin = rope_tables(32, 64, 10000.0, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=device)
+    pos = torch.randint(0, 64, (9,), generator=g).to(device)
+    return (_randn(g, 9, 4, 32, dtype=dtype, device=device), _randn(g, 9, 2, 32, dtype=dtype, device=device), cos[pos], sin[pos]), {}
+
+
+def _swiglu_inputs(dtype, device, g):
+    return (_randn(g, 5, 64, dtype=dtype, device=device, scale=3.0),), {"limit": 7.0}
+
+
+def _prefill_inputs(dtype, device, g):
+    lq, lk = [3, 1, 6], [3, 4, 9]  # plain prefill, a decode-like row, a chunk after a cached prefix
+    cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32, device=device)
+    return (_randn(g, sum(lq), 4, 16, dtype=dtype, device=device), _randn(g, sum(lk), 2, 16, dtype=dtype, device=device),
+            _randn(g, sum(lk), 2, 16, dtype=dtype, device=device), cu(lq), cu(lk), 0.25), {}
+
+
+def _decode_inputs(dtype, device, g):
+    nb, bs = 12, 4
+    perm = torch.randperm(nb, generator=g)
+    tables = torch.stack([perm[:4], perm[4:8], perm[8:12]]).to(device=device, dtype=torch.int32)
+    lens = torch.tensor([5, 16, 1], dtype=torch.int32, device=device)
+    return (_randn(g, 3, 4, 16, dtype=dtype, device=device), _randn(g, nb, bs, 2, 16, dtype=dtype, device=device),
+            _randn(g, nb, bs, 2, 16, dtype=dtype, device=device), tables, lens, 0.25), {}
+
+
+def _write_kv_inputs(dtype, device, g):
+    slots = torch.tensor([3, 0, -1, 9, 7], device=device)
+    return (_randn(g, 5, 2, 8, dtype=dtype, device=device), _randn(g, 5, 2, 8, dtype=dtype, device=device),
+            torch.zeros(3, 4, 2, 8, dtype=dtype, device=device), torch.zeros(3, 4, 2, 8, dtype=dtype, device=device), slots), {}
+
+
+for _spec in (
+    OpSpec("linear", linear, _TOL, _linear_inputs, linear.__doc__),
+    OpSpec("linear_w4a16", linear_w4a16, _TOL_A16, _w4_inputs, linear_w4a16.__doc__),
+    OpSpec("linear_w8a16", linear_w8a16, _TOL_A16, _w8_inputs, linear_w8a16.__doc__),
+    OpSpec("embedding", embedding, _TOL, _embedding_inputs, "Row lookup in an embedding table."),
+    OpSpec("rms_norm", rms_norm, _TOL, _norm_inputs, rms_norm.__doc__),
+    OpSpec("add_rms_norm", add_rms_norm, _TOL, _add_norm_inputs, add_rms_norm.__doc__),
+    OpSpec("rope", rope, _TOL, _rope_inputs, rope.__doc__),
+    OpSpec("swiglu", swiglu, _TOL, _swiglu_inputs, swiglu.__doc__),
+    OpSpec("attention_prefill", attention_prefill, _TOL, _prefill_inputs, attention_prefill.__doc__),
+    OpSpec("paged_attention_decode", paged_attention_decode, _TOL, _decode_inputs, paged_attention_decode.__doc__),
+    OpSpec("write_kv_cache", write_kv_cache, _TOL, _write_kv_inputs, write_kv_cache.__doc__),
+):
+    register_op(_spec)

@@ -1,0 +1,178 @@
+"""The op registry: each hot op declared once (signature, reference, tolerance); backends override.
+
+A model calls `flagdeploy.ops.<name>(...)`; the call goes to the active backend's override if it has
+one, else to the plain-torch reference. Backends are plugins found through the entry-point group
+`flagdeploy.backends` (the in-tree cpu backend registers itself the same way a third party would).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "flagdeploy.backends"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One hot op. `reference` is the specification: plain torch, any device, what tests compare against.
+
+    `make_inputs(dtype, device, gen)` builds representative random arguments so that every backend can
+    be checked against the reference (and the reference against float64) without per-op test code.
+    """
+
+    name: str
+    reference: Callable
+    tolerance: dict[torch.dtype, Tolerance]
+    make_inputs: Callable[[torch.dtype, str, torch.Generator], tuple[tuple, dict]]
+    doc: str = ""
+
+
+@dataclass
+class Backend:
+    """What a chip plugin declares: identity, how to find the chip, what its matrix unit takes, its ops.
+
+    `detect` returns True when the chip is present on this host; it must be cheap and never raise.
+    """
+
+    name: str
+    vendor: str
+    device_type: str
+    dtypes: tuple[str, ...]
+    collective: str
+    detect: Callable[[], bool]
+    overrides: dict[str, Callable] = field(default_factory=dict)
+    # op name → converts a canonical weight bundle (flagdeploy.ops.weights) into the layout the
+    # override reads; applied once at load time, only for ops this backend overrides.
+    prepare: dict[str, Callable] = field(default_factory=dict)
+    priority: int = 0  # higher wins when several backends detect their chip
+    description: str = ""
+
+
+OPS: dict[str, OpSpec] = {}
+
+
+def register_op(spec: OpSpec) -> OpSpec:
+    if spec.name in OPS:
+        raise ValueError(f"op {spec.name!r} is declared twice")
+    OPS[spec.name] = spec
+    return spec
+
+
+_backends: dict[str, Backend] | None = None
+
+
+def backends() -> dict[str, Backend]:
+    """All installed backends, loaded once from the entry-point group. A broken plugin is skipped, logged."""
+    global _backends
+    if _backends is None:
+        found: dict[str, Backend] = {}
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                be = ep.load()
+            except Exception as exc:  # a broken third-party plugin must not take the rest down
+                log.warning("backend plugin %s could not be loaded: %s", ep.name, exc)
+                continue
+            unknown = set(be.overrides) - set(OPS)
+            if unknown:
+                log.warning("backend %s overrides undeclared ops %s; ignored", be.name, sorted(unknown))
+                be.overrides = {k: v for k, v in be.overrides.items() if k in OPS}
+            found[be.name] = be
+        _backends = found
+    return _backends
+
+
+def get_backend(name: str) -> Backend:
+    bes = backends()
+    if name not in bes:
+        raise KeyError(
+            f"No backend named {name!r} is installed (installed: {', '.join(sorted(bes)) or 'none'}). "
+            f"Pick one of those with --chip, or install the plugin that provides {name!r}."
+        )
+    return bes[name]
+
+
+def detect_backend() -> Backend:
+    """The best backend whose chip is present; the cpu backend always is."""
+    present = [be for be in backends().values() if _safe_detect(be)]
+    if not present:
+        return get_backend("cpu")
+    return max(present, key=lambda be: be.priority)
+
+
+def _safe_detect(be: Backend) -> bool:
+    try:
+        return bool(be.detect())
+    except Exception as exc:
+        log.debug("detect() of backend %s failed: %s", be.name, exc)
+        return False
+
+
+def device_node_exists(*patterns: str) -> bool:
+    """Helper for detect(): any /dev node matching one of the glob patterns."""
+    return any(any(Path("/dev").glob(p)) for p in patterns)
+
+
+def command_exists(name: str) -> bool:
+    return shutil.which(name) is not None
+
+
+# ---- dispatch -------------------------------------------------------------------------------------
+
+_active: dict[str, Callable] = {}
+_active_backend: Backend | None = None
+
+
+def use_backend(backend: Backend | str | None) -> Backend:
+    """Route every op to `backend`'s override where it has one, else the reference."""
+    global _active_backend
+    be = get_backend(backend) if isinstance(backend, str) else (backend or detect_backend())
+    _active.clear()
+    for name, spec in OPS.items():
+        _active[name] = be.overrides.get(name, spec.reference)
+    _active_backend = be
+    log.info("op backend: %s (%d native ops)", be.name, len(be.overrides))
+    return be
+
+
+def active_backend() -> Backend:
+    if _active_backend is None:
+        use_backend(None)
+    return _active_backend  # type: ignore[return-value]
+
+
+def prepare_weight(op: str, weight):
+    """Hand a canonical weight bundle to the active backend for its own layout (if it runs `op`)."""
+    be = active_backend()
+    fn = be.prepare.get(op) if op in be.overrides else None
+    return fn(weight) if fn else weight
+
+
+def dispatch(name: str) -> Callable:
+    """Build the module-level function for op `name`: one dict lookup per call."""
+
+    def call(*args, **kwargs):
+        try:
+            fn = _active[name]
+        except KeyError:
+            active_backend()
+            fn = _active[name]
+        return fn(*args, **kwargs)
+
+    call.__name__ = name
+    call.__doc__ = OPS[name].doc
+    return call

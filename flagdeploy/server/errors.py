@@ -1,0 +1,188 @@
+"""The OpenAI error envelope, and the handlers that put every failure into it.
+
+Clients key their behaviour on the status: the SDKs retry 408/409/429/5xx (twice by default),
+LangChain turns a 400 with `context_length_exceeded` into a context-overflow signal, and Dify shows
+the raw body. So client mistakes are always 4xx (never FastAPI's 422) and the body is always
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Iterable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flagdeploy.errors import PromptTooLongError
+
+from .protocol import request_field_names
+
+log = logging.getLogger(__name__)
+
+BAD_JSON_MESSAGE = (
+    "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
+    "HTTP library correctly. The API expects a JSON payload, but what was sent was not valid JSON.)"
+)
+SERVER_ERROR_MESSAGE = "The server had an error while processing your request."
+
+_FIELDS = request_field_names()
+
+
+class APIError(Exception):
+    """An error with everything its HTTP answer needs; raised anywhere, rendered by one handler."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---- the errors the routes raise -----------------------------------------------------------------
+
+
+def bad_json() -> APIError:
+    return APIError(400, BAD_JSON_MESSAGE)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
+                    param="model", code="model_not_found")
+
+
+def invalid_api_key(given: str | None) -> APIError:
+    if not given:
+        message = ("You didn't provide an API key. Send it as `Authorization: Bearer <key>` "
+                   "(or `x-api-key: <key>`); the server was started with --api-key.")
+    else:
+        message = f"Incorrect API key provided: {_mask(given)}."
+    return APIError(401, message, code="invalid_api_key")
+
+
+def model_loading() -> APIError:
+    return APIError(503, "The model is still loading; retry in a few seconds.", type="service_unavailable_error",
+                    code="model_loading", headers={"Retry-After": "5"})
+
+
+def model_load_failed(reason: str) -> APIError:
+    # No Retry-After: retrying cannot help until an operator fixes the model and restarts.
+    return APIError(503, f"The model failed to load, so this server cannot answer: {reason}",
+                    type="service_unavailable_error", code="model_load_failed")
+
+
+def server_error(detail: str | None = None) -> APIError:
+    message = SERVER_ERROR_MESSAGE if not detail else f"{SERVER_ERROR_MESSAGE} ({detail})"
+    return APIError(500, message, type="server_error")
+
+
+def from_generation(exc: BaseException, prompt_param: str) -> APIError:
+    """Map what `engine.generate` raised to an answer: the client's fault (400) or ours (500)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, PromptTooLongError):
+        # openai>=3 puts only `message` (not `code`) in the exception text, and LangChain spots a
+        # context overflow by text ("prompt is too long" is one of its markers), so say it in words.
+        return APIError(400, f"The prompt is too long: {exc}", param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    log.error("generation failed", exc_info=exc)
+    return server_error(str(exc) or type(exc).__name__)
+
+
+def from_validation(errors: Iterable[dict[str, Any]]) -> APIError:
+    """A 400 naming the first offending field, the way OpenAI reports a bad parameter."""
+    errors = list(errors)
+    if not errors:
+        return APIError(400, "The request body is invalid.")
+    first = errors[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return bad_json()
+    if not loc and first.get("type") == "model_type":
+        return APIError(400, "The request body must be a JSON object.")
+    param = _param(loc)
+    message = first.get("msg", "invalid value")
+    if param:
+        message = f"Invalid value for '{param}': {message}"
+        if first.get("type") == "missing":
+            message = f"Missing required parameter: '{param}'."
+    more = len({_param([p for p in e.get("loc", ()) if p != "body"]) for e in errors}) - 1
+    if more > 0:
+        message += f" (and {more} more invalid field{'s' if more > 1 else ''})"
+    return APIError(400, message, param=param)
+
+
+def _param(loc: list[Any]) -> str | None:
+    """`messages[0].content` from a pydantic location; union-member tags (`str`, `list[str]`) dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _FIELDS:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def _mask(key: str) -> str:
+    return key[:3] + "*" * 4 + key[-4:] if len(key) > 8 else "*" * len(key)
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Decode a request body ourselves (whatever its Content-Type, as `curl -d` sends form type)."""
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise bad_json() from None
+
+
+# ---- handlers ------------------------------------------------------------------------------------
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)
+
+
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return from_validation(exc.errors()).response()
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Routing errors (unknown URL, wrong method) in the envelope, so SDKs show a readable message."""
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    elif exc.status_code == 405:
+        message = f"Method {request.method} is not allowed for {request.url.path}"
+    else:
+        message = str(exc.detail)
+    type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return JSONResponse(error_body(message, type_), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return server_error().response()

@@ -1,0 +1,180 @@
+"""Running one HTTP request's engine requests: fan-out over choices, merging, disconnects, aborts.
+
+A request with `n` choices (or several prompts) is several engine requests. They run concurrently,
+their outputs are merged in arrival order, and whatever ends the HTTP exchange (completion, a
+failure, the client hanging up) aborts the ones still running so that no KV cache or compute is
+spent on answers nobody will read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from flagdeploy.engine.sampling import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from flagdeploy.engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready; nothing is left to send."""
+
+
+@dataclass
+class Job:
+    """One engine request: choice `index` of prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str
+
+
+class Generation:
+    """The engine requests of one HTTP request, run concurrently, outputs merged as they come."""
+
+    def __init__(self, engine: "AsyncEngine", jobs: list[Job]):
+        self.engine = engine
+        self.jobs = jobs
+        self.finals: dict[int, RequestOutput] = {}
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    def start(self) -> "Generation":
+        self._tasks = [asyncio.create_task(self._pump(job), name=job.request_id) for job in self.jobs]
+        return self
+
+    async def _pump(self, job: Job) -> None:
+        try:
+            async for out in self.engine.generate(job.prompt_ids, job.params, job.request_id):
+                self._queue.put_nowait((job.index, out))
+                if out.finished:
+                    return
+            # Without this the consumer would wait forever for a final output.
+            raise RuntimeError(f"the engine stream of {job.request_id} ended without a final output")
+        except Exception as exc:  # handed to the consumer, which decides what the client sees
+            self._queue.put_nowait((job.index, exc))
+
+    @property
+    def done(self) -> bool:
+        return len(self.finals) == len(self.jobs)
+
+    async def next(self) -> tuple[int, RequestOutput]:
+        """The next output of any choice; re-raises a choice's failure here, in the consumer."""
+        index, item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            self.finals[index] = item
+        return index, item
+
+    def close(self) -> None:
+        """Stop every unfinished engine request. Synchronous on purpose: it runs in `finally`
+        blocks of cancelled tasks, where any await would be cancelled again before it ran."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for job in self.jobs:
+            if job.index not in self.finals:
+                log.debug("aborting %s", job.request_id)
+                self.engine.abort(job.request_id)
+
+    def prompt_usage(self) -> tuple[int, int]:
+        """(prompt tokens, cached prompt tokens), each prompt counted once however many choices."""
+        prompt_tokens = cached = 0
+        seen: set[int] = set()
+        for job in self.jobs:
+            if job.prompt_index in seen:
+                continue
+            seen.add(job.prompt_index)
+            prompt_tokens += len(job.prompt_ids)
+            hits = [self.finals[j.index].num_cached_tokens for j in self.jobs
+                    if j.prompt_index == job.prompt_index and j.index in self.finals]
+            cached += min(hits, default=0)
+        return prompt_tokens, cached
+
+    def completion_tokens(self) -> int:
+        return sum(out.num_output_tokens for out in self.finals.values())
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but give up (ClientDisconnected) as soon as the client hangs up.
+
+    Reading `receive()` after the body was consumed blocks until the client disconnects, so this
+    costs nothing while the connection is alive (no polling).
+    """
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work_task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work_task.done():
+        return work_task.result()
+    work_task.cancel()
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(request: Request, gen: Generation) -> dict[int, str]:
+    """Run every choice to its end; the text of each choice by index."""
+    texts: dict[int, list[str]] = {job.index: [] for job in gen.jobs}
+
+    async def run() -> None:
+        while not gen.done:
+            index, out = await gen.next()
+            texts[index].append(out.text)
+
+    try:
+        await unless_disconnected(request, run())
+    finally:
+        gen.close()
+    return {index: "".join(parts) for index, parts in texts.items()}
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event in the framing every client parses: `data: <compact json>` + LF LF."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+class EventStream(StreamingResponse):
+    """`text/event-stream` whose `on_close` runs however the response ends (done, failed, or the
+    client gone: Starlette then cancels the body iterator without closing it)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

@@ -1,0 +1,233 @@
+"""Wire models of the OpenAI protocol (chat completions, completions, models).
+
+Requests are lenient on purpose: LangChain, Dify and CC Switch send fields we do not know
+(`parallel_tool_calls`, `reasoning_effort`, `chat_template_kwargs`, ...), `content: null` on
+assistant turns and the `developer` role. A strict model would turn those into errors, so unknown
+fields are kept but ignored, and roles are plain strings. Responses are strict: every key the
+clients read by index (`choices`, `logprobs`, `finish_reason`, `usage`) is always present.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+def new_id(prefix: str) -> str:
+    """OpenAI-style ids (`chatcmpl-…`, `cmpl-…`); also the engine request ids' stem, so unique."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Lenient):
+    """One element of a content array; only `text` parts reach a text-only model."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """The message as plain text: text parts joined by newlines, `None` as empty."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content if p.type == "text" and p.text is not None)
+
+    def to_template(self) -> dict[str, Any]:
+        """The dict a chat template expects; `developer` (o-series clients) means `system`."""
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None:
+                msg[key] = value
+        return msg
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+
+
+class SamplingFields(_Lenient):
+    """Fields shared by both generation routes (OpenAI's, plus vLLM's `top_k`, `stop_token_ids`,
+    `ignore_eos`). Ranges are checked here so that a bad value is a 400 naming its field."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = Field(default=None, ge=1, le=16)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def requested_max_tokens(self) -> int | None:
+        """LangChain sends only `max_completion_tokens`; it wins when both are present."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+
+    def requested_max_tokens(self) -> int | None:
+        # OpenAI's legacy default is 16 tokens; we keep "whatever fits" like chat, which is what
+        # Dify's completion mode and vLLM users expect.
+        return self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """Normalise the four accepted prompt shapes to a list of text-or-token-id prompts."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    """A streamed delta carries only what changed: keys that are None are left out."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class Completion(BaseModel):
+    """Both the non-stream body and each streamed chunk of /v1/completions (OpenAI uses one shape)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "flagdeploy"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def request_field_names() -> frozenset[str]:
+    """Every field name of the request models: lets error reporting tell a field in a validation
+    error's location from pydantic's union-member tags (`str`, `list[str]`, ...)."""
+    models = (ChatCompletionRequest, CompletionRequest, ChatMessage, ContentPart, StreamOptions)
+    return frozenset(name for m in models for name in m.model_fields)

@@ -1,0 +1,79 @@
+"""Tokenizer and chat template, taken from the model's own files (HF tokenizer files or GGUF metadata)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from flagdeploy.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    """A thin wrapper over a transformers tokenizer: encoding, decoding, the chat template, stop ids."""
+
+    def __init__(self, hf_tokenizer, extra_eos_ids: list[int] | None = None):
+        self.hf = hf_tokenizer
+        eos = {i for i in [hf_tokenizer.eos_token_id, *(extra_eos_ids or [])] if i is not None}
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size = len(hf_tokenizer)
+
+    @classmethod
+    def from_source(cls, path: Path, fmt: str, extra_eos_ids: list[int] | None = None) -> "Tokenizer":
+        from transformers import AutoTokenizer
+
+        try:
+            if fmt == "gguf":
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            else:
+                tok = AutoTokenizer.from_pretrained(str(path))
+        except Exception as exc:
+            raise ModelLoadError(
+                f"The tokenizer of {path} could not be loaded ({exc}). A GGUF file must carry its "
+                f"tokenizer; a safetensors directory needs tokenizer.json / tokenizer_config.json."
+            ) from exc
+        return cls(tok, extra_eos_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list | None = None, **kwargs
+    ) -> str:
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("This model has no chat template; use /v1/completions with a plain prompt.")
+        return self.hf.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas without re-decoding the whole output each step.
+
+    Decodes a small window ending at the new token and emits only what is stable: a trailing
+    U+FFFD means a multi-byte character is still incomplete, so it waits for the next token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""

@@ -1,0 +1,119 @@
+"""The builtin engine on the default model: batching, prefix caching, chunking and preemption change no token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import make_engine
+
+from flagdeploy.engine import AsyncEngine, SamplingParams
+from flagdeploy.errors import PromptTooLongError
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a color.",
+    "Explain in one sentence why the sky is blue, please, and keep it short and simple for a child.",
+    "2+2=",
+    "Tell me a fact about cats.",
+    "Translate 'good morning' to Spanish.",
+    "What is photosynthesis? Answer briefly, in a few words only.",
+    "Say hello.",
+]
+
+
+def _ids(engine, text):
+    tok = engine.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+@pytest.fixture(scope="module")
+def llm_engine(default_model):
+    """Dequantised float32 weights: every kernel here gives a row the same result whatever the batch,
+    so batching must not change a single token. (weight_format="auto" switches kernels by batch size,
+    which can flip near-ties; tests/test_quantized_weights.py holds it to its own bounds.)"""
+    return make_engine(default_model, "dense")
+
+
+@pytest.fixture(scope="module")
+def alone(llm_engine):
+    """Each question's greedy output when it runs by itself."""
+    return [llm_engine.generate([_ids(llm_engine, q)], GREEDY)[0] for q in QUESTIONS]
+
+
+def test_concurrent_batch_gives_the_same_tokens_as_alone(llm_engine, alone):
+    prompts = [_ids(llm_engine, q) for q in QUESTIONS]
+    assert len({len(p) for p in prompts}) > 4  # different lengths in one batch
+    assert llm_engine.generate(prompts, GREEDY) == alone
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(llm_engine, alone):
+    before = llm_engine.stats()["prefix_cache_hit_tokens"]
+    ids = _ids(llm_engine, QUESTIONS[2])
+    assert llm_engine.generate([ids], GREEDY)[0] == alone[2]
+    hit = llm_engine.stats()["prefix_cache_hit_tokens"] - before
+    assert hit >= (len(ids) - 1) // 16 * 16 > 0  # every full block of the prompt came from the cache
+
+
+def test_chunked_prefill_and_preemption_give_the_same_tokens(default_model, llm_engine, alone):
+    # Tiny budget (prompts arrive in chunks of 7) and a cache too small for all eight at once.
+    tight = make_engine(default_model, "dense", max_model_len=80, max_num_batched_tokens=7,
+                        block_size=4, max_num_seqs=8, kv_cache_memory=24 * 4 * 46080)
+    prompts = [_ids(tight, q) for q in QUESTIONS]
+    assert tight.generate(prompts, GREEDY) == alone
+    assert tight.stats()["preemptions"] > 0
+
+
+def test_seed_reproduces_and_sampling_varies(llm_engine):
+    ids = _ids(llm_engine, "Write a short poem.")
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, top_k=50, seed=123, ignore_eos=True)
+    a, b = llm_engine.generate([ids, ids], [p, p])
+    assert a == b
+    others = llm_engine.generate([ids] * 3, [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True)
+                                              for s in (1, 2, 3)])
+    assert len({tuple(o) for o in others}) > 1
+
+
+def test_stop_strings_token_ids_and_max_tokens(llm_engine):
+    ids = _ids(llm_engine, "What is the capital of France?")
+    full = llm_engine.generate([ids], SamplingParams(max_tokens=12, temperature=0))[0]
+    text = llm_engine.tokenizer.decode(full)
+    assert "Paris" in text
+    llm_engine.add_request("stop-str", ids, SamplingParams(max_tokens=12, temperature=0, stop=["Paris"]))
+    outs = []
+    while "stop-str" in llm_engine.requests:
+        outs += [o for o in llm_engine.step() if o.request_id == "stop-str"]
+    assert outs[-1].finish_reason == "stop"
+    assert "".join(o.text for o in outs) == text[: text.index("Paris")]
+    assert llm_engine.generate([ids], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[full[2]]))[0] == full[:3]
+    assert len(llm_engine.generate([ids], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]) == 3
+
+
+def test_prompt_too_long_is_rejected(llm_engine):
+    with pytest.raises(PromptTooLongError, match="max-model-len"):
+        llm_engine.add_request("long", list(range(5, 1029)), GREEDY)
+    assert "long" not in llm_engine.requests
+
+
+def test_async_engine_streams_and_aborts(llm_engine):
+    engine = AsyncEngine(llm_engine)
+
+    async def run():
+        ids = _ids(llm_engine, "Count from one to fifty.")
+        got = [o async for o in engine.generate(ids, SamplingParams(max_tokens=8, temperature=0), "a1")]
+        assert got[-1].finished and sum(len(o.token_ids) for o in got) == got[-1].num_output_tokens
+        stream = engine.generate(ids, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True), "a2")
+        await stream.__anext__()
+        await stream.aclose()  # what a client disconnect does
+        for _ in range(100):
+            if "a2" not in llm_engine.requests:
+                break
+            await asyncio.sleep(0.05)
+        assert "a2" not in llm_engine.requests
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
