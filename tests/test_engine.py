@@ -117,3 +117,9 @@ def test_async_engine_streams_and_aborts(llm_engine):
         asyncio.run(run())
     finally:
         engine.shutdown()
+
+
+def test_out_of_vocabulary_prompt_is_rejected_before_it_can_break_a_batch(llm_engine):
+    with pytest.raises(ValueError, match="token ids"):
+        llm_engine.add_request("oov", [1, 2, llm_engine.model.cfg.vocab_size], GREEDY)
+    assert "oov" not in llm_engine.requests
