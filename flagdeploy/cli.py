@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import socket
 import sys
-import threading
 
 import click
 
@@ -59,15 +58,13 @@ def serve(model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     _setup_logging(log_level)
     from flagdeploy.engine import AsyncEngine, EngineConfig
-    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.loader import build_llm_engine, check_source
     from flagdeploy.loaders.source import resolve
     from flagdeploy.server import create_app, make_server
 
     _check_port(host, port)
     try:
         src = resolve(model)
-        from flagdeploy.engine.loader import check_source
-
         check_source(src.path, src.format)  # a bad file fails here, before the server starts
     except FlagdeployError as exc:
         _fail(str(exc))
@@ -93,7 +90,7 @@ def serve(model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_
     server.run()
     if failure:
         exc = failure[0]
-        _fail(str(exc) if isinstance(exc, (FlagdeployError, ValueError, KeyError)) else repr(exc))
+        _fail(str(exc) if isinstance(exc, (FlagdeployError, ValueError)) else repr(exc))
 
 
 def _check_port(host: str, port: int) -> None:
@@ -143,9 +140,9 @@ def ops_list(chip) -> None:
 
     try:
         be = fops.get_backend(chip) if chip else fops.detect_backend()
-    except KeyError as exc:
-        _fail(exc.args[0])
-    click.echo(f"backend: {be.name} ({be.vendor}, device {be.device_type}, collectives {be.collective})")
+    except FlagdeployError as exc:
+        _fail(str(exc))
+    click.echo(f"backend: {be.name} ({be.vendor}, device {be.device_type}, collectives {be.collective}): {be.description}")
     width = max(len(n) for n in fops.OPS)
     for name in fops.OPS:
         click.echo(f"  {name:<{width}}  {'native' if name in be.overrides else 'reference'}")

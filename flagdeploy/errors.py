@@ -20,3 +20,10 @@ class PromptTooLongError(FlagdeployError, ValueError):
 
 class ModelLoadError(FlagdeployError):
     """A model file or directory could not be turned into a runnable model."""
+
+
+class UnknownChipError(FlagdeployError, KeyError):
+    """No installed backend has that name."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0])

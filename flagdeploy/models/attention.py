@@ -44,8 +44,8 @@ def paged_attention(
     parts = []
     if p:
         if meta.prefill_kv_slots is not None:
-            kk = k_cache.view(-1, *k_cache.shape[2:])[meta.prefill_kv_slots]
-            vv = v_cache.view(-1, *v_cache.shape[2:])[meta.prefill_kv_slots]
+            kk = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, meta.prefill_kv_slots)
+            vv = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, meta.prefill_kv_slots)
         else:
             kk, vv = k[:p], v[:p]
         parts.append(ops.attention_prefill(q[:p], kk, vv, meta.cu_seqlens_q, meta.cu_seqlens_k, scale))

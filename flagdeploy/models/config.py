@@ -30,7 +30,7 @@ class ModelConfig:
 
 # HF model_type → our family. The llama family covers every model whose decoder is GQA + RoPE +
 # RMSNorm + SwiGLU; the differences (qkv bias, tying) are config fields, not new code.
-HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "smollm2": "llama", "qwen3": None}
+HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama"}
 
 
 def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
@@ -39,7 +39,7 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     if family is None:
         raise ModelLoadError(
             f"model_type {model_type!r} is not supported by the builtin engine yet (supported: "
-            f"{', '.join(k for k, v in HF_FAMILIES.items() if v)}). Serve it with an external engine, or "
+            f"{', '.join(HF_FAMILIES)}). Serve it with an external engine, or "
             f"pick a model of a supported family."
         )
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}

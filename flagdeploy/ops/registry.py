@@ -8,13 +8,13 @@ one, else to the plain-torch reference. Backends are plugins found through the e
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from pathlib import Path
 from typing import Callable
 
 import torch
+
+from flagdeploy.errors import UnknownChipError
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def backends() -> dict[str, Backend]:
 def get_backend(name: str) -> Backend:
     bes = backends()
     if name not in bes:
-        raise KeyError(
+        raise UnknownChipError(
             f"No backend named {name!r} is installed (installed: {', '.join(sorted(bes)) or 'none'}). "
             f"Pick one of those with --chip, or install the plugin that provides {name!r}."
         )
@@ -120,15 +120,6 @@ def _safe_detect(be: Backend) -> bool:
     except Exception as exc:
         log.debug("detect() of backend %s failed: %s", be.name, exc)
         return False
-
-
-def device_node_exists(*patterns: str) -> bool:
-    """Helper for detect(): any /dev node matching one of the glob patterns."""
-    return any(any(Path("/dev").glob(p)) for p in patterns)
-
-
-def command_exists(name: str) -> bool:
-    return shutil.which(name) is not None
 
 
 # ---- dispatch -------------------------------------------------------------------------------------
