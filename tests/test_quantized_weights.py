@@ -49,7 +49,7 @@ def test_packed_model_stays_close_to_dense(engines):
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     assert agree >= 0.9, f"top-1 agreement with dense only {agree:.2f}"
     rel = ((a - b).norm(dim=-1) / a.norm(dim=-1)).max().item()
-    assert rel < 0.1, f"relative logit drift {rel:.3f}"  # measured 0.065 (int8 head, bf16 activations in the GEMMs)
+    assert rel < 0.1, f"relative logit drift {rel:.3f}"  # measured 0.072: int8 head, bf16 activations inside each layer
 
 
 def test_packed_model_answers(engines):

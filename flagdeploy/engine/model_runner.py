@@ -15,14 +15,14 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.kv_caches = [
-            [torch.zeros(s, dtype=model.dtype, device=device) for s in model.kv_cache_shape(num_blocks, block_size)]
+            [torch.zeros(s, dtype=model.kv_cache_dtype, device=device) for s in model.kv_cache_shape(num_blocks, block_size)]
             for _ in range(model.cfg.num_layers)
         ]
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int) -> int:
         per_layer = sum(torch.Size(s).numel() for s in model.kv_cache_shape(1, block_size))
-        return per_layer * model.cfg.num_layers * torch.empty((), dtype=model.dtype).element_size()
+        return per_layer * model.cfg.num_layers * torch.empty((), dtype=model.kv_cache_dtype).element_size()
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size

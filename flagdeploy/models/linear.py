@@ -61,6 +61,6 @@ class Linear(nn.Module):
         self.qweight = ops.prepare_weight(self._op, q)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is None:
-            return ops.linear(x, self.weight, self.bias)
+        if self.qweight is None:  # a dense layer after a 16-bit one gets its input in its own dtype
+            return ops.linear(x.to(self.weight.dtype), self.weight, self.bias)
         return getattr(ops, self._op)(x, self.qweight, self.bias)

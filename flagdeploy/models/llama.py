@@ -90,6 +90,12 @@ class LlamaForCausalLM(nn.Module):
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         return [shape, shape]
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """What k/v come out as: 16-bit after a weight-only quantized qkv projection."""
+        qkv = self.layers[0].qkv_proj
+        return ops.a16_dtype(self.dtype) if qkv.qweight is not None else self.dtype
+
     def prepare(self, max_positions: int) -> None:
         """Build what depends on the served context length (RoPE tables) once, after loading."""
         self.rope_cos, self.rope_sin = ops.rope_tables(

@@ -9,7 +9,7 @@ from .registry import (
     OPS, Backend, OpSpec, Tolerance, active_backend, backends, detect_backend, dispatch, get_backend, prepare_weight,
     use_backend,
 )
-from .reference import rope_tables
+from .reference import a16_dtype, rope_tables
 from .weights import Int4Weight, Int8Weight
 
 linear = dispatch("linear")
@@ -26,6 +26,6 @@ write_kv_cache = dispatch("write_kv_cache")
 
 __all__ = [
     "OPS", "Backend", "OpSpec", "Tolerance", "active_backend", "backends", "detect_backend", "get_backend",
-    "use_backend", "prepare_weight", "rope_tables", "Int4Weight", "Int8Weight", "linear", "linear_w4a16", "linear_w8a16", "embedding", "rms_norm", "add_rms_norm", "rope", "swiglu",
+    "use_backend", "prepare_weight", "a16_dtype", "rope_tables", "Int4Weight", "Int8Weight", "linear", "linear_w4a16", "linear_w8a16", "embedding", "rms_norm", "add_rms_norm", "rope", "swiglu",
     "attention_prefill", "paged_attention_decode", "write_kv_cache",
 ]

@@ -22,8 +22,8 @@ _TOL = {
 }
 
 
-# Weight-only "A16" linears may run their activations in 16 bits even for a float32 model (that is
-# what the packed kernels take), so float32 gets the 16-bit tolerance there.
+# Weight-only "A16" linears run their activations in 16 bits even in a float32 model (that is what the
+# packed kernels take), so float32 gets the 16-bit tolerance there.
 _TOL_A16 = {**_TOL, torch.float32: _TOL[torch.bfloat16]}
 
 
@@ -40,14 +40,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y + bias if bias is not None else y
 
 
+def a16_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The 16-bit activation type of the weight-only ("A16") linears: fp16 stays fp16, float32 and
+    bf16 run in bf16; float64 stays float64 so that the specification itself can be checked."""
+    return dtype if dtype in (torch.float16, torch.float64) else torch.bfloat16
+
+
 def linear_w4a16(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Weight-only int4 linear (group-wise scales and zeros), activations in the run dtype."""
-    return linear(x, weight.dequantize(x.dtype), bias)
+    """Weight-only int4 linear (group-wise scales and zeros); activations in and out in 16 bits.
+
+    The output stays 16-bit: the next op (rope, swiglu, the residual add) takes it as it is, so a
+    float32 model pays no cast back per linear.
+    """
+    a = a16_dtype(x.dtype)
+    return linear(x.to(a), weight.dequantize(a), None if bias is None else bias.to(a))
 
 
 def linear_w8a16(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Weight-only int8 linear (per-channel scales), activations in the run dtype."""
-    return linear(x, weight.dequantize(x.dtype), bias)
+    """Weight-only int8 linear (per-channel scales); activations in and out in 16 bits."""
+    a = a16_dtype(x.dtype)
+    return linear(x.to(a), weight.dequantize(a), None if bias is None else bias.to(a))
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
