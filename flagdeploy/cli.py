@@ -11,8 +11,6 @@ import click
 from flagdeploy import __version__
 from flagdeploy.errors import FlagdeployError
 
-log = logging.getLogger("flagdeploy")
-
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
