@@ -49,10 +49,12 @@ def main() -> None:
 @click.option("--weight-format", default="auto", show_default=True, type=click.Choice(["auto", "dense"]),
               help="auto: keep a GGUF's 4-bit weights packed where the chip has kernels (fast); dense: dequantise all.")
 @click.option("--served-model-name", "served_names", multiple=True, help="Name(s) clients use; the first is shown. Repeatable.")
+@click.option("--default-temperature", default=0.0, show_default=True, type=float,
+              help="Temperature for requests that set none (0: greedy).")
 @click.option("--api-key", default=None, envvar="FLAGDEPLOY_API_KEY", help="Require this key (Authorization: Bearer).")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
-          weight_format, served_names, api_key, log_level) -> None:
+          weight_format, served_names, default_temperature, api_key, log_level) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     _setup_logging(log_level)
     from flagdeploy.engine import AsyncEngine, EngineConfig
@@ -82,7 +84,7 @@ def serve(model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_
         click.echo(f"flagdeploy: serving {names[0]} on http://{host}:{port}/v1 (ready)", err=True)
         return engine
 
-    app = create_app(load, names, api_key=api_key)
+    app = create_app(load, names, api_key=api_key, default_temperature=default_temperature)
     server = make_server(app, host, port, log_level)
     click.echo(f"flagdeploy: loading {src.path} ... (/ready answers 503 until done)", err=True)
     server.run()

@@ -63,9 +63,11 @@ def test_serve_answers_a_chat_completion(default_model):
             time.sleep(0.5)
         else:
             pytest.fail("server never became ready")
-        body = {"model": "smollm2-135m-instruct", "temperature": 0,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        # exactly the README's curl: no temperature (the server default is greedy), curl's form content type
+        body = ('{"model":"smollm2-135m-instruct","messages":[{"role":"user","content":'
+                '"What is the capital of France?"}]}')
+        r = httpx.post(f"{url}/v1/chat/completions", content=body, timeout=120,
+                       headers={"content-type": "application/x-www-form-urlencoded"})
         assert r.status_code == 200, r.text
         data = r.json()
         assert "Paris" in data["choices"][0]["message"]["content"]

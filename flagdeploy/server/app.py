@@ -155,11 +155,11 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raise errors.from_validation(exc.errors(include_url=False)) from None
 
 
-def _sampling_params(req: SamplingFields, max_tokens: int, seed: int | None) -> SamplingParams:
+def _sampling_params(req: SamplingFields, max_tokens: int, seed: int | None, default_temperature: float) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=default_temperature if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,  # vLLM's -1 means off
             seed=seed,
@@ -172,7 +172,7 @@ def _sampling_params(req: SamplingFields, max_tokens: int, seed: int | None) -> 
 
 
 def _jobs(engine: "AsyncEngine", req: SamplingFields, requested_max: int | None, prompts: list[list[int]],
-          stem: str) -> list[Job]:
+          stem: str, default_temperature: float) -> list[Job]:
     """One engine request per (prompt, choice); choice i of a seeded request uses seed + i so that
     the n answers differ yet the whole request is reproducible."""
     n = req.n or 1
@@ -187,7 +187,8 @@ def _jobs(engine: "AsyncEngine", req: SamplingFields, requested_max: int | None,
         for i in range(n):
             seed = None if req.seed is None else req.seed + i
             index = p * n + i
-            jobs.append(Job(index, p, prompt_ids, _sampling_params(req, max_tokens, seed), f"{stem}-{index}"))
+            jobs.append(Job(index, p, prompt_ids, _sampling_params(req, max_tokens, seed, default_temperature),
+                            f"{stem}-{index}"))
     return jobs
 
 
@@ -265,9 +266,14 @@ def _usage(gen: Generation) -> Usage:
 
 
 def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: list[str],
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, default_temperature: float = 0.0) -> FastAPI:
     """The server app. `load_engine` runs on a background thread at startup; until it returns,
-    /ready and the inference routes answer 503."""
+    /ready and the inference routes answer 503.
+
+    `default_temperature` applies when a request sets none. It is 0 (greedy) unless the operator
+    says otherwise: a bare request gets the model's own best answer, reproducibly, and clients that
+    want sampling say so (LangChain and Dify send their temperature). 1.0 is OpenAI's default.
+    """
     names = ModelNames(served_model_names)
     slot = EngineSlot(load_engine)
     started = now()
@@ -315,7 +321,8 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         model = names.resolve(req.model)
         engine = slot.get()
         cid = new_id("chatcmpl")
-        gen = Generation(engine, _jobs(engine, req, req.requested_max_tokens(), [_chat_prompt(engine, req)], cid))
+        gen = Generation(engine, _jobs(engine, req, req.requested_max_tokens(), [_chat_prompt(engine, req)], cid,
+                                        default_temperature))
         gen.start()
         if req.stream:
             first = await _first_output(request, gen, "messages")
@@ -340,7 +347,7 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         engine = slot.get()
         cid = new_id("cmpl")
         prompt_ids, prompt_texts = _completion_prompts(engine, req)
-        gen = Generation(engine, _jobs(engine, req, req.requested_max_tokens(), prompt_ids, cid))
+        gen = Generation(engine, _jobs(engine, req, req.requested_max_tokens(), prompt_ids, cid, default_temperature))
         echo = {job.index: prompt_texts[job.prompt_index] for job in gen.jobs} if req.echo else {}
         gen.start()
         if req.stream:
