@@ -367,3 +367,17 @@ def test_non_stream_disconnect_aborts_generation(live: LiveServer, http: httpx.C
         httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=0.5,
                    headers={"Authorization": f"Bearer {API_KEY}"})
     assert _wait_idle(http) == 0
+
+
+def test_langchain_chat_openai_invoke_and_stream(live: LiveServer):
+    """LangChain's ChatOpenAI with only base_url changed: invoke, stream with usage, the Paris answer."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, model=NAMES[0], temperature=0, max_tokens=16,
+                      max_retries=0, stream_usage=True)
+    msg = llm.invoke("What is the capital of France?")
+    assert "Paris" in msg.content
+    assert msg.usage_metadata["output_tokens"] > 0  # LangChain sent max_completion_tokens; usage came back
+    chunks = list(llm.stream("What is the capital of France?"))
+    assert "Paris" in "".join(c.content for c in chunks)
+    assert sum((c.usage_metadata or {}).get("output_tokens", 0) for c in chunks) == msg.usage_metadata["output_tokens"]
