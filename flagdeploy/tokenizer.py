@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from flagdeploy.errors import ModelLoadError
-
-log = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -18,7 +15,6 @@ class Tokenizer:
         self.hf = hf_tokenizer
         eos = {i for i in [hf_tokenizer.eos_token_id, *(extra_eos_ids or [])] if i is not None}
         self.eos_token_ids: frozenset[int] = frozenset(eos)
-        self.vocab_size = len(hf_tokenizer)
 
     @classmethod
     def from_source(cls, path: Path, fmt: str, extra_eos_ids: list[int] | None = None) -> "Tokenizer":

@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine.loader import build_llm_engine
 from flagdeploy.models.attention import AttentionMetadata
-
-transformers = pytest.importorskip("transformers")
 
 PROMPTS = [
     "What is the capital of France?",
@@ -34,7 +33,7 @@ def _prefill_logits(engine, ids: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def hf_model(default_model):
-    pytest.importorskip("accelerate")  # transformers needs it to read GGUF files
+    # transformers needs `accelerate` (a test extra) to read GGUF files
     path = default_model.path
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # run the full length, as ignore_eos does for us

@@ -27,7 +27,7 @@ class EngineConfig:
 
     max_model_len: int = 4096
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
     block_size: int = 16
     kv_cache_memory: int = 2 << 30
     dtype: torch.dtype = torch.float32

@@ -222,21 +222,10 @@ def _completion_prompts(engine: "AsyncEngine", req: CompletionRequest) -> tuple[
         if isinstance(prompt, str):
             ids.append(engine.tokenizer.encode(prompt, add_special_tokens=True))
             texts.append(prompt)
-        else:
-            _check_token_ids(engine, prompt)
+        else:  # token ids: the engine refuses ids outside the vocabulary before queueing them
             ids.append(list(prompt))
             texts.append(engine.tokenizer.decode(list(prompt)) if req.echo else "")
     return ids, texts
-
-
-def _check_token_ids(engine: "AsyncEngine", ids: list[int]) -> None:
-    """An id outside the vocabulary would fail inside the model step (and with it the whole batch),
-    so refuse it here as the client's mistake."""
-    vocab = getattr(engine.tokenizer, "vocab_size", None)
-    bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
-    if bad:
-        raise APIError(400, f"Token id {bad[0]} is outside the vocabulary (0..{vocab - 1 if vocab else '?'}).",
-                       param="prompt")
 
 
 async def _first_output(request: Request, gen: Generation, prompt_param: str) -> tuple[int, RequestOutput] | None:

@@ -99,10 +99,10 @@ def from_generation(exc: BaseException, prompt_param: str) -> APIError:
         return exc
     if isinstance(exc, PromptTooLongError):
         # openai>=3 puts only `message` (not `code`) in the exception text, and LangChain spots a
-        # context overflow by text ("prompt is too long" is one of its markers), so say it in words.
-        return APIError(400, f"The prompt is too long: {exc}", param=prompt_param, code="context_length_exceeded")
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
+        # context overflow by text: the message opens with "The prompt is too long", one of its markers.
+        return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, ValueError):  # sampling values are checked before; what remains is the prompt
+        return APIError(400, str(exc), param=prompt_param)
     log.error("generation failed", exc_info=exc)
     return server_error(str(exc) or type(exc).__name__)
 
