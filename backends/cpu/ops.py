@@ -37,9 +37,6 @@ def rope(q, k, cos, sin):
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    if bool((slot_mapping < 0).any()):
-        keep = slot_mapping >= 0
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
@@ -64,12 +61,10 @@ def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     """All sequences at once: gather each one's blocks, mask past its length, one batched SDPA."""
     b = q.shape[0]
-    bs = k_cache.shape[1]
-    max_blocks = (int(context_lens.max()) + bs - 1) // bs
-    idx = block_tables[:, :max_blocks].reshape(-1).long()  # index_select: ~3x faster than fancy indexing here
+    idx = block_tables.reshape(-1).long()  # index_select: ~3x faster than fancy indexing here
     k = k_cache.index_select(0, idx).view(b, -1, *k_cache.shape[2:]).transpose(1, 2)  # [B, KH, L, D]
     v = v_cache.index_select(0, idx).view(b, -1, *v_cache.shape[2:]).transpose(1, 2)
-    if b == 1:  # one sequence: its blocks hold exactly its keys once trimmed, no mask needed
+    if b == 1:  # one sequence: the first n keys of its blocks are exactly its keys, no mask needed
         n = int(context_lens[0])
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k[:, :, :n], v[:, :, :n], scale=scale, enable_gqa=True)
         return o.squeeze(2)

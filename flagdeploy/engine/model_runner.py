@@ -69,7 +69,7 @@ class ModelRunner:
             cu_seqlens_q=t(cu_q, torch.int32) if num_prefill else None,
             cu_seqlens_k=t(cu_k, torch.int32) if num_prefill else None,
             prefill_kv_slots=t(kv_slots) if need_cache_read else None,
-            block_tables=t([b + [0] * (width - len(b)) for b in tables], torch.int32) if tables else None,
+            block_tables=t([b + [0] * (width - len(b)) for b in tables]) if tables else None,
             context_lens=t(ctx_lens, torch.int32) if tables else None,
             logits_indices=t(logits_rows),
         )

@@ -171,8 +171,9 @@ def paged_attention_decode(
 ) -> torch.Tensor:
     """One new query token per sequence against its paged cache.
 
-    q [B, H, D]; caches [num_blocks, block_size, KH, D]; block_tables [B, max_blocks] (unused slots any
-    value); context_lens [B] counts the keys, the new token's own included.
+    q [B, H, D]; caches [num_blocks, block_size, KH, D]; block_tables [B, W] with W the most blocks any
+    of these sequences uses (shorter rows padded with any valid block id); context_lens [B] counts the
+    keys, the new token's own included.
     """
     bs = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -187,11 +188,9 @@ def paged_attention_decode(
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store token t's k/v at flat slot slot_mapping[t] (block * block_size + offset); -1 skips."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    """Store token t's k/v at flat slot slot_mapping[t] (block * block_size + offset)."""
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
 
 
 # ---- declarations with their random-input makers ----------------------------------------------------
@@ -255,7 +254,7 @@ def _decode_inputs(dtype, device, g):
 
 
 def _write_kv_inputs(dtype, device, g):
-    slots = torch.tensor([3, 0, -1, 9, 7], device=device)
+    slots = torch.tensor([3, 0, 11, 9, 7], device=device)
     return (_randn(g, 5, 2, 8, dtype=dtype, device=device), _randn(g, 5, 2, 8, dtype=dtype, device=device),
             torch.zeros(3, 4, 2, 8, dtype=dtype, device=device), torch.zeros(3, 4, 2, 8, dtype=dtype, device=device), slots), {}
 
