@@ -4,6 +4,7 @@ Each name below routes to the active backend's override or, failing that, to the
 reference in `flagdeploy.ops.reference`. `use_backend(...)` picks the backend (default: detected).
 """
 
+from . import glm as _glm  # noqa: F401  (declares the GLM-5.3-Flash ops)
 from . import reference as _reference  # noqa: F401  (declares the ops)
 from .registry import (
     OPS, Backend, OpSpec, Tolerance, active_backend, backends, detect_backend, dispatch, get_backend, prepare_weight,

@@ -1,0 +1,664 @@
+"""GLM-5.3-Flash (HF `glm5_next`), text part, on flagdeploy.ops and flagdeploy.ops.glm.
+
+Layers mix two token mixers, KDA linear attention (a recurrent state per sequence) and MLA with the
+DSA kpool indexer (NoPE; a latent cache per token), and two FFNs, dense SwiGLU and a sigmoid-routed MoE
+with a shared expert; every block sits between manifold-constrained hyper-connections (N residual
+streams). Each sequence has simple contiguous caches (`Glm5SequenceCache`); a step packs any number
+of sequences of any lengths (`forward_packed` / `forward_batch`), as flagdeploy's llama path does.
+The reference this is checked against is transformers 5.23's `Glm5NextForConditionalGeneration`
+(tests/test_glm5_next.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flagdeploy import ops
+from flagdeploy.errors import ModelLoadError
+from flagdeploy.ops import glm as glm_ops
+from flagdeploy.ops.weights import Int4Weight, Int8Weight
+
+from .linear import Linear
+
+# ---- config -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Glm5Config:
+    """The text-model facts, with transformers' defaults (GLM-5.3-Flash) for anything a config omits."""
+
+    vocab_size: int = 154880
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    num_layers: int = 45
+    num_heads: int = 64
+    n_shared_experts: int = 1
+    n_routed_experts: int = 288
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int = 1536
+    qk_nope_head_dim: int = 256
+    v_head_dim: int = 256
+    n_group: int = 1
+    topk_group: int = 1
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    index_topk: int = 2048
+    index_head_dim: int = 128
+    index_n_heads: int = 32
+    index_kpool: int = 16
+    index_kpool_always_select_tail: bool = True
+    swiglu_limit: float = 10.0
+    linear_head_dim: int = 128
+    linear_num_heads: int = 64
+    linear_conv_kernel_dim: int = 4
+    linear_lower_bound: float | None = -5.0
+    hc_mult: int = 4
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
+    max_position_embeddings: int = 1048576
+    layer_types: list[str] = field(default_factory=list)
+    mlp_layer_types: list[str] = field(default_factory=list)
+    indexer_types: list[str] = field(default_factory=list)
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    architecture: str = "glm5_next"
+    # FP8 checkpoints: (rows, cols) of the blocks sharing one `weight_scale_inv` entry; None if not FP8
+    fp8_block: tuple[int, int] | None = None
+
+
+# HF text-config key → our field, where the names differ.
+_RENAMED = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads"}
+
+
+def _text_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text part of a `glm5_next` (nested or flat) or `glm5_next_text` config dict."""
+    model_type = cfg.get("model_type", "glm5_next")
+    if model_type not in ("glm5_next", "glm5_next_text"):
+        raise ModelLoadError(f"expected a glm5_next config, got model_type {model_type!r}")
+    if model_type == "glm5_next" and cfg.get("text_config") is not None:
+        return dict(cfg["text_config"])
+    return dict(cfg)  # flat text-only checkpoints keep the text fields at the top level (as transformers reads them)
+
+
+def from_hf_config(cfg: dict[str, Any]) -> Glm5Config:
+    """Our config from an HF config dict: transformers' defaults, schedules and checks, same messages.
+
+    Rejects what transformers' `validate_architecture` rejects, plus what its forward would fail on
+    later (a "shared" indexer layer not directly after a "full" indexed layer; a non-SiLU activation).
+    """
+    t = _text_fields(cfg)
+    out = Glm5Config()
+    for key, value in t.items():
+        name = _RENAMED.get(key, key)
+        if name in ("layer_types", "mlp_layer_types", "indexer_types", "eos_token_ids", "architecture"):
+            continue
+        if hasattr(out, name) and value is not None:
+            setattr(out, name, value)
+    if "linear_lower_bound" in t:
+        out.linear_lower_bound = t["linear_lower_bound"]
+    n = out.num_layers
+    kv_heads = t.get("num_key_value_heads") or out.num_heads
+    if (lin := t.get("linear_attn_config")) is not None:
+        out.linear_head_dim = lin.get("head_dim", out.linear_head_dim)
+        out.linear_num_heads = lin.get("num_heads", out.linear_num_heads)
+        out.linear_conv_kernel_dim = lin.get("short_conv_kernel_size", out.linear_conv_kernel_dim)
+        out.linear_lower_bound = lin.get("gate_lower_bound", out.linear_lower_bound)
+        if lin.get("safe_gate", True) and out.linear_lower_bound is None:
+            out.linear_lower_bound = -5.0
+    out.mlp_layer_types = list(t.get("mlp_layer_types") or ["dense"] * min(3, n) + ["sparse"] * max(n - 3, 0))
+    layer_types = t.get("layer_types") or ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]
+    out.layer_types = ["indexed_attention" if lt == "full_attention" else lt for lt in layer_types]
+    out.indexer_types = list(t.get("indexer_types") or _indexer_schedule(t, n))
+    eos = t.get("eos_token_id", cfg.get("eos_token_id"))
+    out.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    out.bos_token_id = t.get("bos_token_id", cfg.get("bos_token_id"))
+    if cfg.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in t:
+        out.tie_word_embeddings = bool(cfg["tie_word_embeddings"])
+    quant = cfg.get("quantization_config") or t.get("quantization_config") or {}
+    if quant.get("quant_method") == "fp8":
+        out.fp8_block = tuple(quant.get("weight_block_size") or (128, 128))  # type: ignore[assignment]
+    _validate(out, kv_heads, t.get("qk_rope_head_dim", 0), t.get("q_lora_rank", 1), t.get("hidden_act", "silu"))
+    return out
+
+
+def _indexer_schedule(t: dict[str, Any], n: int) -> list[str]:
+    """transformers' default: an explicit "FS..." pattern, else "full" every `index_topk_freq` layers."""
+    pattern = t.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(t.get("index_topk_freq", 1), 1), t.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+
+
+def _validate(c: Glm5Config, kv_heads: int, rope_dim: int, q_lora_rank, act: str) -> None:
+    def bad(msg: str) -> None:
+        raise ModelLoadError(msg)
+
+    # transformers' validate_architecture, same wording
+    if c.num_heads != kv_heads:
+        bad(f"num_attention_heads ({c.num_heads}) must be the same as num_key_value_heads ({kv_heads}).")
+    if c.index_kpool < 1:
+        bad(f"index_kpool must be positive, got {c.index_kpool}.")
+    if c.index_topk % c.index_kpool != 0:
+        bad(f"index_topk ({c.index_topk}) must be divisible by index_kpool ({c.index_kpool}).")
+    if q_lora_rank is None:
+        bad("For DSA usage in the attention layers, the `q_lora_rank` is strictly required!")
+    if rope_dim > 0:
+        bad(f"Expecting NoPE for the DSA attention layers, but got {rope_dim} as RoPE dim.")
+    # what transformers only finds out in forward
+    if act != "silu":
+        bad(f"hidden_act {act!r} is not supported (GLM-5.3-Flash uses silu).")
+    for name, seq in (("layer_types", c.layer_types), ("mlp_layer_types", c.mlp_layer_types),
+                      ("indexer_types", c.indexer_types)):
+        if len(seq) != c.num_layers:
+            bad(f"{name} has {len(seq)} entries, num_hidden_layers is {c.num_layers}.")
+    for i, lt in enumerate(c.layer_types):
+        if lt not in ("linear_attention", "indexed_attention"):
+            bad(f"layer_types[{i}] is {lt!r}; expected 'linear_attention' or 'indexed_attention'.")
+        if lt == "indexed_attention" and c.indexer_types[i] == "shared":
+            prev_ok = i > 0 and c.layer_types[i - 1] == "indexed_attention" and c.indexer_types[i - 1] == "full"
+            if not prev_ok:
+                bad(f"layer {i} is a 'shared' indexer layer but layer {i - 1} is not a 'full' indexed layer; "
+                    f"transformers only hands top-k indices to the layer directly after a full one.")
+    if c.n_routed_experts % c.n_group:
+        bad(f"n_routed_experts ({c.n_routed_experts}) must be divisible by n_group ({c.n_group}).")
+
+
+# ---- caches -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KdaState:
+    """A KDA layer's per-sequence state: the last K-1 conv inputs and the recurrent matrix (float32)."""
+
+    conv: torch.Tensor | None = None  # [K-1, 3 * heads * head_dim]
+    recurrent: torch.Tensor | None = None  # [heads, head_dim, head_dim]
+
+
+@dataclass
+class MlaCache:
+    """An indexed layer's per-token cache: the normalised latent, and the indexer key / pool gate."""
+
+    latent: torch.Tensor | None = None  # [S, kv_lora_rank]
+    index_keys: torch.Tensor | None = None  # [S, index_head_dim] (full indexer layers only)
+    index_gate: torch.Tensor | None = None  # [S, index_head_dim]
+
+
+def _append(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if old is None else torch.cat([old, new])
+
+
+@dataclass
+class Glm5SequenceCache:
+    """Everything one sequence carries between steps; `length` counts the tokens already seen."""
+
+    layers: list[KdaState | MlaCache]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, cfg: Glm5Config) -> "Glm5SequenceCache":
+        return cls([KdaState() if lt == "linear_attention" else MlaCache() for lt in cfg.layer_types])
+
+
+# ---- layers -------------------------------------------------------------------------------------------
+
+# One sequence of a packed step: its rows [start, end) in the flattened token dimension, and how many of
+# its tokens the cache already holds (the position of its first new token).
+Span = tuple[int, int, int]
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _lin(out_f: int, in_f: int, dtype: torch.dtype, name: str, bias: bool = False) -> Linear:
+    return Linear(out_f, in_f, dtype, (name,), bias=bias)
+
+
+class KdaAttention(nn.Module):
+    """Kimi delta attention: short conv on q/k/v, per-channel forget gate, gated delta rule, gated norm."""
+
+    def __init__(self, c: Glm5Config, dtype: torch.dtype):
+        super().__init__()
+        self.c = c
+        h, d, width = c.linear_num_heads, c.linear_head_dim, c.linear_num_heads * c.linear_head_dim
+        self.qkv_proj = Linear(3 * width, c.hidden_size, dtype, ("q_proj", "k_proj", "v_proj"))
+        # float32 like transformers' _keep_in_fp32_modules: the conv, dt_bias and A_log stay exact
+        self.conv_weight = _param(3 * width, c.linear_conv_kernel_dim, dtype=torch.float32)
+        self.f_a_proj = _lin(d, c.hidden_size, dtype, "f_a_proj")
+        self.f_b_proj = _lin(width, d, dtype, "f_b_proj")
+        self.dt_bias = _param(width, dtype=torch.float32)
+        self.A_log = _param(h, dtype=torch.float32)
+        self.b_proj = _lin(h, c.hidden_size, dtype, "b_proj")
+        self.g_a_proj = _lin(d, c.hidden_size, dtype, "g_a_proj")
+        self.g_b_proj = _lin(width, d, dtype, "g_b_proj")
+        self.o_norm = _param(d, dtype=dtype)
+        self.o_proj = _lin(c.hidden_size, width, dtype, "o_proj")
+
+    def forget_gate(self, h: torch.Tensor) -> torch.Tensor:
+        """Log-decay per head and key channel [T, H, D], in float32; bounded below when configured."""
+        c = self.c
+        raw = (self.f_b_proj(self.f_a_proj(h)).float() + self.dt_bias.float()).view(h.shape[0], c.linear_num_heads, -1)
+        rate = self.A_log.float().exp().view(1, -1, 1)
+        if c.linear_lower_bound is not None:
+            return c.linear_lower_bound * torch.sigmoid(rate * raw)
+        return -rate * F.softplus(raw, threshold=20.0)
+
+    def forward(self, h: torch.Tensor, states: list[KdaState], spans: list[Span]) -> torch.Tensor:
+        """Projections run on the packed tokens; the conv and the recurrence per sequence."""
+        c = self.c
+        t, shape = h.shape[0], (h.shape[0], c.linear_num_heads, c.linear_head_dim)
+        mixed, g, beta = self.qkv_proj(h), self.forget_gate(h), torch.sigmoid(self.b_proj(h))
+        out = h.new_empty(shape)
+        for state, (a, b, _) in zip(states, spans):
+            conv, state.conv = glm_ops.causal_conv1d(mixed[a:b], self.conv_weight, state.conv)
+            q, k, v = (x.reshape(b - a, *shape[1:]) for x in conv.chunk(3, dim=-1))
+            kda = glm_ops.kda_recurrent if b - a == 1 and state.recurrent is not None else glm_ops.kda_chunk
+            if state.recurrent is None:
+                state.recurrent = torch.zeros(c.linear_num_heads, c.linear_head_dim, c.linear_head_dim,
+                                              dtype=torch.float32, device=h.device)
+            out[a:b], state.recurrent = kda(q, k, v, g[a:b], beta[a:b], state.recurrent)
+        gate = self.g_b_proj(self.g_a_proj(h)).view(shape)
+        return self.o_proj(glm_ops.gated_rms_norm(out, gate, self.o_norm, c.rms_norm_eps).reshape(t, -1))
+
+
+class DsaIndexer(nn.Module):
+    """Per-token indexer key and pool gate (cached), and the query side that picks the pools."""
+
+    def __init__(self, c: Glm5Config, dtype: torch.dtype):
+        super().__init__()
+        self.c = c
+        di = c.index_head_dim
+        self.wq_b = _lin(c.index_n_heads * di, c.q_lora_rank, dtype, "wq_b")
+        self.wk = _lin(di, c.hidden_size, dtype, "wk")
+        self.k_norm_weight = _param(di, dtype=dtype)
+        self.k_norm_bias = _param(di, dtype=dtype)
+        self.weights_proj = _lin(c.index_n_heads, c.hidden_size, dtype, "weights_proj")
+        self.compress_ape = _param(c.index_kpool, di, dtype=dtype)
+        self.compress_gate = _lin(di, c.hidden_size, dtype, "index_kpool_compress_gate")
+
+    def forward(self, h: torch.Tensor, q_resid: torch.Tensor, caches: list[MlaCache], spans: list[Span]):
+        """Per sequence, the selection mask [T_i, S_i] of its new tokens over all its tokens."""
+        c = self.c
+        keys = F.layer_norm(self.wk(h), (c.index_head_dim,), self.k_norm_weight, self.k_norm_bias, 1e-6)
+        gate, weights = self.compress_gate(h), self.weights_proj(h)
+        q = self.wq_b(q_resid).view(h.shape[0], c.index_n_heads, c.index_head_dim)
+        masks = []
+        for cache, (a, b, start) in zip(caches, spans):
+            cache.index_keys = _append(cache.index_keys, keys[a:b])
+            cache.index_gate = _append(cache.index_gate, gate[a:b])
+            masks.append(glm_ops.dsa_indexer_topk(q[a:b], weights[a:b], cache.index_keys, cache.index_gate,
+                                                  self.compress_ape, start, c.index_topk,
+                                                  c.index_kpool_always_select_tail))
+        return masks
+
+
+class MlaAttention(nn.Module):
+    """NoPE multi-head latent attention over the keys the (own or previous layer's) indexer selects."""
+
+    def __init__(self, c: Glm5Config, dtype: torch.dtype, full_indexer: bool):
+        super().__init__()
+        self.c = c
+        hq = c.num_heads
+        self.q_a_proj = _lin(c.q_lora_rank, c.hidden_size, dtype, "q_a_proj", c.attention_bias)
+        self.q_a_norm = _param(c.q_lora_rank, dtype=dtype)
+        self.q_b_proj = _lin(hq * c.qk_nope_head_dim, c.q_lora_rank, dtype, "q_b_proj")
+        self.kv_a_proj = _lin(c.kv_lora_rank, c.hidden_size, dtype, "kv_a_proj_with_mqa", c.attention_bias)
+        self.kv_a_norm = _param(c.kv_lora_rank, dtype=dtype)
+        self.kv_b_proj = _lin(hq * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, dtype, "kv_b_proj")
+        self.o_proj = _lin(c.hidden_size, hq * c.v_head_dim, dtype, "o_proj", c.attention_bias)
+        self.indexer = DsaIndexer(c, dtype) if full_indexer else None
+        self.scale = c.qk_nope_head_dim**-0.5
+
+    def forward(self, h: torch.Tensor, caches: list[MlaCache], spans: list[Span], prev_masks: list | None):
+        """Returns (output, per-sequence selection masks) so that a following shared layer can reuse them.
+
+        The latent is cached; keys and values are re-expanded from it each step (clear, not fast: an
+        engine would absorb kv_b into the query and the output instead).
+        """
+        c = self.c
+        t = h.shape[0]
+        q_resid = ops.rms_norm(self.q_a_proj(h), self.q_a_norm, c.rms_norm_eps)
+        q = self.q_b_proj(q_resid).view(t, c.num_heads, c.qk_nope_head_dim)
+        latent = ops.rms_norm(self.kv_a_proj(h), self.kv_a_norm, c.rms_norm_eps)
+        masks = self.indexer(h, q_resid, caches, spans) if self.indexer is not None else prev_masks
+        if masks is None:
+            raise RuntimeError("a shared DSA layer needs the top-k selection of the full layer before it")
+        out = q.new_empty(t, c.num_heads, c.v_head_dim)
+        for cache, (a, b, _), mask in zip(caches, spans, masks):
+            cache.latent = _append(cache.latent, latent[a:b])
+            kv = self.kv_b_proj(cache.latent).view(-1, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+            k, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+            out[a:b] = glm_ops.sparse_attention(q[a:b], k, v, mask, self.scale)
+        return self.o_proj(out.reshape(t, -1)), masks
+
+
+class DenseMlp(nn.Module):
+    """Clamped SwiGLU MLP (also the MoE's shared expert)."""
+
+    def __init__(self, c: Glm5Config, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.limit = c.swiglu_limit
+        self.gate_up_proj = Linear(2 * inter, c.hidden_size, dtype, ("gate_proj", "up_proj"))
+        self.down_proj = _lin(c.hidden_size, inter, dtype, "down_proj")
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.swiglu(self.gate_up_proj(h), self.limit))
+
+
+class MoE(nn.Module):
+    """Sigmoid-routed experts (group-limited top-k) plus the always-on shared expert."""
+
+    def __init__(self, c: Glm5Config, dtype: torch.dtype):
+        super().__init__()
+        self.c = c
+        e, i = c.n_routed_experts, c.moe_intermediate_size
+        self.router = _param(e, c.hidden_size, dtype=dtype)
+        self.correction_bias = _param(e, dtype=torch.float32)
+        self.gate_up = _param(e, 2 * i, c.hidden_size, dtype=dtype)
+        self.down = _param(e, c.hidden_size, i, dtype=dtype)
+        self.shared = DenseMlp(c, i * c.n_shared_experts, dtype)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        routing = glm_ops.moe_router(h, self.router, self.correction_bias, c.num_experts_per_tok, c.n_group,
+                                     c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        return glm_ops.moe_experts(h, routing, self.gate_up, self.down, c.swiglu_limit) + self.shared(h)
+
+
+class HyperConnection(nn.Module):
+    """The learned mHC weights of one block (projection, biases, three scales)."""
+
+    def __init__(self, c: Glm5Config, dtype: torch.dtype):
+        super().__init__()
+        n = c.hc_mult
+        self.fn = _param((2 + n) * n, n * c.hidden_size, dtype=dtype)
+        self.base = _param((2 + n) * n, dtype=torch.float32)
+        self.scale = _param(3, dtype=torch.float32)
+
+    def pre(self, streams: torch.Tensor, c: Glm5Config):
+        return glm_ops.hc_pre(streams, self.fn, self.base, self.scale, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+
+
+class Glm5Layer(nn.Module):
+    def __init__(self, c: Glm5Config, idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.c = c
+        self.kind = c.layer_types[idx]
+        if self.kind == "linear_attention":
+            self.attn: nn.Module = KdaAttention(c, dtype)
+        else:
+            self.attn = MlaAttention(c, dtype, full_indexer=c.indexer_types[idx] == "full")
+        self.mlp: nn.Module = MoE(c, dtype) if c.mlp_layer_types[idx] == "sparse" else DenseMlp(c, c.intermediate_size,
+                                                                                                 dtype)
+        self.input_norm = _param(c.hidden_size, dtype=dtype)
+        self.post_norm = _param(c.hidden_size, dtype=dtype)
+        self.attn_hc = HyperConnection(c, dtype)
+        self.ffn_hc = HyperConnection(c, dtype)
+
+    def forward(self, streams: torch.Tensor, states: list, spans: list[Span], prev_masks: list | None):
+        """streams [T, N, D] of the packed tokens → (streams, this layer's selection masks or None)."""
+        c = self.c
+        post, comb, h = self.attn_hc.pre(streams, c)
+        h = ops.rms_norm(h, self.input_norm, c.rms_norm_eps)
+        masks = None
+        if self.kind == "linear_attention":
+            h = self.attn(h, states, spans)
+        else:
+            h, masks = self.attn(h, states, spans, prev_masks)
+        streams = glm_ops.hc_post(h, streams, post, comb)
+        post, comb, h = self.ffn_hc.pre(streams, c)
+        h = self.mlp(ops.rms_norm(h, self.post_norm, c.rms_norm_eps))
+        return glm_ops.hc_post(h, streams, post, comb), masks
+
+
+class Glm5NextForCausalLM(nn.Module):
+    def __init__(self, cfg: Glm5Config, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(Glm5Layer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype)
+        self.lm_head = _lin(cfg.vocab_size, cfg.hidden_size, dtype, "lm_head")
+
+    def new_cache(self) -> Glm5SequenceCache:
+        return Glm5SequenceCache.empty(self.cfg)
+
+    def forward(self, input_ids: torch.Tensor, cache: Glm5SequenceCache | None = None) -> torch.Tensor:
+        """Logits [T, vocab] (float32) for T new tokens of one sequence, continuing from `cache`.
+
+        Prefill passes the prompt (and a fresh cache, or none if nothing continues); decode passes one
+        token. The cache is updated in place.
+        """
+        cache = cache if cache is not None else self.new_cache()
+        return self.forward_packed(input_ids, torch.tensor([0, input_ids.shape[0]]), [cache])
+
+    def forward_batch(self, input_ids: list[torch.Tensor], caches: list[Glm5SequenceCache]) -> list[torch.Tensor]:
+        """Several sequences of unequal lengths (prefill, decode or a mix), each against its own cache."""
+        cu = torch.tensor([0, *torch.tensor([len(i) for i in input_ids]).cumsum(0).tolist()])
+        logits = self.forward_packed(torch.cat(input_ids), cu, caches)
+        return [logits[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+
+    @torch.inference_mode()
+    def forward_packed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                       caches: list[Glm5SequenceCache]) -> torch.Tensor:
+        """Logits [T, vocab] for a packed batch: sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1].
+
+        Everything token-wise (projections, MoE, mHC, norms) runs once on all rows; only the KDA
+        recurrence, the conv, the indexer and attention loop over sequences.
+        """
+        bounds = cu_seqlens.tolist()
+        spans = [(a, b, cache.length) for a, b, cache in zip(bounds[:-1], bounds[1:], caches)]
+        x = ops.embedding(input_ids, self.embed_tokens)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        masks = None
+        for i, layer in enumerate(self.layers):
+            streams, masks = layer(streams, [cache.layers[i] for cache in caches], spans, masks)
+        for cache, (a, b, _) in zip(caches, spans):
+            cache.length += b - a
+        h = ops.rms_norm(streams.mean(1), self.norm, self.cfg.rms_norm_eps)
+        return self.lm_head(h).float()
+
+    # ---- weights --------------------------------------------------------------------------------------
+
+    def weight_slots(self) -> dict[str, tuple]:
+        """Checkpoint name (prefix-free, real-checkpoint form) → (tensor view,) or (Linear, part, kind).
+
+        Real-checkpoint form is what the published shards hold: experts one by one, q/k/v convs apart,
+        `hc_attn_fn`-style mHC names, the forget-gate projections directly under `self_attn`.
+        """
+        c = self.cfg
+        slots: dict[str, tuple] = {"embed_tokens.weight": (self.embed_tokens,), "norm.weight": (self.norm,)}
+        slots["lm_head.weight"] = (self.lm_head, "lm_head", "weight")
+
+        def lin(prefix: str, m: Linear) -> None:
+            for part in m.parts:
+                for kind in ("weight", "bias") if m.has_bias else ("weight",):
+                    slots[f"{prefix}{part}.{kind}"] = (m, part, kind)
+
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            slots[p + "input_layernorm.weight"] = (layer.input_norm,)
+            slots[p + "post_attention_layernorm.weight"] = (layer.post_norm,)
+            for tag, hc in (("attn", layer.attn_hc), ("ffn", layer.ffn_hc)):
+                for field_ in ("fn", "base", "scale"):
+                    slots[f"{p}hc_{tag}_{field_}"] = (getattr(hc, field_),)
+            a, sa = layer.attn, p + "self_attn."
+            if isinstance(a, KdaAttention):
+                for m in (a.qkv_proj, a.f_a_proj, a.f_b_proj, a.b_proj, a.g_a_proj, a.g_b_proj, a.o_proj):
+                    lin(sa, m)
+                conv = a.conv_weight.view(3, -1, 1, c.linear_conv_kernel_dim)
+                for j, name in enumerate(("q", "k", "v")):
+                    slots[f"{sa}{name}_conv1d.weight"] = (conv[j],)
+                slots[sa + "dt_bias"] = (a.dt_bias,)
+                slots[sa + "A_log"] = (a.A_log,)
+                slots[sa + "o_norm.weight"] = (a.o_norm,)
+            else:
+                for m in (a.q_a_proj, a.q_b_proj, a.kv_a_proj, a.kv_b_proj, a.o_proj):
+                    lin(sa, m)
+                slots[sa + "q_a_layernorm.weight"] = (a.q_a_norm,)
+                slots[sa + "kv_a_layernorm.weight"] = (a.kv_a_norm,)
+                if a.indexer is not None:
+                    ix, si = a.indexer, sa + "indexer."
+                    for m in (ix.wq_b, ix.wk, ix.weights_proj):
+                        lin(si, m)
+                    slots[si + "index_kpool_compress_gate"] = (ix.compress_gate, "index_kpool_compress_gate", "weight")
+                    slots[si + "index_kpool_compress_ape"] = (ix.compress_ape,)
+                    slots[si + "k_norm.weight"] = (ix.k_norm_weight,)
+                    slots[si + "k_norm.bias"] = (ix.k_norm_bias,)
+            m, sm = layer.mlp, p + "mlp."
+            if isinstance(m, MoE):
+                slots[sm + "gate.weight"] = (m.router,)
+                slots[sm + "gate.e_score_correction_bias"] = (m.correction_bias,)
+                inter = c.moe_intermediate_size
+                for e in range(c.n_routed_experts):
+                    slots[f"{sm}experts.{e}.gate_proj.weight"] = (m.gate_up[e, :inter],)
+                    slots[f"{sm}experts.{e}.up_proj.weight"] = (m.gate_up[e, inter:],)
+                    slots[f"{sm}experts.{e}.down_proj.weight"] = (m.down[e],)
+                lin(sm + "shared_experts.", m.shared.gate_up_proj)
+                lin(sm + "shared_experts.", m.shared.down_proj)
+            else:
+                lin(sm, m.gate_up_proj)
+                lin(sm, m.down_proj)
+        if c.tie_word_embeddings:
+            del slots["lm_head.weight"]
+        return slots
+
+    def finalize(self) -> None:
+        for m in self.modules():
+            if isinstance(m, Linear) and (m is not self.lm_head or not self.cfg.tie_word_embeddings):
+                m.finalize()
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens
+
+
+# ---- checkpoint names ---------------------------------------------------------------------------------
+
+_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "language_model.")
+# transformers' in-memory names → the checkpoint's (the inverse of its glm5_next conversion mapping)
+_RENAMES = [
+    (re.compile(r"\.self_attn\.forget_gate\.(f_a_proj|f_b_proj|dt_bias|A_log)"), r".self_attn.\1"),
+    (re.compile(r"\.(attn|ffn)_hc\.(fn|base|scale)$"), r".hc_\1_\2"),
+]
+
+
+def checkpoint_names(name: str, tensor) -> Iterable[tuple[str, Any]]:
+    """One incoming (name, tensor) in real-checkpoint form, prefix-free; transformers' fused tensors
+    (`experts.gate_up_proj`, `conv1d.weight`) are split into the per-expert / per-projection pieces.
+    Names of other parts (vision, MTP layer, scales) come back unchanged and are then ignored."""
+    if name in ("lm_head.weight", "language_model.lm_head.weight"):
+        yield "lm_head.weight", tensor
+        return
+    for pre in _PREFIXES:
+        if name.startswith(pre):
+            name = name[len(pre):]
+            break
+    for pat, rep in _RENAMES:
+        name = pat.sub(rep, name)
+    if name.endswith(".mlp.experts.gate_up_proj") and isinstance(tensor, torch.Tensor):
+        base = name[: -len("gate_up_proj")]
+        for e, w in enumerate(tensor):
+            gate, up = w.chunk(2, dim=0)
+            yield f"{base}{e}.gate_proj.weight", gate
+            yield f"{base}{e}.up_proj.weight", up
+    elif name.endswith(".mlp.experts.down_proj") and isinstance(tensor, torch.Tensor):
+        base = name[: -len("down_proj")]
+        for e, w in enumerate(tensor):
+            yield f"{base}{e}.down_proj.weight", w
+    elif name.endswith(".self_attn.conv1d.weight"):
+        base = name[: -len("conv1d.weight")]
+        for proj, w in zip(("q", "k", "v"), tensor.chunk(3, dim=0)):
+            yield f"{base}{proj}_conv1d.weight", w
+    else:
+        yield name, tensor
+
+
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def dequantize_fp8_blocks(tensors: Iterable[tuple[str, Any]], block: tuple[int, int] = (128, 128)):
+    """Pair each FP8 `<name>.weight` with its `<name>.weight_scale_inv` (one float32 factor per block)
+    and yield the weight in float32; everything else passes through. Which tensors are FP8 is read from
+    their dtype, not from `modules_to_not_convert` (whose matching is prefix/suffix-only upstream).
+    A weight waits for its scale (or the reverse) only until the partner arrives, usually the next tensor.
+    """
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+
+    def apply(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        rows, cols = w.shape[-2:]
+        full = s.float().repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+        return w.float() * full[..., :rows, :cols]
+
+    for name, t in tensors:
+        if name.endswith(".weight_scale_inv"):
+            w_name = name[: -len("_scale_inv")]
+            if w_name in weights:
+                yield w_name, apply(weights.pop(w_name), t)
+            else:
+                scales[w_name] = t
+        elif isinstance(t, torch.Tensor) and t.dtype in _FP8:
+            if name in scales:
+                yield name, apply(t, scales.pop(name))
+            else:
+                weights[name] = t
+        else:
+            yield name, t
+    if weights:
+        raise ModelLoadError(f"{len(weights)} FP8 weights have no weight_scale_inv, e.g. {sorted(weights)[:3]}")
+
+
+def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any]], quantize_head: bool = False) -> None:
+    """Put (HF name, tensor) pairs into the model, then finalize it.
+
+    Takes both the published checkpoint's names and transformers' `state_dict()` names (any of the
+    usual prefixes); FP8 block-scaled weights are dequantized to the model's dtype on the way in.
+    A shape mismatch names the tensor and both shapes; missing tensors are named.
+    """
+    slots = model.weight_slots()
+    missing = set(slots)
+    with torch.no_grad():
+        for raw_name, raw in dequantize_fp8_blocks(tensors, model.cfg.fp8_block or (128, 128)):
+            for name, t in checkpoint_names(raw_name, raw):
+                slot = slots.get(name)
+                if slot is None:
+                    continue
+                if len(slot) == 1:
+                    dst = slot[0]
+                    if not isinstance(t, torch.Tensor):
+                        t = t.dequantize(dst.dtype) if isinstance(t, (Int4Weight, Int8Weight)) else t
+                    if tuple(dst.shape) != tuple(t.shape):
+                        raise ModelLoadError(f"weight {raw_name} ({name}) has shape {tuple(t.shape)}, "
+                                             f"the config implies {tuple(dst.shape)}")
+                    dst.copy_(t)
+                else:
+                    lin, part, kind = slot
+                    if isinstance(t, torch.Tensor) and kind == "weight":
+                        want = (lin.out_features // len(lin.parts), lin.in_features)
+                        if len(lin.parts) == 1 and tuple(t.shape) != want:
+                            raise ModelLoadError(f"weight {raw_name} ({name}) has shape {tuple(t.shape)}, "
+                                                 f"the config implies {want}")
+                    lin.load_part(part, kind, t)
+                missing.discard(name)
+    if missing:
+        few = ", ".join(sorted(missing, key=_natural)[:5])
+        raise ModelLoadError(f"{len(missing)} weights are missing from the checkpoint, e.g. {few}")
+    model.finalize()
+    if quantize_head:
+        model.lm_head.quantize_int8()
+
+
+def _natural(name: str):
+    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", name)]

@@ -1,0 +1,405 @@
+"""Hot ops of GLM-5.3-Flash (`glm5_next`): MoE routing and experts, KDA linear attention, its short
+convolution and gated norm, hyper-connection mixing, the DSA kpool indexer and sparse attention.
+
+Importing this module declares the ops in the registry (so the op tests and every backend see them);
+models call the module-level functions below (`glm_ops.moe_router(...)`), each a registry dispatch.
+
+Conventions, shared with `flagdeploy.ops.reference`: one sequence per call where an op is sequential
+(T tokens of it), plain torch written for clarity, internal maths in at least float32 (float64 stays
+float64 so the specification itself can be checked), every output in the dtype of the main input.
+Outputs are float tensors only: selections are returned as dense 0/1 masks or dense routing weights
+rather than index tensors, which keeps every op checkable by the generic float64 comparison.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+
+from . import registry as _registry
+from .reference import _TOL, _randn
+from .registry import OpSpec, Tolerance, register_op
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation type: float32 for 16-bit inputs, float64 kept (the spec check runs in it)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ---- MoE ----------------------------------------------------------------------------------------------
+
+
+def moe_router(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> torch.Tensor:
+    """Sigmoid router with DeepSeek-V3 group-limited selection; dense routing weights [T, E].
+
+    The correction bias only steers *which* experts win (load balancing); the weights themselves come
+    from the unbiased sigmoid scores. Groups are ranked by the sum of their two best biased scores.
+    The result is dense (zero for unselected experts) so that it is a plain float output.
+    """
+    acc = _acc(x.dtype)
+    num_experts = weight.shape[0]
+    scores = (x.to(acc) @ weight.to(acc).t()).sigmoid()
+    biased = scores + correction_bias.to(acc)
+    per_group = biased.view(-1, n_group, num_experts // n_group)
+    group_rank = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
+    keep_groups = group_rank.topk(topk_group, dim=-1).indices
+    group_ok = torch.zeros_like(group_rank, dtype=torch.bool).scatter_(1, keep_groups, True)
+    expert_ok = group_ok.repeat_interleave(num_experts // n_group, dim=1)
+    chosen = biased.masked_fill(~expert_ok, float("-inf")).topk(top_k, dim=-1).indices
+    w = scores.gather(1, chosen)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    w = w * routed_scaling_factor
+    return torch.zeros_like(scores).scatter_(1, chosen, w).to(x.dtype)
+
+
+def moe_experts(
+    x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None
+) -> torch.Tensor:
+    """Routed experts: sum over e of routing[:, e] * down_e(swiglu(gate_up_e x)), clamped SwiGLU.
+
+    gate_up [E, 2I, H] (gate rows first, then up), down [E, H, I]: the fused layout transformers
+    keeps. Only experts that some token picked are computed.
+    """
+    out = torch.zeros_like(x)
+    for e in (routing != 0).any(0).nonzero().flatten().tolist():
+        rows = (routing[:, e] != 0).nonzero().flatten()
+        gate, up = (x[rows] @ gate_up[e].t()).chunk(2, dim=-1)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        y = (F.silu(gate) * up) @ down[e].t()
+        out.index_add_(0, rows, (y * routing[rows, e, None]).to(out.dtype))
+    return out
+
+
+# ---- KDA (Kimi delta attention) ---------------------------------------------------------------------
+
+
+def _kda_prepare(q, k, v, g, beta, state):
+    """L2-normalise q/k as FLA does (sqrt(sum + eps), not max), scale q, lift everything to acc."""
+    acc = _acc(q.dtype)
+    q, k, v, g, beta = (t.to(acc) for t in (q, k, v, g, beta))
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    s = state.to(acc) if state is not None else q.new_zeros(q.shape[1], q.shape[2], v.shape[2])
+    return q, k, v, g, beta, s
+
+
+def kda_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule, token by token: the specification of KDA (decode uses it as is).
+
+    q/k [T, H, Dk], v [T, H, Dv], g [T, H, Dk] log-decay per key channel, beta [T, H], state
+    [H, Dk, Dv]. Per token: S <- diag(exp g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q.
+    Returns (o [T, H, Dv] in q's dtype, new state in the state's dtype, float32 when none given).
+    """
+    state_dtype = state.dtype if state is not None else _acc(q.dtype)
+    out_dtype = v.dtype
+    q, k, v, g, beta, s = _kda_prepare(q, k, v, g, beta, state)
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        s = s * g[t].exp().unsqueeze(-1)
+        pred = torch.einsum("hk,hkv->hv", k[t], s)
+        s = s + k[t].unsqueeze(-1) * ((v[t] - pred) * beta[t].unsqueeze(-1)).unsqueeze(-2)
+        out[t] = torch.einsum("hk,hkv->hv", q[t], s)
+    return out.to(out_dtype), s.to(state_dtype)
+
+
+def kda_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kda_recurrent` computed a chunk at a time (prefill): same inputs, same outputs.
+
+    Within a chunk with cumulative log-decay G, the delta-rule corrections u_i solve the unit lower
+    triangular system u_i + beta_i sum_{j<i} A_ij u_j = beta_i (v_i - (k_i e^{G_i})^T S0), with
+    A_ij = sum_d k_i[d] k_j[d] e^{G_i[d] - G_j[d]}; outputs and the carried state follow in closed form.
+    """
+    state_dtype = state.dtype if state is not None else _acc(q.dtype)
+    out_dtype = v.dtype
+    q, k, v, g, beta, s = _kda_prepare(q, k, v, g, beta, state)
+    outs = []
+    for c0 in range(0, q.shape[0], chunk_size):
+        qc, kc, vc, bc = (t[c0 : c0 + chunk_size].transpose(0, 1) for t in (q, k, v, beta))  # head-major
+        G = g[c0 : c0 + chunk_size].transpose(0, 1).cumsum(1)  # [H, L, Dk]
+        n = G.shape[1]
+        below_eq = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        # e^{G_i - G_j} only where j <= i (elsewhere it could overflow and is not used)
+        decay = (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill(~below_eq[..., None], float("-inf")).exp()
+        A = torch.einsum("hid,hjd,hijd->hij", kc, kc, decay).tril(-1)
+        rhs = bc.unsqueeze(-1) * (vc - torch.einsum("hid,hdv->hiv", kc * G.exp(), s))
+        system = torch.eye(n, dtype=q.dtype, device=q.device) + bc.unsqueeze(-1) * A
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        scores = torch.einsum("hid,hjd,hijd->hij", qc, kc, decay)
+        outs.append((torch.einsum("hid,hdv->hiv", qc * G.exp(), s) + scores @ u).transpose(0, 1))
+        last = G[:, -1:]
+        s = s * last.exp().transpose(1, 2) + torch.einsum("hjd,hjv->hdv", kc * (last - G).exp(), u)
+    return torch.cat(outs).to(out_dtype), s.to(state_dtype)
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over T new tokens, continuing from `state` (prefill and decode).
+
+    x [T, C], weight [C, K], state [K-1, C]: the previous K-1 inputs (zeros at sequence start).
+    Returns (y [T, C], the last K-1 inputs as the next state), so a step of T=1 is the decode update.
+    """
+    acc = _acc(x.dtype)
+    kw = weight.shape[1]
+    prev = state if state is not None else x.new_zeros(kw - 1, x.shape[1])
+    full = torch.cat([prev.to(x.dtype), x]).to(acc)  # [K-1+T, C]
+    windows = full.unfold(0, kw, 1)  # [T, C, K]
+    y = F.silu((windows * weight.to(acc)).sum(-1))
+    return y.to(x.dtype), full[-(kw - 1) :].to(prev.dtype) if kw > 1 else prev
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) * weight * sigmoid(gate), all in float32 (FLA's fused norm does not round in between)."""
+    acc = _acc(x.dtype)
+    xf = x.to(acc)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(acc)
+    return (y * gate.to(acc).sigmoid()).to(x.dtype)
+
+
+# ---- hyper-connections (mHC) ------------------------------------------------------------------------
+
+
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC before a block: collapse N residual streams into the block input; weights for `hc_post`.
+
+    streams [T, N, D]; fn [(2+N)N, N*D]. One projection of the RMS-normalised streams yields pre (N),
+    post (N) and comb (N x N); comb is pushed towards doubly stochastic by Sinkhorn so that mixing
+    streams cannot grow their norm. Returns (post [T, N], comb [T, N, N], block input [T, D]).
+    """
+    acc = _acc(streams.dtype)
+    t, n, _ = streams.shape
+    flat = streams.reshape(t, -1).to(acc)
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    proj = flat @ fn.to(acc).t()
+    base, scale = base.to(acc), scale.to(acc)
+    pre = torch.sigmoid(proj[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(proj[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = torch.softmax(proj[:, 2 * n :].view(t, n, n) * scale[2] + base[2 * n :].view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams.to(acc)).sum(1)
+    return post.to(streams.dtype), comb.to(streams.dtype), collapsed.to(streams.dtype)
+
+
+def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mHC after a block: new stream i = post_i * block_out + sum_j comb[j, i] * stream_j."""
+    return post.unsqueeze(-1) * block_out.unsqueeze(1) + comb.transpose(-1, -2) @ streams
+
+
+# ---- DSA indexer and sparse attention ---------------------------------------------------------------
+
+
+def dsa_indexer_topk(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    q_start: int,
+    index_topk: int,
+    select_tail: bool,
+) -> torch.Tensor:
+    """Which keys each query attends to, as a 0/1 mask [T, S] (GLM-5.3 kpool DSA indexer).
+
+    One sequence: keys/gate [S, D] for positions 0..S-1, queries q [T, Hi, D] at positions
+    q_start..q_start+T-1. Keys are grouped in pools of P = ape.shape[0] consecutive positions; a
+    complete pool is compressed to one key (softmax over its positions of gate + ape, per channel).
+    A query scores each pool as sum_h w_h Hi^-1/2 relu(q_h . key D^-1/2), keeps the best
+    index_topk / P pools that end at or before it, and (select_tail) the tokens of its own
+    still-incomplete pool. Incomplete pools are never scored.
+    """
+    acc = _acc(q.dtype)
+    p = ape.shape[0]
+    s_len, dim = keys.shape
+    n_pools = s_len // p
+    t_len, heads = q.shape[0], q.shape[1]
+    mask = torch.zeros(t_len, s_len, dtype=q.dtype, device=q.device)
+    pos = q_start + torch.arange(t_len, device=q.device)
+    if n_pools:
+        kp = keys[: n_pools * p].to(acc).view(n_pools, p, dim)
+        logits = gate[: n_pools * p].to(acc).view(n_pools, p, dim) + ape.to(acc)
+        pool_keys = (logits.softmax(1) * kp).sum(1)  # [n_pools, D]
+        per_head = torch.relu(torch.einsum("thd,pd->thp", q.to(acc), pool_keys) * dim**-0.5)
+        scores = torch.einsum("th,thp->tp", head_weights.to(acc) * heads**-0.5, per_head)
+        pool_end = (torch.arange(n_pools, device=q.device) + 1) * p - 1
+        visible = pool_end[None, :] <= pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        k_sel = min(index_topk // p, n_pools)
+        if k_sel:
+            best = scores.topk(k_sel, dim=-1).indices
+            chosen = torch.zeros_like(visible).scatter_(1, best, True) & visible
+            token_chosen = chosen.repeat_interleave(p, dim=1)
+            mask[:, : n_pools * p] = token_chosen.to(q.dtype)
+    if select_tail:
+        tail_start = pos + 1 - (pos + 1) % p  # first token of the query's own incomplete pool
+        cols = torch.arange(s_len, device=q.device)
+        in_tail = (cols[None, :] >= tail_start[:, None]) & (cols[None, :] <= pos[:, None])
+        mask = torch.maximum(mask, in_tail.to(q.dtype))
+    return mask
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of each query over the keys its mask selects (one sequence, MHA).
+
+    q [T, H, D], k [S, H, D], v [S, H, Dv], mask [T, S] nonzero where selected (it carries
+    causality). A query that selects nothing gets a zero output.
+    """
+    acc = _acc(q.dtype)
+    scores = torch.einsum("thd,shd->hts", q.to(acc), k.to(acc)) * scale
+    sel = (mask != 0).unsqueeze(0)
+    probs = scores.masked_fill(~sel, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return torch.einsum("hts,shd->thd", probs, v.to(acc)).to(q.dtype)
+
+
+# ---- declarations with their random-input makers ----------------------------------------------------
+
+# Sequential ops (KDA, Sinkhorn) round more in 16 bits: a little more room than the elementwise ones.
+_TOL_SEQ = {**_TOL, torch.bfloat16: Tolerance(atol=6e-2, rtol=6e-2)}
+
+
+def _router_inputs(dtype, device, g):
+    return (_randn(g, 6, 32, dtype=dtype, device=device), _randn(g, 16, 32, dtype=dtype, device=device, scale=0.3),
+            _randn(g, 16, dtype=torch.float32, device=device, scale=0.1), 4, 4, 2, True, 2.5), {}
+
+
+def _experts_inputs(dtype, device, g):
+    x = _randn(g, 6, 16, dtype=dtype, device=device)
+    ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(6)])
+    routing = torch.zeros(6, 5, dtype=torch.float64).scatter_(1, ids, torch.rand(6, 2, generator=g, dtype=torch.float64))
+    return (x, routing.to(dtype=dtype, device=device), _randn(g, 5, 24, 16, dtype=dtype, device=device, scale=0.5),
+            _randn(g, 5, 16, 12, dtype=dtype, device=device, scale=0.3), 2.0), {}
+
+
+def _kda_args(dtype, device, g, t):
+    h, dk, dv = 2, 8, 6
+    gate = -5.0 * torch.sigmoid(torch.randn(t, h, dk, generator=g, dtype=torch.float64))
+    beta = torch.sigmoid(torch.randn(t, h, generator=g, dtype=torch.float64))
+    return (_randn(g, t, h, dk, dtype=dtype, device=device), _randn(g, t, h, dk, dtype=dtype, device=device),
+            _randn(g, t, h, dv, dtype=dtype, device=device), gate.to(dtype=dtype, device=device),
+            beta.to(dtype=dtype, device=device), _randn(g, h, dk, dv, dtype=dtype, device=device, scale=0.3))
+
+
+def _kda_recurrent_inputs(dtype, device, g):
+    return _kda_args(dtype, device, g, 5), {}
+
+
+def _kda_chunk_inputs(dtype, device, g):
+    return _kda_args(dtype, device, g, 11), {"chunk_size": 4}  # two full chunks and a partial one
+
+
+def _conv_inputs(dtype, device, g):
+    return (_randn(g, 5, 12, dtype=dtype, device=device), _randn(g, 12, 4, dtype=dtype, device=device, scale=0.5),
+            _randn(g, 3, 12, dtype=dtype, device=device)), {}
+
+
+def _gated_norm_inputs(dtype, device, g):
+    return (_randn(g, 6, 16, dtype=dtype, device=device), _randn(g, 6, 16, dtype=dtype, device=device),
+            _randn(g, 16, dtype=dtype, device=device), 1e-5), {}
+
+
+def _hc_pre_inputs(dtype, device, g):
+    n, d = 3, 16
+    return (_randn(g, 5, n, d, dtype=dtype, device=device), _randn(g, (2 + n) * n, n * d, dtype=dtype, device=device,
+            scale=0.1), _randn(g, (2 + n) * n, dtype=dtype, device=device, scale=0.3),
+            1.0 + _randn(g, 3, dtype=dtype, device=device, scale=0.2), 1e-5, 1e-6, 7), {}
+
+
+def _hc_post_inputs(dtype, device, g):
+    return (_randn(g, 5, 16, dtype=dtype, device=device), _randn(g, 5, 3, 16, dtype=dtype, device=device),
+            _randn(g, 5, 3, dtype=dtype, device=device), torch.rand(5, 3, 3, generator=g, dtype=torch.float64).to(
+            dtype=dtype, device=device)), {}
+
+
+def _indexer_inputs(dtype, device, g):
+    s, t, hi, d, p = 19, 4, 3, 8, 4  # 4 complete pools and a 3-token tail; the queries are the last 4
+    return (_randn(g, t, hi, d, dtype=dtype, device=device), _randn(g, t, hi, dtype=dtype, device=device),
+            _randn(g, s, d, dtype=dtype, device=device), _randn(g, s, d, dtype=dtype, device=device),
+            _randn(g, p, d, dtype=dtype, device=device), s - t, 8, True), {}
+
+
+def _sparse_attention_inputs(dtype, device, g):
+    t, s = 4, 9
+    mask = (torch.rand(t, s, generator=g) < 0.5).tril(s - t)
+    mask[:, -1] = False
+    mask[torch.arange(t), torch.arange(s - t, s)] = True  # each query sees at least itself
+    return (_randn(g, t, 2, 8, dtype=dtype, device=device), _randn(g, s, 2, 8, dtype=dtype, device=device),
+            _randn(g, s, 2, 6, dtype=dtype, device=device), mask.to(dtype=dtype, device=device), 8**-0.5), {}
+
+
+for _spec in (
+    OpSpec("moe_router", moe_router, _TOL, _router_inputs, moe_router.__doc__),
+    OpSpec("moe_experts", moe_experts, _TOL, _experts_inputs, moe_experts.__doc__),
+    OpSpec("kda_recurrent", kda_recurrent, _TOL_SEQ, _kda_recurrent_inputs, kda_recurrent.__doc__),
+    OpSpec("kda_chunk", kda_chunk, _TOL_SEQ, _kda_chunk_inputs, kda_chunk.__doc__),
+    OpSpec("causal_conv1d", causal_conv1d, _TOL, _conv_inputs, causal_conv1d.__doc__),
+    OpSpec("gated_rms_norm", gated_rms_norm, _TOL, _gated_norm_inputs, gated_rms_norm.__doc__),
+    OpSpec("hc_pre", hc_pre, _TOL_SEQ, _hc_pre_inputs, hc_pre.__doc__),
+    OpSpec("hc_post", hc_post, _TOL, _hc_post_inputs, hc_post.__doc__),
+    OpSpec("dsa_indexer_topk", dsa_indexer_topk, _TOL, _indexer_inputs, dsa_indexer_topk.__doc__),
+    OpSpec("sparse_attention", sparse_attention, _TOL, _sparse_attention_inputs, sparse_attention.__doc__),
+):
+    register_op(_spec)
+
+
+
+def _dispatch(name: str):
+    """Like `registry.dispatch`, but also works when a backend was made active before this module was
+    imported (its routing table then lacks these ops and is rebuilt once, for the same backend)."""
+
+    def call(*args, **kwargs):
+        fn = _registry._active.get(name)
+        if fn is None:
+            _registry.use_backend(_registry.active_backend())
+            fn = _registry._active[name]
+        return fn(*args, **kwargs)
+
+    call.__name__ = name
+    call.__doc__ = _registry.OPS[name].doc
+    return call
+
+
+moe_router = _dispatch("moe_router")
+moe_experts = _dispatch("moe_experts")
+kda_recurrent = _dispatch("kda_recurrent")
+kda_chunk = _dispatch("kda_chunk")
+causal_conv1d = _dispatch("causal_conv1d")
+gated_rms_norm = _dispatch("gated_rms_norm")
+hc_pre = _dispatch("hc_pre")
+hc_post = _dispatch("hc_post")
+dsa_indexer_topk = _dispatch("dsa_indexer_topk")
+sparse_attention = _dispatch("sparse_attention")
+
+__all__ = ["moe_router", "moe_experts", "kda_recurrent", "kda_chunk", "causal_conv1d", "gated_rms_norm", "hc_pre",
+           "hc_post", "dsa_indexer_topk", "sparse_attention"]
