@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import transformers
+from conftest import write_word_tokenizer
 
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine.loader import build_llm_engine
@@ -74,7 +73,7 @@ def test_safetensors_checkpoint_prefill_and_decode(tmp_path, model_type):
     ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     ref.save_pretrained(tmp_path, max_shard_size="60KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    _write_tiny_tokenizer(tmp_path)
+    write_word_tokenizer(tmp_path, 211)
     engine = build_llm_engine(tmp_path, "safetensors", EngineConfig(max_model_len=128, block_size=4,
                                                                    kv_cache_memory=4 << 20), chip="cpu", progress=False)
     ids = [5, 17, 42, 99, 3, 150, 7, 8, 9, 11]
@@ -84,14 +83,3 @@ def test_safetensors_checkpoint_prefill_and_decode(tmp_path, model_type):
     with torch.no_grad():
         gen = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert engine.generate([ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0] == gen[0, len(ids):].tolist()
-
-
-def _write_tiny_tokenizer(path):
-    """A word-level tokenizer.json so the directory is a complete model (the engine loads it)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"w{i}": i for i in range(211)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "w1"}))

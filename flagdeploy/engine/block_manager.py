@@ -14,7 +14,8 @@ from .sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        self.prefix_caching = prefix_caching
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
@@ -51,7 +52,7 @@ class BlockManager:
         bs = self.block_size
         prev = None
         hits = 0
-        for i in range((seq.num_tokens - 1) // bs):
+        for i in range((seq.num_tokens - 1) // bs if self.prefix_caching else 0):
             h = hash((prev, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
             block = self.hash_to_block.get(h)
             if block is None:
@@ -78,7 +79,7 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: make this sequence's newly completed blocks findable by later prompts."""
-        full = seq.num_computed // self.block_size
+        full = seq.num_computed // self.block_size if self.prefix_caching else 0
         for i in range(seq.num_hashed_blocks, full):
             h = self._hash(seq, i)
             block = seq.block_table[i]

@@ -12,7 +12,9 @@ from flagdeploy.errors import PromptTooLongError
 from flagdeploy.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .block_manager import BlockManager
-from .model_runner import ModelRunner
+from flagdeploy.models import has_sequence_state
+
+from .model_runner import PagedRunner, SequenceStateRunner
 from .sampler import sample
 from .sampling import RequestOutput, SamplingParams
 from .scheduler import Scheduler
@@ -51,7 +53,9 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
+        stateful = has_sequence_state(model)
+        runner_cls = SequenceStateRunner if stateful else PagedRunner
+        per_block = runner_cls.bytes_per_block(model, config.block_size)
         num_blocks = max(config.kv_cache_memory // per_block, 1)
         min_blocks = -(-config.max_model_len // config.block_size)
         if num_blocks < min_blocks:
@@ -60,9 +64,11 @@ class LLMEngine:
                 f"less than one sequence of --max-model-len {config.max_model_len}. Raise --kv-cache-memory or lower "
                 f"--max-model-len."
             )
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        # A sequence-state model cannot resume from shared blocks: its recurrent state is not in them.
+        self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching=not stateful)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.device)
+        self.runner = (SequenceStateRunner(model, config.device) if stateful
+                       else PagedRunner(model, num_blocks, config.block_size, config.device))
         self.requests: dict[str, _Request] = {}
         self.eos = tokenizer.eos_token_ids | set(model.cfg.eos_token_ids)
         self.num_steps = 0
@@ -96,6 +102,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req.seq, "abort")
+            self.runner.release(req.seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -139,6 +146,7 @@ class LLMEngine:
                 end = max(len(text) - req.hold, req.sent_chars)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            self.runner.release(seq)
             del self.requests[seq.request_id]
         out = RequestOutput(
             request_id=seq.request_id,

@@ -1,4 +1,8 @@
-"""Owns the model and its KV cache on the device; turns a scheduled batch into one forward pass."""
+"""Owns the model and its caches on the device; turns a scheduled batch into one forward pass.
+
+`PagedRunner` serves models whose per-token k/v live in the engine's block pool (llama);
+`SequenceStateRunner` serves models that carry one cache object per sequence (glm5_next).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from flagdeploy.models.attention import AttentionMetadata
 from .scheduler import ScheduledBatch
 
 
-class ModelRunner:
+class PagedRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: str):
         self.model = model
         self.block_size = block_size
@@ -20,9 +24,12 @@ class ModelRunner:
         ]
 
     @staticmethod
-    def kv_bytes_per_block(model, block_size: int) -> int:
+    def bytes_per_block(model, block_size: int) -> int:
         per_layer = sum(torch.Size(s).numel() for s in model.kv_cache_shape(1, block_size))
         return per_layer * model.cfg.num_layers * torch.empty((), dtype=model.kv_cache_dtype).element_size()
+
+    def release(self, seq) -> None:
+        """The blocks are the block manager's; nothing is held here per sequence."""
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -75,3 +82,42 @@ class ModelRunner:
         )
         logits = self.model(t(ids), meta, self.kv_caches)
         return logits, sampled
+
+
+class SequenceStateRunner:
+    """Runs models that keep a cache object per sequence; the engine's blocks only budget memory.
+
+    A sequence whose first token is scheduled (new, or recomputed after preemption) gets a fresh
+    cache, so a stale one can never leak into a recompute.
+    """
+
+    def __init__(self, model, device: str):
+        self.model = model
+        self.device = device
+        self.caches: dict[int, object] = {}
+
+    @staticmethod
+    def bytes_per_block(model, block_size: int) -> int:
+        return model.cache_bytes_per_token() * block_size
+
+    def release(self, seq) -> None:
+        self.caches.pop(seq.seq_id, None)
+
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        ids: list[int] = []
+        cu = [0]
+        caches = []
+        rows: list[int] = []
+        sampled: list[int] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed, seq.num_computed + n
+            if start == 0:
+                self.caches[seq.seq_id] = self.model.new_cache()
+            caches.append(self.caches[seq.seq_id])
+            ids.extend(seq.token_ids[start:end])
+            cu.append(cu[-1] + n)
+            if end == seq.num_tokens:
+                rows.append(cu[-1] - 1)
+                sampled.append(i)
+        logits = self.model.forward_packed(torch.tensor(ids, device=self.device), torch.tensor(cu), caches)
+        return logits[rows], sampled

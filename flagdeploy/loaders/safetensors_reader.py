@@ -10,16 +10,16 @@ import torch
 from safetensors import safe_open
 
 from flagdeploy.errors import ModelLoadError
-from flagdeploy.models.config import ModelConfig, from_hf_config
+from flagdeploy.models import config_from_hf
 
 
-def read_config(path: Path) -> ModelConfig:
+def read_config(path: Path):
+    """The model's config (its family's dataclass), validated before any weight is read."""
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{path / 'config.json'} could not be read ({exc}); the directory needs the model's config.json.") from exc
-    cfg = cfg.get("text_config", cfg) if "model_type" not in cfg else cfg
-    return from_hf_config(cfg)
+    return config_from_hf(cfg)
 
 
 def shard_files(path: Path) -> list[Path]:

@@ -1,17 +1,37 @@
-"""Model families written against flagdeploy.ops, keyed by the family name in ModelConfig."""
+"""Model families written against flagdeploy.ops, keyed by the family name in their config.
+
+Two kinds of model meet the engine. Paged models (llama) keep per-token k/v in the engine's block
+pool. Sequence-state models (glm5_next: KDA recurrent state, MLA latent and indexer keys) keep one
+cache object per running sequence, created by `new_cache()`; the engine frees it on finish, abort
+or preemption, and does not share it through the prefix cache.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .config import ModelConfig
+from . import glm5_next
+from .config import ModelConfig, from_hf_config
 from .llama import LlamaForCausalLM
 from .llama import load_hf_weights as _llama_weights
 
-FAMILIES = {"llama": (LlamaForCausalLM, _llama_weights)}
+FAMILIES = {
+    "llama": (LlamaForCausalLM, _llama_weights),
+    "glm5_next": (glm5_next.Glm5NextForCausalLM, glm5_next.load_hf_weights),
+}
+
+# HF model_type → config parser; everything else is tried as the llama family (which names what it
+# does not support).
+_CONFIG_PARSERS = {"glm5_next": glm5_next.from_hf_config, "glm5_next_text": glm5_next.from_hf_config}
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str):
+def config_from_hf(cfg: dict[str, Any]):
+    return _CONFIG_PARSERS.get(cfg.get("model_type", ""), from_hf_config)(cfg)
+
+
+def build_model(cfg, dtype: torch.dtype, device: str):
     cls, _ = FAMILIES[cfg.architecture]
     with torch.device(device):
         return cls(cfg, dtype).eval()
@@ -19,3 +39,10 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str):
 
 def load_weights(model, tensors, quantize_head: bool = False) -> None:
     FAMILIES[model.cfg.architecture][1](model, tensors, quantize_head)
+
+
+def has_sequence_state(model) -> bool:
+    return hasattr(model, "new_cache")
+
+
+__all__ = ["FAMILIES", "ModelConfig", "build_model", "config_from_hf", "has_sequence_state", "load_weights"]

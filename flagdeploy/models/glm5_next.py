@@ -436,6 +436,18 @@ class Glm5NextForCausalLM(nn.Module):
     def new_cache(self) -> Glm5SequenceCache:
         return Glm5SequenceCache.empty(self.cfg)
 
+    def prepare(self, max_positions: int) -> None:
+        """Nothing depends on the served context length: the MLA layers use no RoPE (NoPE)."""
+
+    def cache_bytes_per_token(self) -> int:
+        """What one more token adds to a sequence's cache (the engine budgets its blocks with it):
+        the MLA latent and indexer gate on every indexed layer, the indexer key on full ones. KDA
+        layers add nothing per token (their state is fixed-size per sequence)."""
+        c = self.cfg
+        values = sum(c.kv_lora_rank + c.index_head_dim * (2 if kind == "full" else 1)
+                     for lt, kind in zip(c.layer_types, c.indexer_types) if lt == "indexed_attention")
+        return max(values, 1) * torch.empty((), dtype=self.dtype).element_size()
+
     def forward(self, input_ids: torch.Tensor, cache: Glm5SequenceCache | None = None) -> torch.Tensor:
         """Logits [T, vocab] (float32) for T new tokens of one sequence, continuing from `cache`.
 

@@ -1,0 +1,83 @@
+"""glm5_next through the engine and the CLI: continuous batching, chunked prefill across the KDA
+state and preemption give transformers' greedy tokens; `flagdeploy serve --model DIR` answers."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import torch
+from conftest import write_word_tokenizer
+from test_cli import _free_port, _serve
+from test_glm5_next import TEXT, _hf_model
+
+from flagdeploy.engine import EngineConfig, SamplingParams
+from flagdeploy.engine.loader import build_llm_engine
+
+PROMPTS = [[5, 9, 13, 22, 7, 31, 40, 3, 11, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 6, 8],
+           [12, 14, 16],
+           [33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53]]
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+    """A tiny random GLM-5.3-Flash checkpoint as transformers saves it, plus a tokenizer: servable."""
+    path = tmp_path_factory.mktemp("glm5_next_tiny")
+    model = _hf_model()
+    model.config.text_config.eos_token_id = None
+    model.save_pretrained(path)
+    write_word_tokenizer(path, TEXT["vocab_size"])
+    return path, model
+
+
+def _greedy_by_full_forward(model, prompt: list[int]) -> list[int]:
+    """The oracle: transformers' full forward over the whole sequence at every step, no cache."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(STEPS):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("budget,blocks", [(512, 512), (5, 512), (7, 12)], ids=["one-shot", "chunked", "preempted"])
+def test_engine_greedy_matches_transformers(glm_dir, budget, blocks):
+    path, hf = glm_dir
+    want = [_greedy_by_full_forward(hf, p) for p in PROMPTS]
+    probe = build_llm_engine(path, "safetensors", EngineConfig(max_model_len=64), chip="cpu", progress=False)
+    per_block = probe.runner.bytes_per_block(probe.model, 4)
+    engine = build_llm_engine(path, "safetensors", EngineConfig(
+        max_model_len=40, max_num_batched_tokens=budget, block_size=4, kv_cache_memory=blocks * per_block),
+        chip="cpu", progress=False)
+    got = engine.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
+    assert got == want
+    assert engine.runner.caches == {}  # every sequence's state was freed when it finished
+    if blocks == 12:
+        assert engine.stats()["preemptions"] > 0
+    assert engine.stats()["prefix_cache_hit_tokens"] == 0  # KDA state is never resumed from shared blocks
+
+
+def test_serve_answers_chat_with_a_glm5_next_directory(glm_dir):
+    path, _ = glm_dir
+    port = _free_port()
+    proc = _serve("--model", str(path), "--port", str(port), "--max-model-len", "64")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(240):
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        body = {"model": path.name, "max_tokens": 6, "messages": [{"role": "user", "content": "w5 w9 w13"}]}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        assert data["usage"]["completion_tokens"] == 6 and data["choices"][0]["finish_reason"] == "length"
+        assert data["choices"][0]["message"]["content"].startswith("w")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
