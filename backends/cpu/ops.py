@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import yaml
 
 from flagdeploy.ops import reference
+from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Int4Weight, Int8Weight, stripped
 
 TUNE = yaml.safe_load((Path(__file__).with_name("tune.yaml")).read_text())
@@ -123,3 +124,37 @@ def linear_w8a16(x, w: Int8Weight, bias=None):
     else:
         y = _dense_mm(x, p["dense"])
     return y + bias.to(y.dtype) if bias is not None else y
+
+
+# ---- GLM-5.3-Flash ops ---------------------------------------------------------------------------
+
+
+def moe_experts(x, routing, gate_up, down, limit):
+    """Few tokens (decode): every expert on every token in three batched matmuls, weighted by the
+    (mostly zero) routing — far fewer ops than the reference's per-expert gather/scatter loop, which
+    more tokens (prefill) still use, where computing unpicked experts would waste real work."""
+    if x.shape[0] * gate_up.shape[0] > TUNE["moe_experts"]["dense_max_token_experts"]:
+        return OPS["moe_experts"].reference(x, routing, gate_up, down, limit)
+    gate, up = torch.einsum("th,eoh->eto", x, gate_up).chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down)
+    return torch.einsum("eth,te->th", y, routing.to(y.dtype)).to(x.dtype)
+
+
+def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    """The reference's maths with the Sinkhorn iterations in place (no allocation per step)."""
+    acc = torch.promote_types(streams.dtype, torch.float32)
+    t, n, _ = streams.shape
+    flat = streams.reshape(t, -1).to(acc)
+    proj = (flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)) @ fn.to(acc).t()
+    base, scale = base.to(acc), scale.to(acc)
+    pre = torch.sigmoid(proj[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(proj[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = torch.softmax(proj[:, 2 * n :].view(t, n, n) * scale[2] + base[2 * n :].view(n, n), dim=-1) + hc_eps
+    comb.div_(comb.sum(-2, keepdim=True).add_(hc_eps))
+    for _ in range(sinkhorn_iters - 1):
+        comb.div_(comb.sum(-1, keepdim=True).add_(hc_eps))
+        comb.div_(comb.sum(-2, keepdim=True).add_(hc_eps))
+    collapsed = torch.einsum("tn,tnd->td", pre, streams.to(acc))
+    return post.to(streams.dtype), comb.to(streams.dtype), collapsed.to(streams.dtype)

@@ -261,7 +261,13 @@ class KdaAttention(nn.Module):
         t, shape = h.shape[0], (h.shape[0], c.linear_num_heads, c.linear_head_dim)
         mixed, g, beta = self.qkv_proj(h), self.forget_gate(h), torch.sigmoid(self.b_proj(h))
         out = h.new_empty(shape)
-        for state, (a, b, _) in zip(states, spans):
+        stepping = [i for i, (a, b, _) in enumerate(spans) if b - a == 1 and states[i].recurrent is not None]
+        if len(stepping) > 1:
+            self._step_together([states[i] for i in stepping], [spans[i][0] for i in stepping], mixed, g, beta, out)
+        done = set(stepping) if len(stepping) > 1 else set()
+        for i, (state, (a, b, _)) in enumerate(zip(states, spans)):
+            if i in done:
+                continue
             conv, state.conv = glm_ops.causal_conv1d(mixed[a:b], self.conv_weight, state.conv)
             q, k, v = (x.reshape(b - a, *shape[1:]) for x in conv.chunk(3, dim=-1))
             kda = glm_ops.kda_recurrent if b - a == 1 and state.recurrent is not None else glm_ops.kda_chunk
@@ -271,6 +277,23 @@ class KdaAttention(nn.Module):
             out[a:b], state.recurrent = kda(q, k, v, g[a:b], beta[a:b], state.recurrent)
         gate = self.g_b_proj(self.g_a_proj(h)).view(shape)
         return self.o_proj(glm_ops.gated_rms_norm(out, gate, self.o_norm, c.rms_norm_eps).reshape(t, -1))
+
+    def _step_together(self, states: list[KdaState], rows: list[int], mixed, g, beta, out) -> None:
+        """One decode step of B sequences as one op call each: both the conv and the delta rule act per
+        channel / per head independently, so B sequences are B times the channels / heads of one."""
+        c, n = self.c, len(rows)
+        heads, width = c.linear_num_heads, mixed.shape[1]
+        x = mixed[rows].reshape(1, n * width)
+        conv_state = torch.cat([s.conv for s in states], dim=1)
+        conv, conv_state = glm_ops.causal_conv1d(x, self.conv_weight.repeat(n, 1), conv_state)
+        q, k, v = (part.reshape(1, n * heads, c.linear_head_dim) for part in conv.view(n, width).chunk(3, dim=-1))
+        recurrent = torch.cat([s.recurrent for s in states])
+        o, recurrent = glm_ops.kda_recurrent(q, k, v, g[rows].reshape(1, n * heads, -1), beta[rows].reshape(1, n * heads),
+                                             recurrent)
+        out[rows] = o.view(n, heads, -1)
+        for i, s in enumerate(states):
+            s.conv = conv_state[:, i * width : (i + 1) * width]
+            s.recurrent = recurrent[i * heads : (i + 1) * heads]
 
 
 class DsaIndexer(nn.Module):

@@ -374,32 +374,16 @@ for _spec in (
 
 
 
-def _dispatch(name: str):
-    """Like `registry.dispatch`, but also works when a backend was made active before this module was
-    imported (its routing table then lacks these ops and is rebuilt once, for the same backend)."""
-
-    def call(*args, **kwargs):
-        fn = _registry._active.get(name)
-        if fn is None:
-            _registry.use_backend(_registry.active_backend())
-            fn = _registry._active[name]
-        return fn(*args, **kwargs)
-
-    call.__name__ = name
-    call.__doc__ = _registry.OPS[name].doc
-    return call
-
-
-moe_router = _dispatch("moe_router")
-moe_experts = _dispatch("moe_experts")
-kda_recurrent = _dispatch("kda_recurrent")
-kda_chunk = _dispatch("kda_chunk")
-causal_conv1d = _dispatch("causal_conv1d")
-gated_rms_norm = _dispatch("gated_rms_norm")
-hc_pre = _dispatch("hc_pre")
-hc_post = _dispatch("hc_post")
-dsa_indexer_topk = _dispatch("dsa_indexer_topk")
-sparse_attention = _dispatch("sparse_attention")
+moe_router = _registry.dispatch("moe_router")
+moe_experts = _registry.dispatch("moe_experts")
+kda_recurrent = _registry.dispatch("kda_recurrent")
+kda_chunk = _registry.dispatch("kda_chunk")
+causal_conv1d = _registry.dispatch("causal_conv1d")
+gated_rms_norm = _registry.dispatch("gated_rms_norm")
+hc_pre = _registry.dispatch("hc_pre")
+hc_post = _registry.dispatch("hc_post")
+dsa_indexer_topk = _registry.dispatch("dsa_indexer_topk")
+sparse_attention = _registry.dispatch("sparse_attention")
 
 __all__ = ["moe_router", "moe_experts", "kda_recurrent", "kda_chunk", "causal_conv1d", "gated_rms_norm", "hc_pre",
            "hc_post", "dsa_indexer_topk", "sparse_attention"]

@@ -159,8 +159,8 @@ def dispatch(name: str) -> Callable:
     def call(*args, **kwargs):
         try:
             fn = _active[name]
-        except KeyError:
-            active_backend()
+        except KeyError:  # no backend chosen yet, or ops declared after it was: (re)build the table
+            use_backend(_active_backend)
             fn = _active[name]
         return fn(*args, **kwargs)
 
