@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -29,6 +28,21 @@ def _serve(*args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 180) -> str:
+    """The server's base URL once /ready answers 200; fails with its stderr if it exits first."""
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail("server never became ready")
+
+
 def test_version_and_ops_list():
     r = CliRunner().invoke(main, ["--version"])
     assert r.exit_code == 0 and __version__ in r.output
@@ -51,18 +65,7 @@ def test_serve_answers_a_chat_completion(default_model):
     port = _free_port()
     proc = _serve("--port", str(port))
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("server never became ready")
+        url = wait_ready(proc, port)
         # exactly the README's curl: no temperature (the server default is greedy), curl's form content type
         body = ('{"model":"smollm2-135m-instruct","messages":[{"role":"user","content":'
                 '"What is the capital of France?"}]}')

@@ -3,13 +3,11 @@ state and preemption give transformers' greedy tokens; `flagdeploy serve --model
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 import torch
 from conftest import write_word_tokenizer
-from test_cli import _free_port, _serve
+from test_cli import _free_port, _serve, wait_ready
 from test_glm5_next import TEXT, _hf_model
 
 from flagdeploy.engine import EngineConfig, SamplingParams
@@ -63,15 +61,7 @@ def test_serve_answers_chat_with_a_glm5_next_directory(glm_dir):
     port = _free_port()
     proc = _serve("--model", str(path), "--port", str(port), "--max-model-len", "64")
     try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(240):
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        url = wait_ready(proc, port)
         body = {"model": path.name, "max_tokens": 6, "messages": [{"role": "user", "content": "w5 w9 w13"}]}
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
