@@ -49,12 +49,14 @@ def main() -> None:
 @click.option("--weight-format", default="auto", show_default=True, type=click.Choice(["auto", "dense"]),
               help="auto: keep a GGUF's 4-bit weights packed where the chip has kernels (fast); dense: dequantise all.")
 @click.option("--served-model-name", "served_names", multiple=True, help="Name(s) clients use; the first is shown. Repeatable.")
+@click.option("--load-format", default="auto", show_default=True, type=click.Choice(["auto", "dummy"]),
+              help="dummy: random weights of the right shapes from the model's config (no checkpoint needed).")
 @click.option("--default-temperature", default=0.0, show_default=True, type=float,
               help="Temperature for requests that set none (0: greedy).")
 @click.option("--api-key", default=None, envvar="FLAGDEPLOY_API_KEY", help="Require this key (Authorization: Bearer).")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
-          weight_format, served_names, default_temperature, api_key, log_level) -> None:
+          weight_format, load_format, served_names, default_temperature, api_key, log_level) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     _setup_logging(log_level)
     from flagdeploy.engine import AsyncEngine, EngineConfig
@@ -64,13 +66,15 @@ def serve(model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_
 
     _check_port(host, port)
     try:
-        src = resolve(model)
-        check_source(src.path, src.format)  # a bad file fails here, before the server starts
+        weights = load_format != "dummy"
+        src = resolve(model, weights=weights)
+        check_source(src.path, src.format, weights)  # a bad file fails here, before the server starts
     except FlagdeployError as exc:
         _fail(str(exc))
     config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                          kv_cache_memory=_parse_bytes(kv_cache_memory), weight_format=weight_format)
+                          kv_cache_memory=_parse_bytes(kv_cache_memory), weight_format=weight_format,
+                          load_format=load_format)
     names = list(served_names) or [src.name]
     failure: list[BaseException] = []
 

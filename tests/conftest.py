@@ -31,18 +31,3 @@ def llm_engine(default_model):
     """A synchronous engine on the default model, weights dequantised to float32 (what transformers
     runs); tests must leave it idle."""
     return make_engine(default_model, "dense")
-
-
-def write_word_tokenizer(path, vocab_size: int, eos: str = "w1") -> None:
-    """A word-level tokenizer ("w0".."wN", split on whitespace) with a plain chat template, so that a
-    tiny random checkpoint directory is a complete, servable model."""
-    import json
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w2 {% endif %}"
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "chat_template": template}))

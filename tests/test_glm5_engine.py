@@ -6,12 +6,12 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from conftest import write_word_tokenizer
 from test_cli import _free_port, _serve, wait_ready
 from test_glm5_next import TEXT, _hf_model
 
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine.loader import build_llm_engine
+from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
 
 PROMPTS = [[5, 9, 13, 22, 7, 31, 40, 3, 11, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 6, 8],
            [12, 14, 16],

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import write_word_tokenizer
 
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine.loader import build_llm_engine
+from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
 from flagdeploy.models.attention import AttentionMetadata
 
 PROMPTS = [

@@ -34,6 +34,7 @@ class EngineConfig:
     kv_cache_memory: int = 2 << 30
     dtype: torch.dtype = torch.float32
     weight_format: str = "auto"  # keep a GGUF's 4-bit weights packed where the backend can; or "dense"
+    load_format: str = "auto"  # or "dummy": random weights from the config (benchmarks without a checkpoint)
     device: str = "cpu"
 
 

@@ -12,6 +12,7 @@ from flagdeploy import ops
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.loaders import gguf_reader, safetensors_reader
 from flagdeploy.models import build_model, load_weights
+from flagdeploy.models.linear import Linear
 from flagdeploy.tokenizer import Tokenizer
 
 from .llm_engine import EngineConfig, LLMEngine
@@ -20,34 +21,44 @@ log = logging.getLogger(__name__)
 
 
 def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: bool = True,
-               weight_format: str = "dense"):
+               weight_format: str = "dense", load_format: str = "auto"):
     """(model, tokenizer) from a .gguf file or an HF safetensors directory.
 
     weight_format "dense" dequantises everything to `dtype`. "auto" keeps a GGUF's 4-bit linears
     as int4 and stores the LM head as int8 where the backend has kernels for them (on the CPU that is
     what makes decoding fast: the step reads 1/8 of the bytes); elsewhere it falls back to dense.
+    load_format "dummy" reads only the config and makes random weights of the right shapes, so that
+    real shapes can be run and measured without a checkpoint.
     """
-    be = ops.active_backend()
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', not {load_format!r}")
     if weight_format not in ("auto", "dense"):
         raise ValueError(f"weight_format must be 'auto' or 'dense', not {weight_format!r}")
+    be = ops.active_backend()
     keep_int4 = weight_format == "auto" and "linear_w4a16" in be.overrides
     quantize_head = keep_int4 and fmt == "gguf" and "linear_w8a16" in be.overrides
     if fmt == "gguf":
         reader = gguf_reader.open_gguf(path)
         cfg = gguf_reader.read_config(reader)
-        tensors, total = gguf_reader.iter_tensors(reader, cfg, dtype, keep_int4), len(reader.tensors)
     elif fmt == "safetensors":
         cfg = safetensors_reader.read_config(path)
-        tensors, total = safetensors_reader.iter_tensors(path, dtype), safetensors_reader.count_tensors(path)
     else:
         raise ModelLoadError(f"unknown model format {fmt!r}; expected 'gguf' or 'safetensors'")
     model = build_model(cfg, dtype, device)
+    tokenizer = Tokenizer.from_source(path, fmt, extra_eos_ids=cfg.eos_token_ids)
+    if load_format == "dummy":
+        with torch.device(device):
+            init_dummy_weights(model)
+        return model, tokenizer
+    if fmt == "gguf":
+        tensors, total = gguf_reader.iter_tensors(reader, cfg, dtype, keep_int4), len(reader.tensors)
+    else:
+        tensors, total = safetensors_reader.iter_tensors(path, dtype), safetensors_reader.count_tensors(path)
     bar = tqdm(tensors, total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False)
     try:
         load_weights(model, ((n, t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in bar), quantize_head)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}. The file does not match its own config; re-download it.") from exc
-    tokenizer = Tokenizer.from_source(path, fmt, extra_eos_ids=cfg.eos_token_ids)
     return model, tokenizer
 
 
@@ -56,7 +67,8 @@ def build_llm_engine(path: Path, fmt: str, config: EngineConfig | None = None, c
     config = config or EngineConfig()
     backend = ops.use_backend(chip)
     config.device = backend.device_type
-    model, tokenizer = load_model(path, fmt, config.dtype, config.device, progress, config.weight_format)
+    model, tokenizer = load_model(path, fmt, config.dtype, config.device, progress, config.weight_format,
+                                  config.load_format)
     if config.max_model_len > model.cfg.max_position_embeddings:
         log.warning("--max-model-len %d exceeds the model's trained context %d; capping",
                     config.max_model_len, model.cfg.max_position_embeddings)
@@ -65,10 +77,25 @@ def build_llm_engine(path: Path, fmt: str, config: EngineConfig | None = None, c
     return LLMEngine(model, tokenizer, config)
 
 
-def check_source(path: Path, fmt: str) -> None:
+def check_source(path: Path, fmt: str, weights: bool = True) -> None:
     """Cheap validation before a server starts: the header/config parses and names a supported model."""
     if fmt == "gguf":
         gguf_reader.read_config(gguf_reader.open_gguf(path))
     else:
         safetensors_reader.read_config(path)
-        safetensors_reader.shard_files(path)
+        if weights:
+            safetensors_reader.shard_files(path)
+
+
+def init_dummy_weights(model, seed: int = 0) -> None:
+    """Random weights for every parameter and linear (norm scales at 1, the rest N(0, 0.02^2)):
+    enough for the activations to stay finite, which is all a speed measurement needs."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones(p.shape) if "norm" in name else torch.randn(p.shape, generator=gen) * 0.02)
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.init_random(gen)
+    if getattr(model.cfg, "tie_word_embeddings", False):
+        model.lm_head.weight = model.embed_tokens

@@ -38,12 +38,20 @@ def shard_files(path: Path) -> list[Path]:
     return files
 
 
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
 def iter_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors read lazily, one at a time, shard after shard (memory-mapped by safetensors)."""
+    """Tensors read lazily, one at a time, shard after shard (memory-mapped by safetensors).
+
+    Cast to the run dtype, except FP8 weights and their block scales: those go on as stored, so that
+    the model's loader can pair them and dequantise (a plain cast would drop the scales' meaning).
+    """
     for f in shard_files(path):
         with safe_open(f, framework="pt") as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name).to(dtype)
+                t = sf.get_tensor(name)
+                yield name, t if t.dtype in _FP8 or name.endswith("_scale_inv") else t.to(dtype)
 
 
 def count_tensors(path: Path) -> int:

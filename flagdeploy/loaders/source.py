@@ -86,13 +86,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "flagdeploy"
 
 
-def resolve(source: str | None = None, *, download: bool = True) -> ModelSource:
+def resolve(source: str | None = None, *, download: bool = True, weights: bool = True) -> ModelSource:
     """Offline-first: anything already on disk is used without touching the network.
 
-    With download=False nothing is fetched, so callers can ask "is it here?" cheaply.
+    With download=False nothing is fetched, so callers can ask "is it here?" cheaply. With
+    weights=False a directory needs only its config.json (and tokenizer): `--load-format dummy`.
     """
     return _resolve(source, download=download, progress=bool(sys.stderr and sys.stderr.isatty()),
-                    refresh=False)
+                    refresh=False, weights=weights)
 
 
 def pull(source: str | None = None) -> ModelSource:
@@ -121,13 +122,13 @@ def _cached_name(d: Path) -> str:
     return d.name.rsplit("--", 1)[-1].lower()
 
 
-def _resolve(source: str | None, *, download: bool, progress: bool, refresh: bool) -> ModelSource:
+def _resolve(source: str | None, *, download: bool, progress: bool, refresh: bool, weights: bool = True) -> ModelSource:
     text = (source or "").strip() or DEFAULT_MODEL
     if bundled := _bundled(text):
         return _fetch_bundled(bundled, download=download, progress=progress)
     path = Path(text).expanduser()
     if path.is_dir():
-        return _from_dir(path)
+        return _from_dir(path, weights)
     if path.is_file() and path.suffix == ".safetensors":
         raise ModelSourceError(f"{path} is a single safetensors file, but a model also needs its config.json and "
                                f"tokenizer. Pass the directory that holds them (--model {path.parent}).")
@@ -176,8 +177,13 @@ def _from_gguf(path: Path) -> ModelSource:
     return ModelSource(name=name.lower(), path=path, format="gguf")
 
 
-def _from_dir(path: Path) -> ModelSource:
+def _from_dir(path: Path, weights: bool = True) -> ModelSource:
     files = {p.name for p in path.iterdir() if p.is_file()}
+    if not weights:  # random weights will be made from the config (--load-format dummy)
+        if "config.json" not in files:
+            raise ModelSourceError(f"Model directory {path} has no config.json; --load-format dummy builds random "
+                                   f"weights from it, so it is the one file that must be there.")
+        return ModelSource(name=path.resolve().name.lower(), path=path, format="safetensors")
     shards = sorted(f for f in files if f.endswith(".safetensors"))
     ggufs = sorted(f for f in files if f.endswith(".gguf"))
     if not shards and len(ggufs) == 1:

@@ -11,6 +11,8 @@ The reference this is checked against is transformers 5.23's `Glm5NextForConditi
 
 from __future__ import annotations
 
+import logging
+
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -25,6 +27,8 @@ from flagdeploy.ops import glm as glm_ops
 from flagdeploy.ops.weights import Int4Weight, Int8Weight
 
 from .linear import Linear
+
+log = logging.getLogger(__name__)
 
 # ---- config -------------------------------------------------------------------------------------------
 
@@ -653,6 +657,10 @@ def dequantize_fp8_blocks(tensors: Iterable[tuple[str, Any]], block: tuple[int, 
             yield name, t
     if weights:
         raise ModelLoadError(f"{len(weights)} FP8 weights have no weight_scale_inv, e.g. {sorted(weights)[:3]}")
+    if scales:
+        raise ModelLoadError(f"{len(scales)} weight_scale_inv tensors have no FP8 weight beside them, e.g. "
+                             f"{sorted(scales)[:3]}; the checkpoint's weights were not stored as FP8 or were "
+                             f"converted without their scales. Re-download or re-convert it.")
 
 
 def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any]], quantize_head: bool = False) -> None:
@@ -664,11 +672,13 @@ def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any
     """
     slots = model.weight_slots()
     missing = set(slots)
+    skipped: list[str] = []
     with torch.no_grad():
         for raw_name, raw in dequantize_fp8_blocks(tensors, model.cfg.fp8_block or (128, 128)):
             for name, t in checkpoint_names(raw_name, raw):
                 slot = slots.get(name)
                 if slot is None:
+                    skipped.append(raw_name)
                     continue
                 if len(slot) == 1:
                     dst = slot[0]
@@ -690,6 +700,9 @@ def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any
     if missing:
         few = ", ".join(sorted(missing, key=_natural)[:5])
         raise ModelLoadError(f"{len(missing)} weights are missing from the checkpoint, e.g. {few}")
+    if skipped:  # the vision tower and the MTP draft layer: not used when serving text
+        log.info("skipped %d checkpoint tensors the text model does not use, e.g. %s", len(skipped),
+                 ", ".join(sorted(skipped, key=_natural)[:3]))
     model.finalize()
     if quantize_head:
         model.lm_head.quantize_int8()

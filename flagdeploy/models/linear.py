@@ -54,6 +54,12 @@ class Linear(nn.Module):
         if got != shape:
             raise ValueError(f"fused weight {'+'.join(self.parts)} has shape {got}, the config implies {shape}")
 
+    def init_random(self, gen: torch.Generator, std: float = 0.02) -> None:
+        """Random weights of the right shape instead of loaded parts (`--load-format dummy`)."""
+        self._pending.clear()
+        self.weight = (torch.randn(self.out_features, self.in_features, generator=gen) * std).to(self.dtype)
+        self.bias = torch.zeros(self.out_features, dtype=self.dtype) if self.has_bias else None
+
     def quantize_int8(self) -> None:
         """Re-store a dense weight as per-channel int8 (used for lm_head in the quantized weight format)."""
         q = Int8Weight.quantize(self.weight)
