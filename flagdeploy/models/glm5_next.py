@@ -351,8 +351,9 @@ class MlaAttention(nn.Module):
     def forward(self, h: torch.Tensor, caches: list[MlaCache], spans: list[Span], prev_masks: list | None):
         """Returns (output, per-sequence selection masks) so that a following shared layer can reuse them.
 
-        The latent is cached; keys and values are re-expanded from it each step (clear, not fast: an
-        engine would absorb kv_b into the query and the output instead).
+        The latent is cached. A prefill re-expands keys and values from it through kv_b; a decode step
+        instead absorbs kv_b into the query and the output (attention runs in the latent space), so
+        a step costs O(cached tokens x latent rank) rather than a kv_b matmul over every cached token.
         """
         c = self.c
         t = h.shape[0]
@@ -363,12 +364,30 @@ class MlaAttention(nn.Module):
         if masks is None:
             raise RuntimeError("a shared DSA layer needs the top-k selection of the full layer before it")
         out = q.new_empty(t, c.num_heads, c.v_head_dim)
+        absorbed = self._absorbed_weights()
         for cache, (a, b, _), mask in zip(caches, spans, masks):
             cache.latent = _append(cache.latent, latent[a:b])
+            if b - a == 1 and absorbed is not None:
+                w_uk, w_uv = absorbed
+                shared = cache.latent.unsqueeze(1).expand(-1, c.num_heads, -1)  # one latent for all heads
+                q_lat = torch.einsum("thd,hdr->thr", q[a:b], w_uk)
+                ctx = glm_ops.sparse_attention(q_lat, shared, shared, mask, self.scale)
+                out[a:b] = torch.einsum("thr,hvr->thv", ctx, w_uv)
+                continue
             kv = self.kv_b_proj(cache.latent).view(-1, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
             k, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
             out[a:b] = glm_ops.sparse_attention(q[a:b], k, v, mask, self.scale)
         return self.o_proj(out.reshape(t, -1)), masks
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """kv_b split per head into its key part [H, Dn, R] and value part [H, Dv, R]; None when kv_b
+        is held quantized (then decode expands like prefill)."""
+        w = self.kv_b_proj.weight
+        if w is None:
+            return None
+        c = self.c
+        w = w.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
 
 class DenseMlp(nn.Module):
