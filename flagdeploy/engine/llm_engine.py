@@ -68,8 +68,7 @@ class LLMEngine:
         # A sequence-state model cannot resume from shared blocks: its recurrent state is not in them.
         self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching=not stateful)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = (SequenceStateRunner(model, config.device) if stateful
-                       else PagedRunner(model, num_blocks, config.block_size, config.device))
+        self.runner = runner_cls(model, num_blocks, config.block_size, config.device)
         self.requests: dict[str, _Request] = {}
         self.eos = tokenizer.eos_token_ids | set(model.cfg.eos_token_ids)
         self.num_steps = 0

@@ -85,15 +85,19 @@ class PagedRunner:
 
 
 class SequenceStateRunner:
-    """Runs models that keep a cache object per sequence; the engine's blocks only budget memory.
+    """Runs models that carry state per sequence (glm5_next): their per-token rows (MLA latent,
+    indexer keys) live in block pools addressed through each sequence's block table, like paged k/v;
+    their fixed-size state (KDA conv + recurrent) lives in a cache object per running sequence.
 
     A sequence whose first token is scheduled (new, or recomputed after preemption) gets a fresh
-    cache, so a stale one can never leak into a recompute.
+    cache object, so stale state can never leak into a recompute.
     """
 
-    def __init__(self, model, device: str):
+    def __init__(self, model, num_blocks: int, block_size: int, device: str):
         self.model = model
         self.device = device
+        with torch.device(device):
+            self.pools = model.cache_pools(num_blocks, block_size)
         self.caches: dict[int, object] = {}
 
     @staticmethod
@@ -112,7 +116,7 @@ class SequenceStateRunner:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed, seq.num_computed + n
             if start == 0:
-                self.caches[seq.seq_id] = self.model.new_cache()
+                self.caches[seq.seq_id] = self.model.new_cache(self.pools, seq.block_table)
             caches.append(self.caches[seq.seq_id])
             ids.extend(seq.token_ids[start:end])
             cu.append(cu[-1] + n)

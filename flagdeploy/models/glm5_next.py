@@ -190,17 +190,51 @@ class KdaState:
     recurrent: torch.Tensor | None = None  # [heads, head_dim, head_dim]
 
 
+class TokenRows:
+    """One sequence's per-token rows of one cached quantity (latent, indexer key, pool gate), grown a
+    step at a time and read back whole. Standalone they live in one tensor; inside the engine they live
+    in pages of a shared pool (`PagedTokenRows`)."""
+
+    def __init__(self) -> None:
+        self.rows: torch.Tensor | None = None
+
+    def append(self, new: torch.Tensor) -> None:
+        self.rows = new if self.rows is None else torch.cat([self.rows, new])
+
+    def all(self) -> torch.Tensor:
+        return self.rows
+
+
+class PagedTokenRows(TokenRows):
+    """Rows in the engine's block pool: `pool` [num_blocks, block_size, D] shared by all sequences, and
+    the sequence's own block table (the block manager's live list, grown before each step)."""
+
+    def __init__(self, pool: torch.Tensor, block_table: list[int]):
+        super().__init__()
+        self.pool, self.table, self.length = pool, block_table, 0
+
+    def _slots(self, start: int, end: int) -> torch.Tensor:
+        bs = self.pool.shape[1]
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(self.table[: -(-end // bs)], dtype=torch.long)
+        return blocks[pos // bs] * bs + pos % bs
+
+    def append(self, new: torch.Tensor) -> None:
+        end = self.length + new.shape[0]
+        self.pool.view(-1, self.pool.shape[-1]).index_copy_(0, self._slots(self.length, end), new.to(self.pool.dtype))
+        self.length = end
+
+    def all(self) -> torch.Tensor:
+        return self.pool.view(-1, self.pool.shape[-1]).index_select(0, self._slots(0, self.length))
+
+
 @dataclass
 class MlaCache:
     """An indexed layer's per-token cache: the normalised latent, and the indexer key / pool gate."""
 
-    latent: torch.Tensor | None = None  # [S, kv_lora_rank]
-    index_keys: torch.Tensor | None = None  # [S, index_head_dim] (full indexer layers only)
-    index_gate: torch.Tensor | None = None  # [S, index_head_dim]
-
-
-def _append(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    return new if old is None else torch.cat([old, new])
+    latent: TokenRows = field(default_factory=TokenRows)  # [S, kv_lora_rank]
+    index_keys: TokenRows = field(default_factory=TokenRows)  # [S, index_head_dim] (full indexer layers only)
+    index_gate: TokenRows = field(default_factory=TokenRows)  # [S, index_head_dim]
 
 
 @dataclass
@@ -213,6 +247,13 @@ class Glm5SequenceCache:
     @classmethod
     def empty(cls, cfg: Glm5Config) -> "Glm5SequenceCache":
         return cls([KdaState() if lt == "linear_attention" else MlaCache() for lt in cfg.layer_types])
+
+    @classmethod
+    def paged(cls, cfg: Glm5Config, pools: dict[int, dict[str, torch.Tensor]], block_table: list[int]):
+        """A cache whose per-token rows live in the engine's pools (one per indexed layer and quantity)."""
+        return cls([KdaState() if lt == "linear_attention" else
+                    MlaCache(**{k: PagedTokenRows(pool, block_table) for k, pool in pools[i].items()})
+                    for i, lt in enumerate(cfg.layer_types)])
 
 
 # ---- layers -------------------------------------------------------------------------------------------
@@ -323,9 +364,9 @@ class DsaIndexer(nn.Module):
         q = self.wq_b(q_resid).view(h.shape[0], c.index_n_heads, c.index_head_dim)
         masks = []
         for cache, (a, b, start) in zip(caches, spans):
-            cache.index_keys = _append(cache.index_keys, keys[a:b])
-            cache.index_gate = _append(cache.index_gate, gate[a:b])
-            masks.append(glm_ops.dsa_indexer_topk(q[a:b], weights[a:b], cache.index_keys, cache.index_gate,
+            cache.index_keys.append(keys[a:b])
+            cache.index_gate.append(gate[a:b])
+            masks.append(glm_ops.dsa_indexer_topk(q[a:b], weights[a:b], cache.index_keys.all(), cache.index_gate.all(),
                                                   self.compress_ape, start, c.index_topk,
                                                   c.index_kpool_always_select_tail))
         return masks
@@ -366,15 +407,16 @@ class MlaAttention(nn.Module):
         out = q.new_empty(t, c.num_heads, c.v_head_dim)
         absorbed = self._absorbed_weights()
         for cache, (a, b, _), mask in zip(caches, spans, masks):
-            cache.latent = _append(cache.latent, latent[a:b])
+            cache.latent.append(latent[a:b])
+            rows = cache.latent.all()
             if b - a == 1 and absorbed is not None:
                 w_uk, w_uv = absorbed
-                shared = cache.latent.unsqueeze(1).expand(-1, c.num_heads, -1)  # one latent for all heads
+                shared = rows.unsqueeze(1).expand(-1, c.num_heads, -1)  # one latent for all heads
                 q_lat = torch.einsum("thd,hdr->thr", q[a:b], w_uk)
                 ctx = glm_ops.sparse_attention(q_lat, shared, shared, mask, self.scale)
                 out[a:b] = torch.einsum("thr,hvr->thv", ctx, w_uv)
                 continue
-            kv = self.kv_b_proj(cache.latent).view(-1, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+            kv = self.kv_b_proj(rows).view(-1, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
             k, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
             out[a:b] = glm_ops.sparse_attention(q[a:b], k, v, mask, self.scale)
         return self.o_proj(out.reshape(t, -1)), masks
@@ -479,18 +521,34 @@ class Glm5NextForCausalLM(nn.Module):
         self.norm = _param(cfg.hidden_size, dtype=dtype)
         self.lm_head = _lin(cfg.vocab_size, cfg.hidden_size, dtype, "lm_head")
 
-    def new_cache(self) -> Glm5SequenceCache:
-        return Glm5SequenceCache.empty(self.cfg)
+    def new_cache(self, pools: dict | None = None, block_table: list[int] | None = None) -> Glm5SequenceCache:
+        """A standalone cache, or (with the engine's pools and the sequence's block table) a paged one."""
+        if pools is None:
+            return Glm5SequenceCache.empty(self.cfg)
+        return Glm5SequenceCache.paged(self.cfg, pools, block_table)
+
+    def cache_pools(self, num_blocks: int, block_size: int) -> dict[int, dict[str, torch.Tensor]]:
+        """The engine's block pools: per indexed layer, the latent, and the indexer key / pool gate rows."""
+        c = self.cfg
+        pools = {}
+        for i, (lt, kind) in enumerate(zip(c.layer_types, c.indexer_types)):
+            if lt != "indexed_attention":
+                continue
+            widths = {"latent": c.kv_lora_rank}
+            if kind == "full":  # a shared layer reuses the selection of the full layer before it
+                widths.update(index_keys=c.index_head_dim, index_gate=c.index_head_dim)
+            pools[i] = {k: torch.zeros(num_blocks, block_size, w, dtype=self.dtype) for k, w in widths.items()}
+        return pools
 
     def prepare(self, max_positions: int) -> None:
         """Nothing depends on the served context length: the MLA layers use no RoPE (NoPE)."""
 
     def cache_bytes_per_token(self) -> int:
-        """What one more token adds to a sequence's cache (the engine budgets its blocks with it):
-        the MLA latent and indexer gate on every indexed layer, the indexer key on full ones. KDA
-        layers add nothing per token (their state is fixed-size per sequence)."""
+        """What one more token adds to the block pools (`cache_pools`): the MLA latent on every indexed
+        layer, the indexer key and pool gate on full-indexer ones. KDA layers add nothing per token
+        (their state is fixed-size per sequence)."""
         c = self.cfg
-        values = sum(c.kv_lora_rank + c.index_head_dim * (2 if kind == "full" else 1)
+        values = sum(c.kv_lora_rank + c.index_head_dim * (2 if kind == "full" else 0)
                      for lt, kind in zip(c.layer_types, c.indexer_types) if lt == "indexed_attention")
         return max(values, 1) * torch.empty((), dtype=self.dtype).element_size()
 
