@@ -3,7 +3,8 @@
 Layers mix two token mixers, KDA linear attention (a recurrent state per sequence) and MLA with the
 DSA kpool indexer (NoPE; a latent cache per token), and two FFNs, dense SwiGLU and a sigmoid-routed MoE
 with a shared expert; every block sits between manifold-constrained hyper-connections (N residual
-streams). Each sequence has simple contiguous caches (`Glm5SequenceCache`); a step packs any number
+streams). Each sequence has a `Glm5SequenceCache`: KDA state held directly, per-token MLA/indexer rows
+in one tensor when standalone or in the engine's block pools (`PagedTokenRows`); a step packs any number
 of sequences of any lengths (`forward_packed` / `forward_batch`), as flagdeploy's llama path does.
 The reference this is checked against is transformers 5.23's `Glm5NextForConditionalGeneration`
 (tests/test_glm5_next.py).
@@ -12,7 +13,6 @@ The reference this is checked against is transformers 5.23's `Glm5NextForConditi
 from __future__ import annotations
 
 import logging
-
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
