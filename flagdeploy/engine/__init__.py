@@ -16,7 +16,7 @@ def build_engine(model: str | None = None, *, chip: str | None = None, progress:
 
     from .loader import build_llm_engine
 
-    src = resolve(model)
+    src = resolve(model, weights=options.get("load_format", "auto") != "dummy")
     return AsyncEngine(build_llm_engine(src.path, src.format, EngineConfig(**options), chip=chip, progress=progress))
 
 
