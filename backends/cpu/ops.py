@@ -141,20 +141,3 @@ def moe_experts(x, routing, gate_up, down, limit):
     y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down)
     return torch.einsum("eth,te->th", y, routing.to(y.dtype)).to(x.dtype)
 
-
-def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
-    """The reference's maths with the Sinkhorn iterations in place (no allocation per step)."""
-    acc = torch.promote_types(streams.dtype, torch.float32)
-    t, n, _ = streams.shape
-    flat = streams.reshape(t, -1).to(acc)
-    proj = (flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)) @ fn.to(acc).t()
-    base, scale = base.to(acc), scale.to(acc)
-    pre = torch.sigmoid(proj[:, :n] * scale[0] + base[:n]) + hc_eps
-    post = 2 * torch.sigmoid(proj[:, n : 2 * n] * scale[1] + base[n : 2 * n])
-    comb = torch.softmax(proj[:, 2 * n :].view(t, n, n) * scale[2] + base[2 * n :].view(n, n), dim=-1) + hc_eps
-    comb.div_(comb.sum(-2, keepdim=True).add_(hc_eps))
-    for _ in range(sinkhorn_iters - 1):
-        comb.div_(comb.sum(-1, keepdim=True).add_(hc_eps))
-        comb.div_(comb.sum(-2, keepdim=True).add_(hc_eps))
-    collapsed = torch.einsum("tn,tnd->td", pre, streams.to(acc))
-    return post.to(streams.dtype), comb.to(streams.dtype), collapsed.to(streams.dtype)

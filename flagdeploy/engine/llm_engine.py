@@ -9,11 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from flagdeploy.errors import PromptTooLongError
+from flagdeploy.models import has_sequence_state
 from flagdeploy.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .block_manager import BlockManager
-from flagdeploy.models import has_sequence_state
-
 from .model_runner import PagedRunner, SequenceStateRunner
 from .sampler import sample
 from .sampling import RequestOutput, SamplingParams

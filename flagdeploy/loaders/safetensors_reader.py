@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.models import config_from_hf
+from flagdeploy.ops.weights import FP8_DTYPES
 
 
 def read_config(path: Path):
@@ -38,9 +39,6 @@ def shard_files(path: Path) -> list[Path]:
     return files
 
 
-_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
-
-
 def iter_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors read lazily, one at a time, shard after shard (memory-mapped by safetensors).
 
@@ -51,7 +49,7 @@ def iter_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Te
         with safe_open(f, framework="pt") as sf:
             for name in sf.keys():
                 t = sf.get_tensor(name)
-                yield name, t if t.dtype in _FP8 or name.endswith("_scale_inv") else t.to(dtype)
+                yield name, t if t.dtype in FP8_DTYPES or name.endswith("_scale_inv") else t.to(dtype)
 
 
 def count_tensors(path: Path) -> int:

@@ -1,9 +1,10 @@
 """Model families written against flagdeploy.ops, keyed by the family name in their config.
 
 Two kinds of model meet the engine. Paged models (llama) keep per-token k/v in the engine's block
-pool. Sequence-state models (glm5_next: KDA recurrent state, MLA latent and indexer keys) keep one
-cache object per running sequence, created by `new_cache()`; the engine frees it on finish, abort
-or preemption, and does not share it through the prefix cache.
+pool. Sequence-state models (glm5_next) keep their per-token rows (MLA latent, indexer keys) in block
+pools too, but also a fixed-size state (KDA conv + recurrent) in a cache object per running sequence,
+created by `new_cache()`; the engine frees it on finish, abort or preemption, and such models do not
+resume from the prefix cache.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from torch import nn
 from flagdeploy import ops
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.ops import glm as glm_ops
-from flagdeploy.ops.weights import Int4Weight, Int8Weight
+from flagdeploy.ops.weights import FP8_DTYPES, Int4Weight, Int8Weight
 
 from .linear import Linear
 
@@ -701,9 +701,6 @@ def checkpoint_names(name: str, tensor) -> Iterable[tuple[str, Any]]:
         yield name, tensor
 
 
-_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
-
-
 def dequantize_fp8_blocks(tensors: Iterable[tuple[str, Any]], block: tuple[int, int] = (128, 128)):
     """Pair each FP8 `<name>.weight` with its `<name>.weight_scale_inv` (one float32 factor per block)
     and yield the weight in float32; everything else passes through. Which tensors are FP8 is read from
@@ -725,7 +722,7 @@ def dequantize_fp8_blocks(tensors: Iterable[tuple[str, Any]], block: tuple[int, 
                 yield w_name, apply(weights.pop(w_name), t)
             else:
                 scales[w_name] = t
-        elif isinstance(t, torch.Tensor) and t.dtype in _FP8:
+        elif isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES:
             if name in scales:
                 yield name, apply(t, scales.pop(name))
             else:

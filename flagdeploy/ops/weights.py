@@ -12,6 +12,10 @@ from typing import Any
 
 import torch
 
+# FP8 storage types (checkpoints keep FP8 weights with block scales beside them); the tuple is empty
+# on a torch without FP8 dtypes.
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
 
 @dataclass
 class Int4Weight:
