@@ -1,4 +1,4 @@
-"""The `flagdeploy` command: serve, pull, models, ops."""
+"""The `flagdeploy` command: serve, pull, models, quantize, ops."""
 
 from __future__ import annotations
 
@@ -129,6 +129,33 @@ def models() -> None:
         click.echo(f"no models cached in {cache_dir()}; run `flagdeploy pull`")
     for src in found:
         click.echo(f"{src.name}\t{src.format}\t{src.path}")
+
+
+@main.command()
+@click.argument("src", type=click.Path(path_type=str))
+@click.option("-o", "--output", "dst", required=True, type=click.Path(path_type=str), help="Output directory (must not exist).")
+@click.option("--chip", required=True, help="Target chip id from the chip catalog, e.g. ascend910c, h200.")
+@click.option("--policy", default=None, help="Shipped policy name (no-fp8, fp8, bf16) or a policy YAML file "
+              "(default: the chip's: fp8 chips keep FP8, int8 chips get no-fp8, others bf16).")
+@click.option("--format", "fmt", default="flagdeploy", show_default=True, type=click.Choice(["flagdeploy", "vllm-ascend"]),
+              help="flagdeploy: what `flagdeploy serve` runs; vllm-ascend: for `vllm serve --quantization ascend`.")
+@click.option("--eval-text", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Text file: report perplexity of source and result, and the mean next-token KL divergence.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory (only once the new one is complete).")
+@click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
+def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> None:
+    """Convert a checkpoint (FP8 or BF16) into the per-layer BF16/INT8 mix CHIP runs."""
+    from flagdeploy.quantize import format_table, quantize as run
+
+    _setup_logging(log_level)
+    try:
+        report = run(src, dst, chip=chip, policy=policy, fmt=fmt, eval_text=eval_text, overwrite=overwrite)
+    except FlagdeployError as exc:
+        _fail(str(exc))
+    click.echo(format_table(report))
+    click.echo(f"wrote {dst} ({fmt} format; report in {dst}/quantize_report.json)")
+    if fmt == "vllm-ascend":
+        click.echo(f"serve it with: vllm serve {dst} --quantization ascend")
 
 
 @main.group()

@@ -96,3 +96,72 @@ def test_dispatch_routes_to_the_active_backend():
     finally:
         be.overrides["rms_norm"] = orig
         ops.use_backend("cpu")
+
+
+# ---- quantized weights the generic cases do not reach: group-wise W8A16 and quantized expert banks --
+
+
+def test_w8a8_reference_accumulates_integers_exactly():
+    """The reference's float64 accumulation is the chip's int32 accumulator, value for value."""
+    from flagdeploy.ops.reference import dynamic_quant
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 256, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    w = ops.W8A8Weight.quantize(torch.randn(40, 256, generator=g))
+    qx, sx = dynamic_quant(x)
+    exact = torch._int_mm(qx, w.q.t())  # int32 on the CPU
+    want = (exact.float() * sx[:, None] * w.scales).to(torch.bfloat16)
+    assert torch.equal(OPS["linear_w8a8_dynamic"].reference(x, w), want)
+    # and it is a good approximation of the unquantized product (8 bits each side: ~1% of the row scale)
+    dense = x.double() @ w.dequantize(torch.float64).t()
+    assert ((want.double() - dense).norm() / dense.norm()) < 0.02
+
+
+@pytest.mark.parametrize("group_size", [0, 16])
+def test_int8_quantize_round_trip(group_size):
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(0))
+    q = Int8Weight.quantize(w, group_size)
+    assert q.q.dtype == torch.int8 and q.q.abs().max() == 127
+    assert q.scales.shape == ((24, 4) if group_size else (24,))
+    err = (q.dequantize() - w).abs().max() / w.abs().max()
+    assert 0 < err <= 0.5 / 127 + 1e-6  # half a quantisation step of the largest scale at most
+
+
+def _banks(kind, g):
+    e, h, i = 5, 16, 12
+    gate_up = torch.randn(e, 2 * i, h, generator=g, dtype=torch.float64) * 0.5
+    down = torch.randn(e, h, i, generator=g, dtype=torch.float64) * 0.3
+    if kind == "dense":
+        return gate_up, down
+    cls, gs = (ops.W8A8Weight, 0) if kind == "w8a8" else (Int8Weight, 4)
+    return cls.quantize(gate_up, gs), cls.quantize(down, gs)
+
+
+@pytest.mark.parametrize("kind", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantized_expert_banks(kind, dtype):
+    """Reference vs float64, the cpu override vs the reference, and both vs the dequantized dense bank."""
+    spec = OPS["moe_experts"]
+    (x, routing, _, _, limit), _ = spec.make_inputs(dtype, "cpu", torch.Generator().manual_seed(0))
+    gate_up, down = _banks(kind, torch.Generator().manual_seed(1))
+    got = spec.reference(x, routing, gate_up, down, limit)
+    want = spec.reference(x.double(), routing.double(), gate_up, down, limit)
+    tol = spec.tolerance[torch.bfloat16]
+    torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
+    cpu = ops.get_backend("cpu").overrides["moe_experts"](x, routing, gate_up, down, limit)
+    torch.testing.assert_close(cpu.double(), want, atol=tol.atol, rtol=tol.rtol)
+    dense = spec.reference(x.double(), routing.double(), gate_up.dequantize(torch.float64),
+                           down.dequantize(torch.float64), limit)
+    assert (want - dense).norm() / dense.norm() < (0.03 if kind == "w8a8" else 1e-12)
+
+
+@pytest.mark.parametrize("rows", [1, 9], ids=lambda m: f"m{m}")
+def test_cpu_groupwise_w8a16_matches_reference(rows):
+    g = torch.Generator().manual_seed(2)
+    w = Int8Weight.quantize(torch.randn(48, 64, generator=g) * 0.1, group_size=16)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    be = ops.get_backend("cpu")
+    got = be.overrides["linear_w8a16"](x, be.prepare["linear_w8a16"](w))
+    want = OPS["linear_w8a16"].reference(x.double(), w)
+    tol = OPS["linear_w8a16"].tolerance[torch.bfloat16]
+    torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)

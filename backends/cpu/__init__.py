@@ -20,9 +20,10 @@ backend = Backend(
         "paged_attention_decode": ops.paged_attention_decode,
         "linear_w4a16": ops.linear_w4a16,
         "linear_w8a16": ops.linear_w8a16,
+        "linear_w8a8_dynamic": ops.linear_w8a8_dynamic,
         "moe_experts": ops.moe_experts,
     },
     prepare={"linear_w4a16": ops.prepare_w4a16, "linear_w8a16": ops.prepare_w8a16},
     priority=0,
-    description="torch CPU kernels (oneDNN / AMX, fused SDPA, packed int4/int8 GEMV)",
+    description="torch CPU kernels (oneDNN / AMX, fused SDPA, packed int4/int8 GEMV, int8 x int8 matmul)",
 )

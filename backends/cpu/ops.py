@@ -10,7 +10,7 @@ import yaml
 
 from flagdeploy.ops import reference
 from flagdeploy.ops.registry import OPS
-from flagdeploy.ops.weights import Int4Weight, Int8Weight, stripped
+from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight, stripped
 
 TUNE = yaml.safe_load((Path(__file__).with_name("tune.yaml")).read_text())
 
@@ -114,15 +114,28 @@ def linear_w4a16(x, w: Int4Weight, bias=None):
 
 
 def prepare_w8a16(w: Int8Weight):
+    if w.group_size:  # the packed int8 kernel takes per-channel scales only
+        return stripped(w, dense=_dense_copy(w))
     return stripped(w, q=w.q, scales=w.scales.to(torch.bfloat16), dense=_dense_copy(w))
 
 
 def linear_w8a16(x, w: Int8Weight, bias=None):
     p = w.prepared
-    if x.shape[0] <= TUNE["linear_w8a16"]["packed_max_m"]:
+    if "q" in p and x.shape[0] <= TUNE["linear_w8a16"]["packed_max_m"]:
         y = torch._weight_int8pack_mm(x.to(torch.bfloat16), p["q"], p["scales"])
     else:
         y = _dense_mm(x, p["dense"])
+    return y + bias.to(y.dtype) if bias is not None else y
+
+
+def _int8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The reference's W8A8 arithmetic with the int32 accumulation in oneDNN (`_int_mm`, exact)."""
+    qx, sx = reference.dynamic_quant(x.to(reference.a16_dtype(x.dtype)))
+    return (torch._int_mm(qx, q.t()).float() * sx[:, None] * scales.float()).to(reference.a16_dtype(x.dtype))
+
+
+def linear_w8a8_dynamic(x, w: W8A8Weight, bias=None):
+    y = _int8_mm(x, w.q, w.scales)
     return y + bias.to(y.dtype) if bias is not None else y
 
 
@@ -133,7 +146,9 @@ def moe_experts(x, routing, gate_up, down, limit):
     """Few tokens (decode): every expert on every token in three batched matmuls, weighted by the
     (mostly zero) routing — far fewer ops than the reference's per-expert gather/scatter loop, which
     more tokens (prefill) still use, where computing unpicked experts would waste real work."""
-    if x.shape[0] * gate_up.shape[0] > TUNE["moe_experts"]["dense_max_token_experts"]:
+    if isinstance(gate_up, W8A8Weight) and isinstance(down, W8A8Weight):
+        return _moe_experts_w8a8(x, routing, gate_up, down, limit)
+    if not isinstance(gate_up, torch.Tensor) or x.shape[0] * gate_up.shape[0] > TUNE["moe_experts"]["dense_max_token_experts"]:
         return OPS["moe_experts"].reference(x, routing, gate_up, down, limit)
     gate, up = torch.einsum("th,eoh->eto", x, gate_up).chunk(2, dim=-1)
     if limit is not None:
@@ -141,3 +156,19 @@ def moe_experts(x, routing, gate_up, down, limit):
     y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down)
     return torch.einsum("eth,te->th", y, routing.to(y.dtype)).to(x.dtype)
 
+
+
+def _moe_experts_w8a8(x, routing, gate_up: W8A8Weight, down: W8A8Weight, limit):
+    """The reference's per-expert loop with integer matmuls: x is quantised once for every expert
+    (its per-token scale does not depend on the expert)."""
+    out = torch.zeros_like(x)
+    qx, sx = reference.dynamic_quant(x.to(reference.a16_dtype(x.dtype)))
+    for e in (routing != 0).any(0).nonzero().flatten().tolist():
+        rows = (routing[:, e] != 0).nonzero().flatten()
+        h = torch._int_mm(qx[rows], gate_up.q[e].t()).float() * sx[rows, None] * gate_up.scales[e].float()
+        gate, up = h.to(reference.a16_dtype(x.dtype)).chunk(2, dim=-1)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        y = _int8_mm(F.silu(gate) * up, down.q[e], down.scales[e])
+        out.index_add_(0, rows, (y * routing[rows, e, None]).to(out.dtype))
+    return out

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.models import config_from_hf
-from flagdeploy.ops.weights import FP8_DTYPES
+from flagdeploy.ops.weights import FP8_DTYPES, Int8Weight, W8A8Weight
 
 
 def read_config(path: Path):
@@ -42,14 +42,54 @@ def shard_files(path: Path) -> list[Path]:
 def iter_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors read lazily, one at a time, shard after shard (memory-mapped by safetensors).
 
-    Cast to the run dtype, except FP8 weights and their block scales: those go on as stored, so that
-    the model's loader can pair them and dequantise (a plain cast would drop the scales' meaning).
+    Cast to the run dtype, except what carries quantized values: FP8 weights and their block scales go
+    on as stored, so that the model's loader can pair and dequantise them (a plain cast would drop the
+    scales' meaning), and a `flagdeploy quantize` checkpoint's int8 weights come out as weight bundles
+    (W8A8Weight / Int8Weight, per its `quantization_config.modules`) that run the int8 ops.
     """
+    raw = _raw_tensors(path, dtype)
+    schemes = _flagdeploy_schemes(path)
+    return _int8_bundles(raw, schemes) if schemes else raw
+
+
+def _raw_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for f in shard_files(path):
         with safe_open(f, framework="pt") as sf:
             for name in sf.keys():
                 t = sf.get_tensor(name)
-                yield name, t if t.dtype in FP8_DTYPES or name.endswith("_scale_inv") else t.to(dtype)
+                as_stored = t.dtype in FP8_DTYPES or t.dtype == torch.int8 or name.endswith(("_scale_inv", ".weight_scale"))
+                yield name, t if as_stored else t.to(dtype)
+
+
+def _flagdeploy_schemes(path: Path) -> dict[str, str]:
+    qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    return qc.get("modules", {}) if qc.get("quant_method") == "flagdeploy" else {}
+
+
+# the bundle each int8 scheme of a converted checkpoint loads as
+_INT8_BUNDLES = {"w8a8_dynamic": W8A8Weight, "w8a16": Int8Weight}
+
+
+def _int8_bundles(tensors, schemes: dict[str, str]):
+    """Pair each int8 `X.weight` with its `X.weight_scale` ([out, 1] per channel, or [out, in / G])."""
+    pending: dict[str, torch.Tensor] = {}
+    for name, t in tensors:
+        base = name.rsplit(".", 1)[0]
+        if schemes.get(base) not in _INT8_BUNDLES or not name.endswith((".weight", ".weight_scale")):
+            yield name, t
+            continue
+        other = base + (".weight_scale" if name.endswith(".weight") else ".weight")
+        if other not in pending:
+            pending[name] = t
+            continue
+        q, scale = (t, pending.pop(other)) if name.endswith(".weight") else (pending.pop(other), t)
+        n, k = q.shape
+        group = 0 if scale.shape[1] == 1 else k // scale.shape[1]
+        yield base + ".weight", _INT8_BUNDLES[schemes[base]](q, scale.float().reshape(n, -1).squeeze(1) if not group
+                                                           else scale.float(), n, k, group_size=group)
+    if pending:
+        raise ModelLoadError(f"{len(pending)} int8 tensors have no partner (weight or weight_scale), e.g. "
+                             f"{sorted(pending)[:3]}; the converted checkpoint is incomplete. Convert it again.")
 
 
 def count_tensors(path: Path) -> int:

@@ -28,6 +28,8 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
+from flagdeploy.ops.weights import fp8_block_quantize
+
 # Every layer kind (as tests/test_glm5_next.py's TEXT): KDA at 0, 3, 5; indexed attention at 1 (full indexer),
 # 2 (shared), 4, 6 (full), 7 (shared); dense FFN at 0, 2, 6, MoE elsewhere (8 experts in 2 groups). q_lora_rank
 # is 32 (not 24) so that every FP8 matrix is a whole number of the default 16x16 blocks: transformers derives
@@ -50,7 +52,6 @@ TINY_VISION: dict = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size
                          in_channels=3)
 
 TEXT_PREFIX = "model.language_model."
-_FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Published-checkpoint FP8 modules (module name relative to a text layer); the MLA ones only on indexed layers.
 _FP8_MLA = re.compile(r"^self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight$")
 _FP8_MLP = re.compile(r"^mlp\.((experts\.\d+|shared_experts)\.)?(gate_proj|up_proj|down_proj)\.weight$")
@@ -151,9 +152,9 @@ def _text_shapes(model) -> Iterator[tuple[str, tuple[int, ...]]]:
         if len(slot) == 1:
             shape = tuple(slot[0].shape)
         else:
-            lin, _, kind = slot
-            rows = lin.out_features // len(lin.parts)
-            shape = (rows, lin.in_features) if kind == "weight" else (rows,)
+            lin, part, kind = slot  # a Linear's fused parts are equal in this model
+            rows, cols = lin.part_shape(part) or (lin.out_features // len(lin.parts), lin.in_features)
+            shape = (rows, cols) if kind == "weight" else (rows,)
         yield (name if name == "lm_head.weight" else TEXT_PREFIX + name), shape
 
 
@@ -189,18 +190,6 @@ def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
     return 0.05 * x
 
 
-def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, float32 inverse scale [ceil(R/b0), ceil(C/b1)]) with each block's amax at 448."""
-    rows, cols = w.shape
-    br, bc = -(-rows // block[0]), -(-cols // block[1])
-    padded = w.new_zeros(br * block[0], bc * block[1])
-    padded[:rows, :cols] = w
-    amax = padded.view(br, block[0], bc, block[1]).abs().amax(dim=(1, 3))
-    scale = (amax / _FP8_MAX).clamp_min(1e-12).float()
-    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
-    return (w / full).to(torch.float8_e4m3fn), scale
-
-
 def _tensors(config: dict, fp8: bool, block: tuple[int, int], seed: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Groups of tensors that stay in one shard (an FP8 weight with its scale), in a fixed order."""
     cfg, model = _text_model(config)
@@ -208,7 +197,7 @@ def _tensors(config: dict, fp8: bool, block: tuple[int, int], seed: int) -> Iter
     for name, shape in [*_text_shapes(model), *_vision_shapes(config["vision_config"])]:
         w = _random(name, shape, gen)
         if fp8 and _is_fp8(name, cfg.layer_types):
-            q, scale = quantize_fp8_blocks(w, block)
+            q, scale = fp8_block_quantize(w, block)
             yield [(name, q), (name + "_scale_inv", scale)]
         elif _FP32.search(name):
             yield [(name, w.float())]

@@ -24,7 +24,7 @@ from torch import nn
 from flagdeploy import ops
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.ops import glm as glm_ops
-from flagdeploy.ops.weights import FP8_DTYPES, Int4Weight, Int8Weight
+from flagdeploy.ops.weights import FP8_DTYPES, Int4Weight, Int8Weight, fp8_block_dequantize
 
 from .linear import Linear
 
@@ -130,7 +130,7 @@ def from_hf_config(cfg: dict[str, Any]) -> Glm5Config:
     if cfg.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in t:
         out.tie_word_embeddings = bool(cfg["tie_word_embeddings"])
     quant = cfg.get("quantization_config") or t.get("quantization_config") or {}
-    if quant.get("quant_method") == "fp8":
+    if quant.get("quant_method") == "fp8" or quant.get("weight_block_size"):  # FP8 as published, or kept by quantize
         out.fp8_block = tuple(quant.get("weight_block_size") or (128, 128))  # type: ignore[assignment]
     _validate(out, kv_heads, t.get("qk_rope_head_dim", 0), t.get("q_lora_rank", 1), t.get("hidden_act", "silu"))
     return out
@@ -445,24 +445,71 @@ class DenseMlp(nn.Module):
         return self.down_proj(ops.swiglu(self.gate_up_proj(h), self.limit))
 
 
+class ExpertBank(nn.Module):
+    """The routed experts' weights, filled expert by expert from the checkpoint.
+
+    Dense experts are copied straight into [E, 2I, H] / [E, H, I] parameters. When a converted checkpoint
+    stores every expert as int8 of one scheme (W8A8 or W8A16), the bank becomes one quantized bundle
+    per projection instead, so that `moe_experts` runs that scheme's arithmetic; anything mixed is
+    dequantized into the dense parameters.
+    """
+
+    _PARTS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, c: Glm5Config, dtype: torch.dtype):
+        super().__init__()
+        self.n, self.inter, self.hidden = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+        self.gate_up = _param(self.n, 2 * self.inter, self.hidden, dtype=dtype)
+        self.down = _param(self.n, self.hidden, self.inter, dtype=dtype)
+        self._pending: dict[tuple[int, str], Any] = {}
+
+    def part_shape(self, part: tuple[int, str]) -> tuple[int, int]:
+        return (self.hidden, self.inter) if part[1] == "down_proj" else (self.inter, self.hidden)
+
+    def _view(self, e: int, name: str) -> torch.Tensor:
+        i = self.inter
+        return {"gate_proj": self.gate_up[e, :i], "up_proj": self.gate_up[e, i:], "down_proj": self.down[e]}[name]
+
+    def load_part(self, part: tuple[int, str], kind: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            self._view(*part).copy_(value)
+        else:
+            self._pending[part] = value
+
+    def finalize(self) -> None:
+        if not self._pending:
+            return
+        bundles = list(self._pending.values())
+        if len(bundles) == 3 * self.n and len({(type(b), b.group_size) for b in bundles}) == 1:
+            get = lambda e, name: self._pending[(e, name)]  # noqa: E731
+            gate_up = type(bundles[0]).stack([type(bundles[0]).cat([get(e, "gate_proj"), get(e, "up_proj")])
+                                              for e in range(self.n)])
+            down = type(bundles[0]).stack([get(e, "down_proj") for e in range(self.n)])
+            del self.gate_up, self.down  # the dense parameters give way to the banks
+            self.gate_up, self.down = gate_up, down
+        else:
+            for (e, name), b in self._pending.items():
+                self._view(e, name).copy_(b.dequantize(self.gate_up.dtype))
+        self._pending.clear()
+
+
 class MoE(nn.Module):
     """Sigmoid-routed experts (group-limited top-k) plus the always-on shared expert."""
 
     def __init__(self, c: Glm5Config, dtype: torch.dtype):
         super().__init__()
         self.c = c
-        e, i = c.n_routed_experts, c.moe_intermediate_size
-        self.router = _param(e, c.hidden_size, dtype=dtype)
-        self.correction_bias = _param(e, dtype=torch.float32)
-        self.gate_up = _param(e, 2 * i, c.hidden_size, dtype=dtype)
-        self.down = _param(e, c.hidden_size, i, dtype=dtype)
-        self.shared = DenseMlp(c, i * c.n_shared_experts, dtype)
+        self.router = _param(c.n_routed_experts, c.hidden_size, dtype=dtype)
+        self.correction_bias = _param(c.n_routed_experts, dtype=torch.float32)
+        self.experts = ExpertBank(c, dtype)
+        self.shared = DenseMlp(c, c.moe_intermediate_size * c.n_shared_experts, dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         c = self.c
         routing = glm_ops.moe_router(h, self.router, self.correction_bias, c.num_experts_per_tok, c.n_group,
                                      c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-        return glm_ops.moe_experts(h, routing, self.gate_up, self.down, c.swiglu_limit) + self.shared(h)
+        x = self.experts
+        return glm_ops.moe_experts(h, routing, x.gate_up, x.down, c.swiglu_limit) + self.shared(h)
 
 
 class HyperConnection(nn.Module):
@@ -561,6 +608,10 @@ class Glm5NextForCausalLM(nn.Module):
         cache = cache if cache is not None else self.new_cache()
         return self.forward_packed(input_ids, torch.tensor([0, input_ids.shape[0]]), [cache])
 
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] at every position of one sequence, from a fresh cache (evaluation)."""
+        return self.forward(input_ids)
+
     def forward_batch(self, input_ids: list[torch.Tensor], caches: list[Glm5SequenceCache]) -> list[torch.Tensor]:
         """Several sequences of unequal lengths (prefill, decode or a mix), each against its own cache."""
         cu = torch.tensor([0, *torch.tensor([len(i) for i in input_ids]).cumsum(0).tolist()])
@@ -638,11 +689,9 @@ class Glm5NextForCausalLM(nn.Module):
             if isinstance(m, MoE):
                 slots[sm + "gate.weight"] = (m.router,)
                 slots[sm + "gate.e_score_correction_bias"] = (m.correction_bias,)
-                inter = c.moe_intermediate_size
                 for e in range(c.n_routed_experts):
-                    slots[f"{sm}experts.{e}.gate_proj.weight"] = (m.gate_up[e, :inter],)
-                    slots[f"{sm}experts.{e}.up_proj.weight"] = (m.gate_up[e, inter:],)
-                    slots[f"{sm}experts.{e}.down_proj.weight"] = (m.down[e],)
+                    for proj in ExpertBank._PARTS:
+                        slots[f"{sm}experts.{e}.{proj}.weight"] = (m.experts, (e, proj), "weight")
                 lin(sm + "shared_experts.", m.shared.gate_up_proj)
                 lin(sm + "shared_experts.", m.shared.down_proj)
             else:
@@ -654,7 +703,7 @@ class Glm5NextForCausalLM(nn.Module):
 
     def finalize(self) -> None:
         for m in self.modules():
-            if isinstance(m, Linear) and (m is not self.lm_head or not self.cfg.tie_word_embeddings):
+            if isinstance(m, ExpertBank) or (isinstance(m, Linear) and (m is not self.lm_head or not self.cfg.tie_word_embeddings)):
                 m.finalize()
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
@@ -711,9 +760,10 @@ def dequantize_fp8_blocks(tensors: Iterable[tuple[str, Any]], block: tuple[int, 
     scales: dict[str, torch.Tensor] = {}
 
     def apply(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        rows, cols = w.shape[-2:]
-        full = s.float().repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
-        return w.float() * full[..., :rows, :cols]
+        try:
+            return fp8_block_dequantize(w, s, block)
+        except ValueError as exc:
+            raise ModelLoadError(f"{name}: {exc}; the checkpoint's weight_block_size does not match its scales.") from exc
 
     for name, t in tensors:
         if name.endswith(".weight_scale_inv"):
@@ -764,11 +814,10 @@ def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any
                     dst.copy_(t)
                 else:
                     lin, part, kind = slot
-                    if isinstance(t, torch.Tensor) and kind == "weight":
-                        want = (lin.out_features // len(lin.parts), lin.in_features)
-                        if len(lin.parts) == 1 and tuple(t.shape) != want:
-                            raise ModelLoadError(f"weight {raw_name} ({name}) has shape {tuple(t.shape)}, "
-                                                 f"the config implies {want}")
+                    want = lin.part_shape(part) if kind == "weight" else None
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else (t.out_features, t.in_features)
+                    if want is not None and got != want:
+                        raise ModelLoadError(f"weight {raw_name} ({name}) has shape {got}, the config implies {want}")
                     lin.load_part(part, kind, t)
                 missing.discard(name)
     if missing:

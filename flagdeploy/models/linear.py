@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from flagdeploy import ops
-from flagdeploy.ops.weights import Int4Weight, Int8Weight
+from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight
 
-_OP = {Int4Weight: "linear_w4a16", Int8Weight: "linear_w8a16"}
+# Which op runs a weight: by the bundle's type (a W8A8 bundle also quantises the activations).
+_OP = {Int4Weight: "linear_w4a16", Int8Weight: "linear_w8a16", W8A8Weight: "linear_w8a8_dynamic"}
 
 
 class Linear(nn.Module):
@@ -24,7 +25,7 @@ class Linear(nn.Module):
         self.out_features, self.in_features, self.dtype = out_features, in_features, dtype
         self.parts = parts
         self.weight: torch.Tensor | None = None
-        self.qweight: Int4Weight | Int8Weight | None = None
+        self.qweight: Int4Weight | Int8Weight | W8A8Weight | None = None
         self.bias: torch.Tensor | None = None
         self.has_bias = bias
         self._pending: dict[tuple[str, str], object] = {}
@@ -38,10 +39,9 @@ class Linear(nn.Module):
         ws = [self._pending.pop((p, "weight")) for p in self.parts]
         if self.has_bias:
             self.bias = torch.cat([self._pending.pop((p, "bias")).to(self.dtype) for p in self.parts])
-        if all(isinstance(w, Int4Weight) for w in ws):
-            q = ws[0] if len(ws) == 1 else Int4Weight.cat(ws)
-        elif all(isinstance(w, Int8Weight) for w in ws) and len(ws) == 1:
-            q = ws[0]
+        layouts = {(type(w), getattr(w, "group_size", None)) for w in ws}
+        if len(layouts) == 1 and type(ws[0]) in _OP:
+            q = ws[0] if len(ws) == 1 else type(ws[0]).cat(ws)
         else:
             q = None
             dense = [w.to(self.dtype) if isinstance(w, torch.Tensor) else w.dequantize(self.dtype) for w in ws]
@@ -53,6 +53,10 @@ class Linear(nn.Module):
         got = (self.qweight.out_features, self.qweight.in_features) if q is not None else tuple(self.weight.shape)
         if got != shape:
             raise ValueError(f"fused weight {'+'.join(self.parts)} has shape {got}, the config implies {shape}")
+
+    def part_shape(self, part: str) -> tuple[int, int] | None:
+        """A checkpoint part's [out, in], where it is known (one part; fused parts may differ in rows)."""
+        return (self.out_features, self.in_features) if len(self.parts) == 1 else None
 
     def init_random(self, gen: torch.Generator, std: float = 0.02) -> None:
         """Random weights of the right shape instead of loaded parts (`--load-format dummy`)."""

@@ -115,6 +115,16 @@ class LlamaForCausalLM(nn.Module):
         h, _ = ops.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(h).float()
 
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] at every position of one sequence, through a scratch cache (evaluation)."""
+        t = input_ids.shape[0]
+        cu = torch.tensor([0, t], dtype=torch.int32)
+        meta = AttentionMetadata(positions=torch.arange(t), slot_mapping=torch.arange(t), num_prefill_tokens=t,
+                                 cu_seqlens_q=cu, cu_seqlens_k=cu, prefill_kv_slots=None, block_tables=None,
+                                 context_lens=None, logits_indices=torch.arange(t))
+        caches = [[torch.zeros(s, dtype=self.kv_cache_dtype) for s in self.kv_cache_shape(t, 1)] for _ in self.layers]
+        return self(input_ids, meta, caches)
+
 
 def load_hf_weights(model: LlamaForCausalLM, tensors, quantize_head: bool = False) -> None:
     """Put (HF name, tensor or quantized bundle) pairs into the model, then finalize it.

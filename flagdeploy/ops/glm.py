@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from . import registry as _registry
-from .reference import _TOL, _randn
+from .reference import _TOL, _randn, linear_w8a16, linear_w8a8_dynamic
+from .weights import Int8Weight, W8A8Weight
 from .registry import OpSpec, Tolerance, register_op
 
 
@@ -63,21 +64,31 @@ def moe_router(
     return torch.zeros_like(scores).scatter_(1, chosen, w).to(x.dtype)
 
 
+# The linear each kind of quantized expert bank runs (integer arithmetic for W8A8, as the chip does it).
+_EXPERT_LINEAR = {Int8Weight: linear_w8a16, W8A8Weight: linear_w8a8_dynamic}
+
+
+def _expert_linear(x: torch.Tensor, w, e: int) -> torch.Tensor:
+    return x @ w[e].t() if isinstance(w, torch.Tensor) else _EXPERT_LINEAR[type(w)](x, w.expert(e))
+
+
 def moe_experts(
-    x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None
+    x: torch.Tensor, routing: torch.Tensor, gate_up, down, limit: float | None
 ) -> torch.Tensor:
     """Routed experts: sum over e of routing[:, e] * down_e(swiglu(gate_up_e x)), clamped SwiGLU.
 
     gate_up [E, 2I, H] (gate rows first, then up), down [E, H, I]: the fused layout transformers
-    keeps. Only experts that some token picked are computed.
+    keeps; either may be a quantized bank (Int8Weight / W8A8Weight with q [E, N, K]), in which case
+    each expert runs that scheme's linear (W8A8 quantises the SwiGLU output again before down).
+    Only experts that some token picked are computed.
     """
     out = torch.zeros_like(x)
     for e in (routing != 0).any(0).nonzero().flatten().tolist():
         rows = (routing[:, e] != 0).nonzero().flatten()
-        gate, up = (x[rows] @ gate_up[e].t()).chunk(2, dim=-1)
+        gate, up = _expert_linear(x[rows], gate_up, e).chunk(2, dim=-1)
         if limit is not None:
             gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        y = (F.silu(gate) * up) @ down[e].t()
+        y = _expert_linear(F.silu(gate) * up, down, e)
         out.index_add_(0, rows, (y * routing[rows, e, None]).to(out.dtype))
     return out
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .registry import OpSpec, Tolerance, register_op
-from .weights import Int4Weight, Int8Weight
+from .weights import Int4Weight, Int8Weight, W8A8Weight
 
 # Per-dtype tolerances against a float64 run of the same reference: float32 is tight; half types
 # carry ~3 significant digits and accumulate over the reduction dimension.
@@ -57,9 +57,29 @@ def linear_w4a16(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None 
 
 
 def linear_w8a16(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Weight-only int8 linear (per-channel scales); activations in and out in 16 bits."""
+    """Weight-only int8 linear (per-channel or per-group scales); activations in and out in 16 bits."""
     a = a16_dtype(x.dtype)
     return linear(x.to(a), weight.dequantize(a), None if bias is None else bias.to(a))
+
+
+def dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8 (`npu_dynamic_quant`'s "pertoken"): (q int8, scale float32 [...]) with
+    scale = absmax / 127 over the last dim, so that x ~ q * scale[..., None]."""
+    xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    return torch.round(xf / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def linear_w8a8_dynamic(x: torch.Tensor, weight: W8A8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Int8 x int8 linear with dynamic per-token activation scales, done as the chip does it: quantise
+    the 16-bit activations per token, accumulate the integer products exactly (an int32 accumulator;
+    here float64, which holds every such sum exactly), then scale by token and channel scales.
+    Activations in and out in 16 bits, as the W8A16 linears."""
+    a = a16_dtype(x.dtype)
+    qx, sx = dynamic_quant(x.to(a))
+    acc = qx.double() @ weight.q.double().t()
+    y = acc.to(sx.dtype) * sx[..., None] * weight.scales.to(sx.dtype)
+    return (y if bias is None else y + bias.to(y.dtype)).to(a)
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -214,6 +234,11 @@ def _w8_inputs(dtype, device, g):
     return (_randn(g, 5, 64, dtype=dtype, device=device), w, None), {}
 
 
+def _w8a8_inputs(dtype, device, g):
+    w = W8A8Weight.quantize(_randn(g, 48, 64, dtype=torch.float32, device=device, scale=0.1))
+    return (_randn(g, 5, 64, dtype=dtype, device=device), w, _randn(g, 48, dtype=dtype, device=device)), {}
+
+
 def _embedding_inputs(dtype, device, g):
     return (torch.randint(0, 100, (7,), generator=g).to(device), _randn(g, 100, 32, dtype=dtype, device=device)), {}
 
@@ -263,6 +288,7 @@ for _spec in (
     OpSpec("linear", linear, _TOL, _linear_inputs, linear.__doc__),
     OpSpec("linear_w4a16", linear_w4a16, _TOL_A16, _w4_inputs, linear_w4a16.__doc__),
     OpSpec("linear_w8a16", linear_w8a16, _TOL_A16, _w8_inputs, linear_w8a16.__doc__),
+    OpSpec("linear_w8a8_dynamic", linear_w8a8_dynamic, _TOL_A16, _w8a8_inputs, linear_w8a8_dynamic.__doc__),
     OpSpec("embedding", embedding, _TOL, _embedding_inputs, "Row lookup in an embedding table."),
     OpSpec("rms_norm", rms_norm, _TOL, _norm_inputs, rms_norm.__doc__),
     OpSpec("add_rms_norm", add_rms_norm, _TOL, _add_norm_inputs, add_rms_norm.__doc__),

@@ -15,6 +15,33 @@ import torch
 # FP8 storage types (checkpoints keep FP8 weights with block scales beside them); the tuple is empty
 # on a torch without FP8 dtypes.
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_block_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 weight [..., R, C] from FP8 values and one inverse scale per (rows, cols) block, partial
+    edge blocks included; the scales are broadcast in place, never repeated into a weight-sized tensor."""
+    *lead, rows, cols = w.shape
+    br, bc = block
+    sr, sc = scale_inv.shape[-2:]
+    if (sr, sc) != (-(-rows // br), -(-cols // bc)):
+        raise ValueError(f"inverse scales of shape {(sr, sc)} do not cover a {(rows, cols)} weight in {block} blocks")
+    out = torch.empty(*lead, sr * br, sc * bc, dtype=torch.float32, device=w.device)
+    out[..., :rows, :cols] = w
+    out.view(*lead, sr, br, sc, bc).mul_(scale_inv.float()[..., :, None, :, None])
+    return out[..., :rows, :cols]
+
+
+def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 inverse scale per block) with each block's absmax mapped to 448."""
+    rows, cols = w.shape
+    br, bc = -(-rows // block[0]), -(-cols // block[1])
+    padded = torch.zeros(br * block[0], bc * block[1], dtype=torch.float32, device=w.device)
+    padded[:rows, :cols] = w
+    blocks = padded.view(br, block[0], bc, block[1])
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_E4M3_MAX).clamp_min(1e-12)
+    q = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q, scale
 
 
 @dataclass
@@ -50,28 +77,72 @@ class Int4Weight:
 
 @dataclass
 class Int8Weight:
-    """Per-output-channel symmetric int8 weights: w[n, k] = q[n, k] * scales[n]."""
+    """Symmetric int8 weights, used weight-only (W8A16): w[n, k] = q[n, k] * scales[n] per output channel
+    (group_size 0), or q[n, k] * scales[n, k // G] per group of G input channels.
 
-    q: torch.Tensor | None  # [N, K] int8
-    scales: torch.Tensor | None  # [N]
+    A bank of experts is the same bundle with a leading expert dim on q and scales (q [E, N, K]);
+    `expert(e)` is one of them. out_features / in_features are N and K either way.
+    """
+
+    q: torch.Tensor | None  # [N, K] (or [E, N, K]) int8
+    scales: torch.Tensor | None  # [N] or [N, K // G] (or with a leading E) float32
     out_features: int
     in_features: int
     prepared: Any = None
+    group_size: int = 0
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.q.to(torch.float32) * self.scales.to(torch.float32)[:, None]).to(dtype)
+        s = self.scales.to(torch.float32)
+        s = s.repeat_interleave(self.group_size, dim=-1) if self.group_size else s[..., None]
+        return (self.q.to(torch.float32) * s).to(dtype)
 
     @classmethod
-    def quantize(cls, w: torch.Tensor) -> "Int8Weight":
+    def quantize(cls, w: torch.Tensor, group_size: int = 0):
+        """Round-to-nearest with scale = absmax / 127 per channel (or per group): no calibration needed."""
         wf = w.to(torch.float32)
-        scales = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        q = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, scales, w.shape[0], w.shape[1])
+        if group_size:
+            if wf.shape[-1] % group_size:
+                raise ValueError(f"in_features {wf.shape[-1]} is not a multiple of the group size {group_size}")
+            groups = wf.unflatten(-1, (-1, group_size))
+            scales = groups.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+            q = torch.round(groups / scales[..., None]).clamp(-127, 127).flatten(-2)
+        else:
+            scales = wf.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+            q = torch.round(wf / scales[..., None]).clamp(-127, 127)
+        return cls(q.to(torch.int8), scales, w.shape[-2], w.shape[-1], group_size=group_size)
+
+    @classmethod
+    def cat(cls, parts: list["Int8Weight"]):
+        """Fuse along the output dim (q/k/v into qkv, gate/up into gate_up); all parts share one layout."""
+        if len({(type(p), p.group_size) for p in parts}) != 1:
+            raise ValueError("fused int8 parts must share one scheme and group size")
+        return cls(torch.cat([p.q for p in parts], dim=-2), torch.cat([p.scales for p in parts], dim=-2 if parts[0].group_size else -1),
+                   sum(p.out_features for p in parts), parts[0].in_features, group_size=parts[0].group_size)
+
+    @classmethod
+    def stack(cls, experts: list["Int8Weight"]):
+        """A bank of experts from one bundle per expert."""
+        return replace(experts[0], q=torch.stack([e.q for e in experts]), scales=torch.stack([e.scales for e in experts]),
+                       prepared=None)
+
+    def expert(self, e: int):
+        return replace(self, q=self.q[e], scales=self.scales[e], prepared=None)
+
+
+@dataclass
+class W8A8Weight(Int8Weight):
+    """Per-output-channel int8 weights whose linear also quantises its activations to int8, per token
+    at run time (W8A8 dynamic: Ascend's `npu_dynamic_quant` + `npu_quant_matmul`). Same storage as
+    Int8Weight with group_size 0; the type is what selects the integer-arithmetic op."""
+
+    def __post_init__(self):
+        if self.group_size:
+            raise ValueError("W8A8 dynamic weights are per output channel (group_size 0)")
 
 
 def stripped(w, **prepared_fields):
     """A copy of bundle `w` with its canonical tensors dropped, once a backend has its own layout."""
-    fields = {"q": None, "scales": None}
+    fields = {"q": None, "scales": None}  # the bundle keeps its type, shape and group size
     if isinstance(w, Int4Weight):
         fields["zeros"] = None
     return replace(w, **fields, prepared=prepared_fields)
