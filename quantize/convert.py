@@ -258,7 +258,9 @@ def _load_state(partial: Path, fingerprint: str) -> dict:
         log.warning("%s holds an interrupted conversion of other inputs; starting over", partial)
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    return {"fingerprint": fingerprint, "done": {}}
+    state = {"fingerprint": fingerprint, "done": {}}
+    _write_json(partial / STATE_FILE, state)
+    return state
 
 
 def convert(p: Plan, dst: Path, *, chip: Chip, policy: Policy, fmt: str, overwrite: bool = False,

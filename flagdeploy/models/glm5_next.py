@@ -449,8 +449,8 @@ class ExpertBank(nn.Module):
     """The routed experts' weights, filled expert by expert from the checkpoint.
 
     Dense experts are copied straight into [E, 2I, H] / [E, H, I] parameters. When a converted checkpoint
-    stores every expert as int8 of one scheme (W8A8 or W8A16), the bank becomes one quantized bundle
-    per projection instead, so that `moe_experts` runs that scheme's arithmetic; anything mixed is
+    stores every expert as int8 of one scheme (W8A8 or W8A16, one group size for gate/up and one for
+    down), the bank becomes one quantized bundle per projection instead, so that `moe_experts` runs that scheme's arithmetic; anything mixed is
     dequantized into the dense parameters.
     """
 
@@ -480,7 +480,9 @@ class ExpertBank(nn.Module):
         if not self._pending:
             return
         bundles = list(self._pending.values())
-        if len(bundles) == 3 * self.n and len({(type(b), b.group_size) for b in bundles}) == 1:
+        gate_up_groups = {b.group_size for (_, name), b in self._pending.items() if name != "down_proj"}
+        down_groups = {b.group_size for (_, name), b in self._pending.items() if name == "down_proj"}
+        if len(bundles) == 3 * self.n and len({type(b) for b in bundles}) == len(gate_up_groups) == len(down_groups) == 1:
             get = lambda e, name: self._pending[(e, name)]  # noqa: E731
             gate_up = type(bundles[0]).stack([type(bundles[0]).cat([get(e, "gate_proj"), get(e, "up_proj")])
                                               for e in range(self.n)])
