@@ -312,3 +312,36 @@ def test_cli_reports_errors_without_a_traceback(src, tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "w8a8_dynamic" in out and "total" in out
+
+
+# ---- the converted checkpoint serves ---------------------------------------------------------------------
+
+
+def test_engine_serves_the_converted_glm5_next(no_fp8):
+    from flagdeploy.engine import EngineConfig, SamplingParams
+    from flagdeploy.engine.loader import build_llm_engine
+
+    engine = build_llm_engine(no_fp8[0], "safetensors", EngineConfig(max_model_len=128, kv_cache_memory=8 << 20),
+                              chip="cpu", progress=False)
+    out = engine.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [len(o) for o in out] == [6, 6]
+
+
+def test_llama_checkpoint_through_the_no_fp8_policy(tmp_path):
+    """A llama-family BF16 checkpoint: MLPs become W8A8 linears (gate/up fused), logits stay close."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+
+    write_word_tokenizer(tmp_path / "src", 211)
+    quantize(tmp_path / "src", tmp_path / "int8", chip="ascend910b", progress=False)
+    model, _ = load_model(tmp_path / "int8", "safetensors", torch.float32, "cpu", progress=False)
+    layer = model.layers[0]
+    assert isinstance(layer.gate_up_proj.qweight, W8A8Weight) and isinstance(layer.down_proj.qweight, W8A8Weight)
+    assert layer.qkv_proj.qweight is None
+    ref, got = _logits(tmp_path / "src"), _logits(tmp_path / "int8")
+    assert (got - ref).norm() / ref.norm() < 0.05
