@@ -191,20 +191,54 @@ def _check_fused_siblings(shards: list[ShardPlan]) -> None:
 
 def _convert_tensor(tp: TensorPlan, w: torch.Tensor, scale_inv: torch.Tensor | None) -> tuple[list[torch.Tensor], float]:
     """The output tensors (in `tp.outputs` order) and the relative error against the source's values."""
-    if tp.scheme == "keep" or (tp.scheme == "fp8" and scale_inv is not None):
-        return [w] + ([scale_inv] if scale_inv is not None else []), 0.0
-    exact = fp8_block_dequantize(w, scale_inv, tp.block) if scale_inv is not None else w
-    if tp.scheme == "bf16":
-        out = exact.to(tp.outputs[0][1])
-        return [out], (0.0 if out.dtype == w.dtype else relative_error(out, exact))
-    exact = exact.float()
-    if tp.scheme == "fp8":
+    out_dtype = tp.outputs[0][1]
+    if tp.scheme == "keep" or (tp.scheme == "fp8" and scale_inv is not None) or (tp.scheme == "bf16" and out_dtype == w.dtype):
+        return [w] + ([scale_inv] if scale_inv is not None and tp.scheme != "bf16" else []), 0.0
+    if tp.scheme == "fp8":  # BF16 -> FP8: rare (FP8 chips keep FP8 checkpoints), done whole
+        exact = w.float()
         q, s = fp8_block_quantize(exact, tp.block)
         return [q, s], relative_error(fp8_block_dequantize(q, s, tp.block), exact)
-    q = Int8Weight.quantize(exact, tp.group_size)
-    scales = q.scales.reshape(q.out_features, -1)
-    outs = [q.q, scales] + ([torch.zeros_like(scales)] if len(tp.outputs) == 3 else [])
-    return outs, relative_error(q.dequantize(), exact)
+    if w.dim() != 2:  # bf16 of a vector or a table: small, done whole
+        out = w.to(out_dtype)
+        return [out], relative_error(out, w.float())
+    return _convert_rows(tp, w, scale_inv)
+
+
+# Rows per step: a chunk's float32 temporaries (~2 MB) stay in cache, and peak memory stays a few times
+# the largest tensor's stored size however many passes a scheme makes.
+_CHUNK_ELEMENTS = 1 << 19
+
+
+def _convert_rows(tp: TensorPlan, w: torch.Tensor, scale_inv: torch.Tensor | None) -> tuple[list[torch.Tensor], float]:
+    rows, cols = w.shape
+    unit = tp.block[0] if scale_inv is not None else 1  # chunks start on a scale block's first row
+    step = max(1, _CHUNK_ELEMENTS // max(cols, 1) // unit) * unit
+    int8 = SCHEMES[tp.scheme].int8
+    if int8:
+        q = torch.empty(rows, cols, dtype=torch.int8)
+        scales = torch.empty(rows, cols // tp.group_size if tp.group_size else 1, dtype=torch.float32)
+    else:
+        out = torch.empty(rows, cols, dtype=tp.outputs[0][1])
+    norm2 = err2 = 0.0
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        if scale_inv is None:
+            f = w[r0:r1].float()
+        else:
+            f = fp8_block_dequantize(w[r0:r1], scale_inv[r0 // unit: -(-r1 // unit)], tp.block)
+        norm2 += float(torch.linalg.vector_norm(f)) ** 2
+        if int8:
+            b = Int8Weight.quantize(f, tp.group_size)
+            q[r0:r1], scales[r0:r1] = b.q, b.scales.reshape(r1 - r0, -1)
+            approx = b.dequantize()
+        else:
+            out[r0:r1] = f
+            approx = out[r0:r1].float()
+        err2 += float(torch.linalg.vector_norm(approx.sub_(f))) ** 2
+    err = (err2 / norm2) ** 0.5 if norm2 else 0.0
+    if not int8:
+        return [out], err
+    return [q, scales] + ([torch.zeros_like(scales)] if len(tp.outputs) == 3 else []), err
 
 
 def _convert_shard(sp: ShardPlan, partial: Path, bar: tqdm, handles: dict) -> list[dict]:

@@ -10,8 +10,10 @@ tensor, whatever the size of the shard or the model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -87,50 +89,59 @@ def read_header(path: Path) -> list[TensorEntry]:
 
 
 def read_tensor(f: BinaryIO, entry: TensorEntry) -> torch.Tensor:
-    buf = bytearray(entry.nbytes)
+    buf = torch.empty(entry.nbytes, dtype=torch.uint8)  # not zero-filled, unlike a bytearray
     f.seek(entry.start)
-    if f.readinto(buf) != entry.nbytes:
+    if entry.nbytes and f.readinto(memoryview(buf.numpy())) != entry.nbytes:
         raise CorruptShardError(f"{getattr(f, 'name', 'a shard')}: {entry.name!r} is cut short; download that shard again.")
-    if not buf:
-        return torch.empty(entry.shape, dtype=entry.dtype)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(entry.dtype).reshape(entry.shape)
+    return buf.view(entry.dtype).reshape(entry.shape)
 
 
 class ShardWriter:
     """Writes a safetensors file whose tensors (name, dtype, shape) are known up front, one at a time,
-    in the declared order. The file is complete only after `close()`; the caller renames it into place."""
+    in the declared order. The bytes go out on a background thread while the caller converts the next
+    tensor (file writes release the GIL), one tensor in flight at most. The file is complete only after
+    `close()`; the caller renames it into place."""
 
     def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None):
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
         self._order = []
         for name, dtype, shape in specs:
-            numel = 1
-            for d in shape:
-                numel *= d
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + numel * dtype.itemsize]}
-            offset += numel * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
             self._order.append((name, dtype, tuple(shape)))
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the reference writer does
         self._f = open(path, "wb")
         self._f.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._pending: Future | None = None
 
     def write(self, name: str, t: torch.Tensor) -> None:
         want = self._order[self._next]
         if (name, t.dtype, tuple(t.shape)) != want:
             raise AssertionError(f"planned {want}, got {(name, t.dtype, tuple(t.shape))}")  # a planning bug, not input
+        self._wait()
         if t.numel():
-            self._f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            self._pending = self._pool.submit(self._f.write, t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         self._next += 1
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
 
     def close(self) -> None:
         if self._next != len(self._order):
             raise AssertionError(f"{len(self._order) - self._next} planned tensors were not written")
+        self._wait()
+        self._pool.shutdown()
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
 
     def abort(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
         self._f.close()

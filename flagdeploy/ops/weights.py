@@ -18,6 +18,17 @@ FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") i
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
 
+def fp8_to_float(w: torch.Tensor) -> torch.Tensor:
+    """float32 values of FP8 tensor `w`. torch's own e4m3 cast is scalar code on the CPU (~0.5 G
+    values/s); e4m3fn bits re-read as float16 (sign, then the 7 exponent+mantissa bits shifted into
+    place) and scaled by 2^8 give the same value for every finite e4m3fn number, subnormals included,
+    at ~3x the speed. (0x7F/0xFF, e4m3fn's NaN, would come out as +-480: checkpoints hold no NaN.)"""
+    if w.dtype != getattr(torch, "float8_e4m3fn", None) or w.device.type != "cpu":
+        return w.float()
+    bits = (w.view(torch.int8).to(torch.int16) << 7) & -16385  # sign-extended, then clear bit 14 (0xBFFF)
+    return bits.view(torch.float16).float().mul_(256.0)
+
+
 def fp8_block_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """float32 weight [..., R, C] from FP8 values and one inverse scale per (rows, cols) block, partial
     edge blocks included; the scales are broadcast in place, never repeated into a weight-sized tensor."""
@@ -26,8 +37,11 @@ def fp8_block_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
     sr, sc = scale_inv.shape[-2:]
     if (sr, sc) != (-(-rows // br), -(-cols // bc)):
         raise ValueError(f"inverse scales of shape {(sr, sc)} do not cover a {(rows, cols)} weight in {block} blocks")
-    out = torch.empty(*lead, sr * br, sc * bc, dtype=torch.float32, device=w.device)
-    out[..., :rows, :cols] = w
+    if (rows, cols) == (sr * br, sc * bc):  # whole blocks: no padded copy
+        out = fp8_to_float(w)
+    else:
+        out = torch.zeros(*lead, sr * br, sc * bc, dtype=torch.float32, device=w.device)
+        out[..., :rows, :cols] = fp8_to_float(w)
     out.view(*lead, sr, br, sc, bc).mul_(scale_inv.float()[..., :, None, :, None])
     return out[..., :rows, :cols]
 
