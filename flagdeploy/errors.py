@@ -23,7 +23,7 @@ class ModelLoadError(FlagdeployError):
 
 
 class UnknownChipError(FlagdeployError, KeyError):
-    """No installed backend has that name."""
+    """No installed backend, or no chip in the catalog, has that name."""
 
     def __str__(self) -> str:  # KeyError would print the message in quotes
         return str(self.args[0])

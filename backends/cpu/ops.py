@@ -145,7 +145,8 @@ def linear_w8a8_dynamic(x, w: W8A8Weight, bias=None):
 def moe_experts(x, routing, gate_up, down, limit):
     """Few tokens (decode): every expert on every token in three batched matmuls, weighted by the
     (mostly zero) routing — far fewer ops than the reference's per-expert gather/scatter loop, which
-    more tokens (prefill) still use, where computing unpicked experts would waste real work."""
+    more tokens (prefill) still use, where computing unpicked experts would waste real work. W8A8 expert
+    banks run integer matmuls per picked expert; W8A16 banks the reference."""
     if isinstance(gate_up, W8A8Weight) and isinstance(down, W8A8Weight):
         return _moe_experts_w8a8(x, routing, gate_up, down, limit)
     if not isinstance(gate_up, torch.Tensor) or x.shape[0] * gate_up.shape[0] > TUNE["moe_experts"]["dense_max_token_experts"]:
@@ -155,7 +156,6 @@ def moe_experts(x, routing, gate_up, down, limit):
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down)
     return torch.einsum("eth,te->th", y, routing.to(y.dtype)).to(x.dtype)
-
 
 
 def _moe_experts_w8a8(x, routing, gate_up: W8A8Weight, down: W8A8Weight, limit):

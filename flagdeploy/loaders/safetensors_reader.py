@@ -84,9 +84,9 @@ def _int8_bundles(tensors, schemes: dict[str, str]):
             continue
         q, scale = (t, pending.pop(other)) if name.endswith(".weight") else (pending.pop(other), t)
         n, k = q.shape
-        group = 0 if scale.shape[1] == 1 else k // scale.shape[1]
-        yield base + ".weight", _INT8_BUNDLES[schemes[base]](q, scale.float().reshape(n, -1).squeeze(1) if not group
-                                                           else scale.float(), n, k, group_size=group)
+        scales = scale.float().reshape(n, -1)
+        group = 0 if scales.shape[1] == 1 else k // scales.shape[1]
+        yield base + ".weight", _INT8_BUNDLES[schemes[base]](q, scales if group else scales[:, 0], n, k, group_size=group)
     if pending:
         raise ModelLoadError(f"{len(pending)} int8 tensors have no partner (weight or weight_scale), e.g. "
                              f"{sorted(pending)[:3]}; the converted checkpoint is incomplete. Convert it again.")

@@ -450,8 +450,8 @@ class ExpertBank(nn.Module):
 
     Dense experts are copied straight into [E, 2I, H] / [E, H, I] parameters. When a converted checkpoint
     stores every expert as int8 of one scheme (W8A8 or W8A16, one group size for gate/up and one for
-    down), the bank becomes one quantized bundle per projection instead, so that `moe_experts` runs that scheme's arithmetic; anything mixed is
-    dequantized into the dense parameters.
+    down), the bank becomes one quantized bundle per projection instead, so that `moe_experts` runs that
+    scheme's arithmetic; anything mixed is dequantized into the dense parameters.
     """
 
     _PARTS = ("gate_proj", "up_proj", "down_proj")
@@ -704,8 +704,9 @@ class Glm5NextForCausalLM(nn.Module):
         return slots
 
     def finalize(self) -> None:
+        tied_head = self.lm_head if self.cfg.tie_word_embeddings else None
         for m in self.modules():
-            if isinstance(m, ExpertBank) or (isinstance(m, Linear) and (m is not self.lm_head or not self.cfg.tie_word_embeddings)):
+            if isinstance(m, (ExpertBank, Linear)) and m is not tied_head:
                 m.finalize()
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens

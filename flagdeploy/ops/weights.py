@@ -24,7 +24,7 @@ def fp8_to_float(w: torch.Tensor) -> torch.Tensor:
     place) and scaled by 2^8 give the same value for every finite e4m3fn number, subnormals included,
     at ~3x the speed. (0x7F/0xFF, e4m3fn's NaN, would come out as +-480: checkpoints hold no NaN.)"""
     if w.dtype != getattr(torch, "float8_e4m3fn", None) or w.device.type != "cpu":
-        return w.float()
+        return w.to(torch.float32, copy=True)  # always a new tensor: callers scale it in place
     bits = (w.view(torch.int8).to(torch.int16) << 7) & -16385  # sign-extended, then clear bit 14 (0xBFFF)
     return bits.view(torch.float16).float().mul_(256.0)
 
