@@ -1,4 +1,4 @@
-"""The `flagdeploy` command: serve, pull, models, quantize, ops."""
+"""The `flagdeploy` command: serve, pull, models, quantize, plan, ops."""
 
 from __future__ import annotations
 
@@ -156,6 +156,48 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
     click.echo(f"wrote {dst} ({fmt} format; report in {dst}/quantize_report.json)")
     if fmt == "vllm-ascend":
         click.echo(f"serve it with: vllm serve {dst} --quantization ascend")
+
+
+@main.command()
+@click.option("--model", "model", required=True, help="Preset (glm-5.3-flash), a config.json, or a model directory.")
+@click.option("--chip", required=True, help="Chip catalog id, e.g. ascend910c, h200, l20.")
+@click.option("--devices", default=8, show_default=True, type=int, help="Devices per node.")
+@click.option("--nodes", default=1, show_default=True, type=int)
+@click.option("--interconnect", default=None, type=click.Choice(["hccs", "nvlink", "pcie", "roce"]),
+              help="Link between a node's devices (default: the chip's own).")
+@click.option("--max-model-len", default=32768, show_default=True, type=int)
+@click.option("--concurrency", default=16, show_default=True, type=int, help="Sequences served at once, each up to --max-model-len.")
+@click.option("--objective", default="throughput", show_default=True, type=click.Choice(["throughput", "latency"]))
+@click.option("--mtp/--no-mtp", default=False, show_default=True, help="Multi-token-prediction speculative decoding.")
+@click.option("--policy", default=None, help="Plan the weights as `flagdeploy quantize --policy` would convert them.")
+@click.option("--kv-cache-dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp8", "int8"]))
+@click.option("--layout", default=None, help="Evaluate exactly this layout, e.g. tp=4,ep=4,dp=1.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: chosen, alternatives, rejected.")
+@click.option("--emit", default=None, type=click.Choice(["profile", "vllm", "vllm-ascend", "sglang", "mindie"]),
+              help="Print the profile YAML, or the launch command of that engine, for the chosen layout.")
+def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, objective, mtp, policy, kv_cache_dtype,
+         layout, as_json, emit) -> None:
+    """Will it fit, and how to split it: TP x DP x EP x PP layouts for a model on a chip."""
+    import json
+
+    from flagdeploy.planner import PlanRequest, make_plan
+    from flagdeploy.planner.report import parse_layout, table, to_json
+
+    try:
+        req = PlanRequest(model, chip, devices, nodes, interconnect, max_model_len, concurrency, objective, mtp, policy,
+                          parse_layout(layout) if layout else None, kv_cache_dtype=kv_cache_dtype)
+        result = make_plan(req)
+        if emit and result.chosen:
+            from flagdeploy.planner.emit import emit as emit_engine
+
+            profile = result.profile()
+            click.echo(profile.to_yaml() if emit == "profile" else emit_engine(profile, emit).shell())
+            return
+    except (FlagdeployError, ValueError) as exc:
+        _fail(str(exc))
+    click.echo(json.dumps(to_json(result), indent=2) if as_json else table(result))
+    if result.chosen is None:
+        sys.exit(1)
 
 
 @main.group()

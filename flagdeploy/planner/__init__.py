@@ -1,0 +1,14 @@
+"""`flagdeploy plan`: will it fit, and how to split it.
+
+`ledger` (weights by family and dtype, KV per token, linear-attention state per sequence, from the
+model's config), `cost` (per-device memory and a roofline + collectives estimate of one layout),
+`search` (every TP x DP x EP x PP layout, rejected or ranked), `report` (the table and the JSON),
+`profile` (the neutral deployment profile) and `emit` (each external engine's command line).
+"""
+
+from .cost import Layout
+from .ledger import PlanInputError
+from .profile import Profile
+from .search import Plan, PlanRequest, make_plan
+
+__all__ = ["Layout", "Plan", "PlanInputError", "PlanRequest", "Profile", "make_plan"]

@@ -1,0 +1,254 @@
+"""Translate a neutral deployment profile into an external engine's launch: argv, environment and files.
+
+The engine vocabularies and their chip/model quirks live in profiles/engines.yaml, each rule with its
+source, so that this module only interprets data: a new engine flag or a new "on chip X, model Y needs Z"
+is a YAML edit that a reviewer can check against the cited document, not a new if-branch here.
+
+    launch = emit(profile, "vllm-ascend")
+    print(launch.shell())          # copy-pasteable: files, setup lines, then ENV=... argv
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flagdeploy.chips import get_chip
+from flagdeploy.errors import FlagdeployError
+from flagdeploy.planner.profile import Profile
+from flagdeploy.profiles import PROFILES_DIR
+
+__all__ = ["ENGINES", "EmitError", "Launch", "emit", "emit_profile"]
+
+ENGINES_FILE = PROFILES_DIR / "engines.yaml"
+# Names usable in `when` and templates besides the Profile fields (see the engines.yaml header).
+DERIVED = ("engine", "backend", "vendor", "tp_dp", "dp_attention", "served_name", "visible_devices", "device_ids")
+# Fields that describe where/what runs rather than how: never reported as "not mapped".
+_CONTEXT_ONLY = {"model", "chip", "model_type", "devices", "nodes"}
+_OPS = {"gt": lambda a, b: a is not None and a > b, "ge": lambda a, b: a is not None and a >= b,
+        "lt": lambda a, b: a is not None and a < b, "ne": lambda a, b: a != b,
+        "in": lambda a, b: a in b, "not_in": lambda a, b: a not in b}
+_RULE_ACTIONS = {"reject", "set", "flags", "drop", "env", "warn"}
+_SOLE_PLACEHOLDER = re.compile(r"^\{(\w+)\}$")
+
+
+class EmitError(FlagdeployError, ValueError):
+    """The profile cannot be emitted for that engine (unknown engine, a rule rejects it, a value it lacks)."""
+
+
+@dataclass
+class Launch:
+    """One engine launch: what to write, what to set, what to run, and what the user should know.
+
+    `setup` holds shell lines to run before the command (sourcing CANN scripts, cd into an install dir);
+    they are kept apart from `argv` so that argv stays an exact exec() vector.
+    """
+
+    engine: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    setup: list[str] = field(default_factory=list)
+
+    def shell(self) -> str:
+        """A copy-pasteable script; its last line is `VAR=value ... argv` and re-parses with shlex."""
+        lines = [f"# warning: {w}" for w in self.warnings]
+        for path, content in self.files.items():
+            lines += [f"cat > {shlex.quote(path)} <<'EOF'", content.rstrip("\n"), "EOF"]
+        lines += self.setup
+        lines.append(" ".join([f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+                              + [shlex.quote(a) for a in self.argv]))
+        return "\n".join(lines) + "\n"
+
+
+def emit_profile(profile: Profile) -> str:
+    """The profile YAML that `flagdeploy serve --profile` reads (`plan --emit profile`)."""
+    return profile.to_yaml()
+
+
+def _as_list(x: Any) -> list:
+    return [] if x is None else x if isinstance(x, list) else [x]
+
+
+@functools.lru_cache(maxsize=None)
+def _spec() -> dict[str, Any]:
+    """Load and check engines.yaml once: a typo in a rule should fail at load, not silently never match."""
+    data = yaml.safe_load(ENGINES_FILE.read_text())
+    engines, rules = data["engines"], data["rules"]
+    names = {f.name for f in dataclasses.fields(Profile)} | set(DERIVED)
+    for rule in rules:
+        where = f"{ENGINES_FILE.name}: rule {rule.get('id')!r}"
+        if not rule.get("source") or not isinstance(rule.get("when"), dict):
+            raise ValueError(f"{where}: every rule needs a source and a `when` mapping")
+        if not _RULE_ACTIONS & set(rule):
+            raise ValueError(f"{where}: no action (one of {sorted(_RULE_ACTIONS)})")
+        if unknown := set(rule["when"]) - names:
+            raise ValueError(f"{where}: unknown condition keys {sorted(unknown)}")
+        for eng in _as_list(rule["when"].get("engine")):
+            if eng not in engines:
+                raise ValueError(f"{where}: unknown engine {eng!r}")
+    for name, eng in engines.items():
+        if unknown := set(eng["flags"]) - names:
+            raise ValueError(f"{ENGINES_FILE.name}: engine {name!r} maps unknown fields {sorted(unknown)}")
+    return data
+
+
+ENGINES: tuple[str, ...] = tuple(_spec()["engines"])
+
+
+def emit(profile: Profile, engine: str) -> Launch:
+    """The launch for `engine` (one of ENGINES); raises EmitError when the engine or a rule refuses it."""
+    spec = _spec()
+    if engine not in spec["engines"]:
+        raise EmitError(f"Unknown engine {engine!r}. Known engines: {', '.join(ENGINES)} "
+                        f"(or `profile` for the flagdeploy profile YAML).")
+    eng = spec["engines"][engine]
+    chip = get_chip(profile.chip)  # an unknown chip raises UnknownChipError listing the known ones
+    prof = dataclasses.replace(profile)
+    warnings: list[str] = []
+    flag_ops: list[tuple[str, Any]] = []  # (flag, value or None to drop), applied after mapping
+    env_extra: dict[str, str] = {}
+
+    for rule in spec["rules"]:
+        ctx = _context(prof, engine, chip)
+        if not all(_match(ctx.get(k), cond) for k, cond in rule["when"].items()):
+            continue
+        src = f"[{rule['id']}; {rule['source']}]"
+        if "reject" in rule:
+            raise EmitError(f"Cannot emit {engine} for chip {prof.chip}: {rule['reject']} {src}")
+        for name, value in (rule.get("set") or {}).items():
+            old, default = getattr(prof, name), _default(name)
+            if old != value and old != default and "warn" not in rule:
+                warnings.append(f"{name} changed from {old!r} to {value!r} for {engine} {src}")
+            prof = dataclasses.replace(prof, **{name: value})
+        flag_ops += [(f, v) for f, v in (rule.get("flags") or {}).items()] + [(f, None) for f in rule.get("drop", [])]
+        env_extra.update({k: str(v) for k, v in (rule.get("env") or {}).items()})
+        if "warn" in rule:
+            warnings.append(f"{rule['warn']} {src}")
+
+    ctx = _context(prof, engine, chip)
+    flags: dict[str, str | None] = {}  # ordered: flag -> value (None: bare switch)
+    config = copy.deepcopy(eng.get("config", {}).get("base", {}))
+    for name, fspec in eng["flags"].items():
+        value = _field_value(fspec, ctx, name, engine)
+        if value is _SKIP:
+            continue
+        for path in _as_list(fspec.get("json")):
+            _set_path(config, path, value)
+        for flag, fv in _flag_items(fspec).items():
+            flags[flag] = _argval(_render(fv, ctx, value))
+    for flag, fv in flag_ops:
+        if fv is None:
+            flags.pop(flag, None)
+        else:
+            flags[flag] = _argval(_render(fv, ctx, None))
+
+    for name in sorted({f.name for f in dataclasses.fields(Profile)} - _CONTEXT_ONLY - set(eng["flags"])):
+        if getattr(prof, name) != _default(name):
+            warnings.append(f"{name}={getattr(prof, name)!r} has no {engine} equivalent here; not emitted")
+
+    argv = [str(_render(a, ctx, None)) for a in eng["program"]]
+    for flag, value in flags.items():
+        argv += [flag] if value is None else [flag, value]
+    env = {k: str(_render(v, ctx, None)) for k, v in (eng.get("env") or {}).items()} | env_extra
+    files = {}
+    if "config" in eng:
+        files[eng["config"]["file"]] = json.dumps(config, indent=2) + "\n"
+        warnings.append(f"merge {eng['config']['file']} into {eng['config']['merge_into']} (the setup lines do it with jq)")
+    setup = [str(_render(s, ctx, None)) for s in eng.get("setup", [])]
+    return Launch(engine=engine, argv=argv, env=env, files=files, warnings=warnings, setup=setup)
+
+
+_SKIP = object()
+
+
+def _field_value(fspec: dict, ctx: dict, name: str, engine: str) -> Any:
+    """The engine-side value of one mapped field, or _SKIP when nothing is passed for it."""
+    value = ctx[name]
+    when = fspec.get("when")  # not "on": YAML 1.1 reads a bare `on` key as the boolean True
+    if when is None:
+        if value is None or value in fspec.get("omit", []):
+            return _SKIP
+    elif when != "always" and not _match(value, when):
+        return _SKIP
+    if "values" in fspec:
+        table = fspec["values"]
+        if value not in table:
+            raise EmitError(f"{engine} has no {name} {value!r}; set {name} to one of: {', '.join(map(str, table))}")
+        value = table[value]
+        if value is None:
+            return _SKIP
+    if "value_json" in fspec:
+        return json.dumps(fspec["value_json"], separators=(",", ":"))
+    if "value" in fspec:
+        return _render(fspec["value"], ctx, value)
+    return value
+
+
+def _flag_items(fspec: dict) -> dict[str, Any]:
+    if "flag" in fspec:
+        return {fspec["flag"]: "{value}"}
+    if "switch" in fspec:
+        return {fspec["switch"]: True}
+    return dict(fspec.get("flags", {}))
+
+
+def _render(template: Any, ctx: dict, value: Any) -> Any:
+    """Fill "{name}" from ctx (and "{value}"); a lone placeholder keeps its type (lists, ints for JSON)."""
+    if not isinstance(template, str):
+        return template
+    names = ctx | {"value": value}
+    if m := _SOLE_PLACEHOLDER.match(template):
+        return names[m.group(1)]
+    return template.format(**names)
+
+
+def _argval(value: Any) -> str | None:
+    """argv text for a flag value: True is a bare switch, mappings are JSON (e.g. --speculative-config)."""
+    if value is True:
+        return None
+    if isinstance(value, dict):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def _set_path(doc: dict, path: str, value: Any) -> None:
+    """Set `A.B.0.C` in a JSON document, creating mappings on the way (numeric parts index lists)."""
+    *parents, last = path.split(".")
+    node: Any = doc
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
+    node[last] = value
+
+
+def _match(actual: Any, cond: Any) -> bool:
+    if isinstance(cond, list):
+        return actual in cond
+    if isinstance(cond, dict):
+        return all(_OPS[op](actual, ref) for op, ref in cond.items())
+    return actual == cond
+
+
+def _context(prof: Profile, engine: str, chip: Any) -> dict[str, Any]:
+    devices = max(prof.devices, 1)
+    return dataclasses.asdict(prof) | {
+        "engine": engine, "backend": chip.backend, "vendor": chip.vendor, "tp_dp": prof.tp * prof.dp,
+        "dp_attention": prof.dp > 1 and prof.ep > 1,
+        "served_name": prof.served_model_name or Path(prof.model).name or prof.model,
+        "visible_devices": ",".join(map(str, range(devices))), "device_ids": [list(range(devices))],
+    }
+
+
+def _default(name: str) -> Any:
+    f = Profile.__dataclass_fields__[name]
+    return f.default

@@ -1,0 +1,219 @@
+"""The memory ledger: what a model's weights, caches and states cost, from its config alone.
+
+Weights come from the checkpoint's own tensor list (`shapes.checkpoint_tensors`), each given a storage
+dtype (as the checkpoint's quantization_config says, or as a quantize policy would convert it), a module
+family, a layer, and the way a layout divides it (TP, EP, or replicated on every device). Caches and
+states come from the attention kinds: GQA keys and values per token, glm5_next's MLA latent and DSA
+indexer rows per token (no head axis: TP does not split them), and KDA's fixed-size state per sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from flagdeploy.errors import FlagdeployError
+from flagdeploy.profiles import PROFILES_DIR
+
+from .shapes import checkpoint_tensors
+
+PRESETS_DIR = PROFILES_DIR / "presets"
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+
+
+class PlanInputError(FlagdeployError, ValueError):
+    """The model, chip or layout given to the planner cannot be used."""
+
+
+# ---- the model's config ---------------------------------------------------------------------------------
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def load_config(model: str) -> tuple[str, dict]:
+    """(name, HF config dict) from a preset name, a config.json, or a model directory."""
+    path = Path(model)
+    if (PRESETS_DIR / f"{model.lower()}.json").exists():
+        path = PRESETS_DIR / f"{model.lower()}.json"
+    elif path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise PlanInputError(f"no model {model!r}: pass a preset ({', '.join(presets())}), a config.json, or a model "
+                             f"directory that has one.")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PlanInputError(f"{path} is not valid JSON ({exc}).") from exc
+    name = path.stem if path.parent == PRESETS_DIR else (path.parent.name if path.name == "config.json" else path.stem)
+    return name, config
+
+
+def text_config(config: dict) -> dict:
+    return config.get("text_config") or config
+
+
+# ---- weights ------------------------------------------------------------------------------------------------
+
+# (family, how a layout divides it), first match wins; "ep" means split by EP when expert parallel is on,
+# by TP otherwise. The MLA down-projections and the DSA indexer are small and replicated, as engines do.
+_FAMILIES = [
+    (r"^model\.visual\.", "vision", "replicated"),
+    (r"(embed_tokens|wte)\.weight$", "embedding", "tp"),
+    (r"^lm_head\.", "lm_head", "tp"),
+    (r"(norm\d?|layernorm)\.(weight|bias)$|\.(enorm|hnorm)\.", "norm", "replicated"),
+    (r"\.mlp\.(gate|router)\.|\.e_score_correction_bias$|shared_expert_gate|block_sparse_moe\.gate\.", "router", "replicated"),
+    (r"\.experts\.", "experts", "ep"),
+    (r"shared_expert", "shared_experts", "tp"),
+    (r"\.(mlp|block_sparse_moe)\.", "mlp", "tp"),
+    (r"\.hc_(attn|ffn)_", "hyper_connections", "replicated"),
+    (r"\.self_attn\.indexer\.", "indexer", "replicated"),
+    (r"\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.", "attention", "replicated"),
+    (r"\.self_attn\.(f_a_proj|f_b_proj|g_a_proj|g_b_proj|b_proj|\w_conv1d|dt_bias|A_log)|\.self_attn\.o_norm", "linear_attention", "tp"),
+    (r"\.self_attn\.", "attention", "tp"),
+]
+_FAMILY_RES = [(re.compile(p), f, s) for p, f, s in _FAMILIES]
+_LAYER = re.compile(r"layers\.(\d+)\.")
+# tensors checkpoints keep in float32 whatever the model dtype (glm5_next's published layout)
+_FP32 = re.compile(r"(e_score_correction_bias|\.dt_bias|\.A_log|\.hc_(attn|ffn)_(base|scale))$")
+
+
+def family_of(name: str) -> tuple[str, str]:
+    for pattern, family, split in _FAMILY_RES:
+        if pattern.search(name):
+            return family, split
+    return "other", "replicated"
+
+
+@dataclass(frozen=True)
+class WeightGroup:
+    family: str
+    dtype: str
+    split: str  # tp, ep or replicated
+    layer: int | None  # decoder layer (None: embeddings, head, vision, final norm)
+    params: int
+    bytes: int  # with the quantization scales that belong to it
+
+
+@lru_cache(maxsize=8)
+def _not_converted(entries: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(entries)
+
+
+def _stored_dtype(name: str, shape: tuple[int, ...], config: dict) -> str:
+    """The dtype the checkpoint stores a tensor in, from its quantization_config."""
+    base = {"float32": "fp32", "float16": "fp16"}.get(str(config.get("dtype") or config.get("torch_dtype")), "bf16")
+    if _FP32.search(name):
+        return "fp32"
+    qc = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
+    module = name.rsplit(".", 1)[0]
+    if qc.get("quant_method") == "flagdeploy":
+        return {"w8a8_dynamic": "int8", "w8a16": "int8", "fp8": "fp8"}.get(qc.get("modules", {}).get(module, ""), base)
+    if qc.get("quant_method") == "fp8" and name.endswith(".weight") and len(shape) == 2:
+        if family_of(name)[0] in ("embedding", "lm_head", "norm", "router", "vision"):
+            return base
+        parts = module.split(".")  # an entry matches as a whole-name prefix or suffix, as transformers reads it
+        around = {".".join(parts[:i]) for i in range(1, len(parts) + 1)} | {".".join(parts[i:]) for i in range(len(parts))}
+        return base if around & _not_converted(tuple(qc.get("modules_to_not_convert") or ())) else "fp8"
+    return base
+
+
+def _policy_dtype(name: str, shape: tuple[int, ...], stored: str, policy) -> str:
+    """The dtype after `flagdeploy quantize` with `policy` (same rules as the converter)."""
+    from flagdeploy.quantize.schemes import SCHEMES, is_matrix_weight
+
+    scheme = policy.rule_for(name).scheme
+    if SCHEMES[scheme].int8 and is_matrix_weight(name, shape):
+        return "int8"
+    if scheme == "fp8" and is_matrix_weight(name, shape):
+        return "fp8"
+    if scheme == "keep":
+        return stored
+    return stored if stored == "fp32" else "bf16"
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...], numel: int, block: tuple[int, int]) -> int:
+    b = numel * DTYPE_BYTES[dtype]
+    if dtype == "fp8" and len(shape) == 2:  # float32 inverse scale per block
+        b += -(-shape[0] // block[0]) * -(-shape[1] // block[1]) * 4
+    elif dtype == "int8" and len(shape) == 2:  # float32 scale per output channel
+        b += shape[0] * 4
+    return b
+
+
+def weight_groups(config: dict, *, policy=None, include_mtp: bool = False) -> list[WeightGroup]:
+    sums: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    qc = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
+    block = tuple(qc.get("weight_block_size") or (128, 128))
+    for name, shape in checkpoint_tensors(config, include_mtp=include_mtp):
+        numel = 1
+        for d in shape:
+            numel *= d
+        dtype = _stored_dtype(name, shape, config)
+        if policy is not None:
+            dtype = _policy_dtype(name, shape, dtype, policy)
+        family, split = family_of(name)
+        m = _LAYER.search(name)
+        key = (family, dtype, split, int(m.group(1)) if m else None)
+        sums[key][0] += numel
+        sums[key][1] += _nbytes(dtype, shape, numel, block)
+    return [WeightGroup(*k, p, b) for k, (p, b) in sums.items()]
+
+
+# ---- caches and states ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """Per-token cache and per-sequence state, in elements, per decoder layer.
+
+    kv_split: per layer, the number of KV heads a TP group can divide (0: no head axis, replicated).
+    dense / sparse: values per token read by every decode step over the whole context / only over the
+    DSA's selected positions (at most `sparse_topk`). state: per-sequence values (float32) and conv taps.
+    """
+
+    dense: list[int]
+    sparse: list[int]
+    kv_split: list[int]
+    state_fp32: list[int] = field(default_factory=list)
+    state_conv: list[int] = field(default_factory=list)
+    state_split: list[int] = field(default_factory=list)  # heads TP divides the state by
+    sparse_topk: int = 0
+
+    @property
+    def layers(self) -> int:
+        return len(self.dense)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return (sum(self.dense) + sum(self.sparse)) * dtype_bytes
+
+    def state_bytes_per_sequence(self, dtype_bytes: int) -> int:
+        return sum(self.state_fp32) * 4 + sum(self.state_conv) * dtype_bytes
+
+
+def cache_shape(config: dict) -> CacheShape:
+    t = text_config(config)
+    if config.get("model_type") == "glm5_next":
+        from flagdeploy.models.glm5_next import from_hf_config
+
+        c = from_hf_config(config)
+        dense, sparse, split, s32, conv, ssplit = [], [], [], [], [], []
+        for lt, kind in zip(c.layer_types, c.indexer_types):
+            indexed = lt == "indexed_attention"
+            sparse.append(c.kv_lora_rank if indexed else 0)  # the latent, read at the selected positions
+            dense.append(2 * c.index_head_dim if indexed and kind == "full" else 0)  # indexer key + pool gate
+            split.append(0)
+            s32.append(0 if indexed else c.linear_num_heads * c.linear_head_dim ** 2)
+            conv.append(0 if indexed else (c.linear_conv_kernel_dim - 1) * 3 * c.linear_num_heads * c.linear_head_dim)
+            ssplit.append(0 if indexed else c.linear_num_heads)
+        return CacheShape(dense, sparse, split, s32, conv, ssplit, c.index_topk)
+    heads = t["num_attention_heads"]
+    kv = t.get("num_key_value_heads") or heads
+    head_dim = t.get("head_dim") or t["hidden_size"] // heads
+    n = t["num_hidden_layers"]
+    return CacheShape([2 * kv * head_dim] * n, [0] * n, [kv] * n)

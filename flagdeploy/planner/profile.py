@@ -1,0 +1,61 @@
+"""A deployment profile: one neutral vocabulary for how a model runs, whichever engine runs it.
+
+`flagdeploy plan` writes one (`--emit profile`), `flagdeploy serve --profile` reads it, and the emitters
+translate it into each external engine's flags (vLLM, vLLM-Ascend, SGLang, MindIE). Field names are the
+planner's, not any engine's: tp/dp/ep/pp, not --tensor-parallel-size.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class Profile:
+    model: str  # local path, hub id, or preset name
+    chip: str  # chip catalog id
+    served_model_name: str | None = None
+    model_type: str | None = None  # HF model_type (engine rules depend on it)
+    devices: int = 1  # devices used per node
+    nodes: int = 1
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1  # 1: experts split like other weights (by tp); tp*dp: expert parallel
+    pp: int = 1
+    max_model_len: int = 4096
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto (the model dtype), bf16, fp8, int8
+    quantization: str | None = None  # None (as stored), fp8 (FP8 checkpoint), w8a8 (msModelSlim / flagdeploy int8)
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    mtp: bool = False  # multi-token-prediction speculative decoding
+    memory_utilization: float = 0.9
+    port: int = 8000
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump({"profile": asdict(self)}, sort_keys=False)
+
+    def save(self, path: str | Path) -> None:
+        """Written to a temporary file and renamed: a reader never sees half a profile."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+        with os.fdopen(fd, "w") as f:
+            f.write(self.to_yaml())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        body = data.get("profile", data)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown profile fields {unknown}; known fields: {sorted(known)}")
+        return cls(**body)

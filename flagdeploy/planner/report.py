@@ -1,0 +1,90 @@
+"""The plan as a person reads it (one table, ten seconds) and as a machine reads it (`--json`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .cost import GIB, Estimate, Layout
+from .search import Plan
+
+
+def parse_layout(text: str) -> Layout:
+    """`tp=4,ep=4,dp=1` (missing keys default to 1)."""
+    fields = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        key, _, value = part.partition("=")
+        if key not in ("tp", "dp", "ep", "pp") or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{part!r} in --layout: write it as tp=4,dp=2,ep=8,pp=1 (positive integers)")
+        fields[key] = int(value)
+    return Layout(**fields)
+
+
+def _row(e: Estimate) -> dict:
+    return {"tp": e.layout.tp, "dp": e.layout.dp, "ep": e.layout.ep, "pp": e.layout.pp,
+            "decode_tokens_s": round(e.decode_tokens_s, 1), "token_latency_ms": round(e.token_latency_ms, 2),
+            "prefill_tokens_s": round(e.prefill_tokens_s, 1), "comm_ms": round(e.comm_ms, 2),
+            "per_device_bytes": e.memory.as_dict()}
+
+
+def ledger_summary(plan: Plan) -> dict:
+    fam: dict[str, dict] = defaultdict(lambda: {"params": 0, "bytes": 0, "dtypes": set()})
+    for g in plan.groups:
+        f = fam[g.family]
+        f["params"] += g.params
+        f["bytes"] += g.bytes
+        f["dtypes"].add(g.dtype)
+    kvb = plan.workload.kv_dtype_bytes
+    return {"params": sum(g.params for g in plan.groups), "weight_bytes": plan.weight_bytes,
+            "families": {k: {**v, "dtypes": sorted(v["dtypes"])} for k, v in sorted(fam.items())},
+            "kv_bytes_per_token": plan.cache.kv_bytes_per_token(kvb),
+            "linear_state_bytes_per_sequence": plan.cache.state_bytes_per_sequence(kvb)}
+
+
+def to_json(plan: Plan) -> dict:
+    r = plan.request
+    return {"model": plan.model_name, "model_type": plan.model_type, "chip": plan.chip.id, "devices": r.devices,
+            "nodes": r.nodes, "max_model_len": r.max_model_len, "concurrency": r.concurrency, "objective": r.objective,
+            "ledger": ledger_summary(plan), "chosen": _row(plan.chosen) if plan.chosen else None,
+            "alternatives": [_row(e) for e in plan.alternatives],
+            "rejected": [{"tp": x.layout.tp, "dp": x.layout.dp, "ep": x.layout.ep, "pp": x.layout.pp, "reason": x.reason}
+                         for x in plan.rejected],
+            "notes": plan.notes, "suggestions": plan.suggestions}
+
+
+def ledger_line(plan: Plan) -> str:
+    s = ledger_summary(plan)
+    dtypes = sorted({g.dtype for g in plan.groups})
+    return (f"{plan.model_name}: {s['params'] / 1e9:.2f}B params, weights {s['weight_bytes'] / GIB:.2f} GiB "
+            f"({'/'.join(dtypes)}), KV {s['kv_bytes_per_token'] / 1024:.1f} KiB/token"
+            + (f", linear state {s['linear_state_bytes_per_sequence'] / 2**20:.1f} MiB/sequence"
+               if s["linear_state_bytes_per_sequence"] else ""))
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:7.1f}"
+
+
+def table(plan: Plan) -> str:
+    r = plan.request
+    lines = [ledger_line(plan),
+             f"on {r.nodes} x {r.devices} {plan.chip.id} ({plan.chip.memory_gib:g} GiB, "
+             f"{r.interconnect or plan.chip.interconnect.kind}), max-model-len {r.max_model_len}, concurrency "
+             f"{r.concurrency}, objective {r.objective}"]
+    lines += [f"note: {n}" for n in plan.notes]
+    head = f"   {'layout':<24}{'decode tok/s':>13}{'ms/token':>10}{'weights':>9}{'KV':>8}{'state':>8}{'free':>8}  GiB/device"
+    shown = ([plan.chosen] if plan.chosen else []) + plan.alternatives
+    if shown:
+        lines.append(head)
+        for i, e in enumerate(shown):
+            m = e.memory
+            lines.append(f"{'->' if i == 0 else '  '} {str(e.layout):<24}{e.decode_tokens_s:13.1f}{e.token_latency_ms:10.2f}"
+                         f"{_gib(m.weights):>9}{_gib(m.kv_cache):>8}{_gib(m.linear_state):>8}{_gib(m.free):>8}")
+    if plan.rejected:
+        lines.append(f"rejected ({len(plan.rejected)}):")
+        lines += [f"   {str(x.layout):<24}{x.reason}" for x in plan.rejected[:8]]
+        if len(plan.rejected) > 8:
+            lines.append(f"   ... {len(plan.rejected) - 8} more (--json lists all)")
+    if not plan.chosen:
+        lines.append("nothing fits.")
+        lines += [f"  - {s}" for s in plan.suggestions]
+    return "\n".join(lines)

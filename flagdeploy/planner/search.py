@@ -1,0 +1,241 @@
+"""Layout search: every TP x DP x EP (x PP) split of the devices, the ones that break a rule or do not
+fit rejected with the reason, the rest ranked by the objective; and, when nothing fits, what would."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from flagdeploy.chips import Chip, get_chip
+
+from .cost import GIB, Estimate, Layout, Link, ModelFacts, Workload, estimate, interconnects, memory
+from .ledger import CacheShape, PlanInputError, WeightGroup, cache_shape, load_config, text_config, weight_groups
+from .profile import Profile
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str  # preset name, config.json or model directory
+    chip: str
+    devices: int  # per node
+    nodes: int = 1
+    interconnect: str | None = None  # None: the chip's own link
+    max_model_len: int = 32768
+    concurrency: int = 16
+    objective: str = "throughput"  # or latency
+    mtp: bool = False
+    policy: str | None = None  # a quantize policy to plan the converted weights with
+    layout: Layout | None = None  # evaluate exactly this one
+    avg_context: int | None = None  # default: half of max_model_len
+    kv_cache_dtype: str = "bf16"
+
+
+@dataclass
+class Rejected:
+    layout: Layout
+    reason: str
+
+
+@dataclass
+class Plan:
+    request: PlanRequest
+    model_name: str
+    model_type: str
+    chip: Chip
+    groups: list[WeightGroup]
+    cache: CacheShape
+    workload: Workload
+    chosen: Estimate | None
+    alternatives: list[Estimate]
+    rejected: list[Rejected]
+    notes: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(g.bytes for g in self.groups)
+
+    def profile(self, estimate: Estimate | None = None) -> Profile:
+        """The deployment profile of the chosen (or the given) layout, in the neutral vocabulary."""
+        e = estimate or self.chosen
+        if e is None:
+            raise PlanInputError("nothing fits, so there is no profile to emit; see the suggestions.")
+        r, dtypes = self.request, {g.dtype for g in self.groups}
+        quantization = "w8a8" if "int8" in dtypes else ("fp8" if "fp8" in dtypes else None)
+        return Profile(model=r.model, chip=self.chip.id, model_type=self.model_type, devices=r.devices, nodes=r.nodes,
+                       tp=e.layout.tp, dp=e.layout.dp, ep=e.layout.ep, pp=e.layout.pp, max_model_len=r.max_model_len,
+                       max_num_seqs=max(1, r.concurrency // e.layout.dp),
+                       kv_cache_dtype="auto" if r.kv_cache_dtype == "bf16" else r.kv_cache_dtype,
+                       quantization=quantization, mtp=r.mtp)
+
+
+def model_facts(config: dict, groups: list[WeightGroup]) -> ModelFacts:
+    t = text_config(config)
+    layers = t["num_hidden_layers"]
+    heads = t["num_attention_heads"]
+    experts = t.get("n_routed_experts") or t.get("num_experts") or t.get("num_local_experts") or 0
+    moe_layers = len({g.layer for g in groups if g.family == "experts" and g.layer is not None and g.layer < layers})
+    if config.get("model_type") == "glm5_next":
+        attn_dim = heads * (t.get("qk_nope_head_dim", 256) + t.get("v_head_dim", 256)) // 2
+        linear_heads = t.get("linear_num_heads", 0)
+    else:
+        attn_dim = heads * (t.get("head_dim") or t["hidden_size"] // heads)
+        linear_heads = 0
+    return ModelFacts(t["hidden_size"], t["vocab_size"], layers, heads, t.get("num_key_value_heads") or heads,
+                      linear_heads, experts, t.get("num_experts_per_tok") or 0, moe_layers, attn_dim)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(total: int, facts: ModelFacts) -> list[Layout]:
+    out = []
+    for pp in _divisors(total):
+        for tp in _divisors(total // pp):
+            dp = total // pp // tp
+            for ep in sorted({1, tp * dp}) if facts.experts else [1]:
+                out.append(Layout(tp, dp, ep, pp))
+    return out
+
+
+def rule_violation(layout: Layout, facts: ModelFacts, devices_per_node: int, concurrency: int) -> str | None:
+    tp = layout.tp
+    if tp > devices_per_node:
+        return f"TP {tp} would cross nodes ({devices_per_node} devices per node): per-layer all-reduces over the network"
+    if facts.attention_heads % tp:
+        return f"{facts.attention_heads} attention heads do not divide by TP {tp}"
+    if facts.kv_heads % tp and tp % facts.kv_heads:
+        return f"{facts.kv_heads} KV heads neither divide by nor divide TP {tp}"
+    if facts.linear_heads and facts.linear_heads % tp:
+        return f"{facts.linear_heads} KDA heads do not divide by TP {tp}"
+    if facts.experts and layout.ep > 1 and facts.experts % layout.ep:
+        return f"{facts.experts} experts do not divide by EP {layout.ep}"
+    if layout.pp > facts.layers:
+        return f"PP {layout.pp} exceeds the {facts.layers} layers"
+    if layout.dp > concurrency:
+        return f"DP {layout.dp} needs at least {layout.dp} concurrent sequences (--concurrency {concurrency})"
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _links(chip: Chip, kind: str | None) -> tuple[Link, Link]:
+    table = interconnects()
+    if kind is None or kind == chip.interconnect.kind:
+        intra = Link(chip.interconnect.kind, chip.interconnect.bandwidth_gbs, table[chip.interconnect.kind]["latency_us"])
+    elif kind in table:
+        intra = Link(kind, table[kind]["bandwidth_gbs"], table[kind]["latency_us"])
+    else:
+        raise PlanInputError(f"unknown interconnect {kind!r}; choose one of {', '.join(table)}.")
+    return intra, Link("roce", table["roce"]["bandwidth_gbs"], table["roce"]["latency_us"])
+
+
+def _evaluate(req: PlanRequest, chip: Chip, groups, cache, facts, load, layouts) -> tuple[list[Estimate], list[Rejected]]:
+    intra, inter = _links(chip, req.interconnect)
+    fits, rejected = [], []
+    for lay in layouts:
+        why = rule_violation(lay, facts, req.devices, req.concurrency)
+        if why is None:
+            est = estimate(groups, cache, facts, chip, lay, load, intra, inter, req.devices)
+            m = est.memory
+            if m.free < 0:
+                why = (f"does not fit: needs {_gib(m.used)} per device (weights {_gib(m.weights)}, KV {_gib(m.kv_cache)}, "
+                       f"linear state {_gib(m.linear_state)}, activations {_gib(m.activations)}, reserve {_gib(m.reserve)}), "
+                       f"has {_gib(m.capacity)}; short by {_gib(-m.free)}")
+            else:
+                fits.append(est)
+        if why is not None:
+            rejected.append(Rejected(lay, why))
+    return fits, rejected
+
+
+def _rank(fits: list[Estimate], objective: str) -> list[Estimate]:
+    if objective == "latency":
+        return sorted(fits, key=lambda e: (e.token_latency_ms, -e.decode_tokens_s))
+    return sorted(fits, key=lambda e: (-e.decode_tokens_s, e.token_latency_ms))
+
+
+def make_plan(req: PlanRequest) -> Plan:
+    if req.objective not in ("latency", "throughput"):
+        raise PlanInputError(f"objective must be latency or throughput, not {req.objective!r}.")
+    chip = get_chip(req.chip)
+    name, config = load_config(req.model)
+    notes = []
+    policy = None
+    from flagdeploy.quantize.policy import default_policy_name, load_policy
+
+    if req.policy:
+        policy = load_policy(req.policy)
+    else:
+        stored = weight_groups(config, include_mtp=req.mtp)
+        if any(g.dtype == "fp8" for g in stored) and not chip.supports("fp8"):
+            policy = load_policy(default_policy_name(chip))
+            notes.append(f"{chip.id} has no FP8 matmuls: planned with the weights converted by policy {policy.name!r} "
+                         f"(run `flagdeploy quantize SRC -o DST --chip {chip.id}` first)")
+    groups = weight_groups(config, policy=policy, include_mtp=req.mtp)
+    cache = cache_shape(config)
+    facts = model_facts(config, groups)
+    kv_bytes = {"bf16": 2, "fp16": 2, "auto": 2, "fp8": 1, "int8": 1}[req.kv_cache_dtype]
+    load = Workload(req.max_model_len, req.concurrency, req.avg_context or max(1, req.max_model_len // 2),
+                    min(req.max_model_len, 8192), kv_dtype_bytes=kv_bytes, mtp=req.mtp)
+    total = req.devices * req.nodes
+    layouts = [req.layout] if req.layout else candidate_layouts(total, facts)
+    if req.layout and req.layout.devices != total:
+        raise PlanInputError(f"layout {req.layout} uses {req.layout.devices} devices, the request has {total} "
+                             f"({req.nodes} node(s) x {req.devices}); make tp x dp x pp equal that.")
+    fits, rejected = _evaluate(req, chip, groups, cache, facts, load, layouts)
+    ranked = _rank(fits, req.objective)
+    rejected.sort(key=lambda r: (not r.reason.startswith("does not fit"), r.reason.startswith("does not fit")
+                                 and float(r.reason.rsplit("short by ", 1)[1].split()[0])))
+    plan = Plan(req, name, config.get("model_type", "?"), chip, groups, cache, load, ranked[0] if ranked else None,
+                ranked[1:4], rejected, notes)
+    if not ranked:
+        plan.suggestions = _suggestions(req, chip, config, groups, cache, facts, load, rejected, policy)
+    return plan
+
+
+def _suggestions(req, chip, config, groups, cache, facts, load, rejected, policy) -> list[str]:
+    """How far from fitting, and the nearest changes that would fit: more devices, a policy, less context."""
+    out = []
+    legal = [r.layout for r in rejected if r.reason.startswith("does not fit")]
+    if not legal:
+        return ["no layout passes the divisibility rules for this device count; try a power-of-two device count"]
+    mems = {lay: memory(groups, cache, facts, chip, lay, load) for lay in legal}
+    best = max(legal, key=lambda lay: mems[lay].free)
+    out.append(f"closest layout {best} is short by {_gib(-mems[best].free)} per device")
+    for nodes in range(req.nodes, req.nodes + 16):
+        for per_node in sorted({req.devices, chip.devices_per_node}):
+            if nodes * per_node <= req.nodes * req.devices:
+                continue
+            more = replace(req, nodes=nodes, devices=per_node, layout=None)
+            if _evaluate(more, chip, groups, cache, facts, load, candidate_layouts(nodes * per_node, facts))[0]:
+                out.append(f"more devices: {nodes} node(s) x {per_node} {chip.id} fit")
+                break
+        else:
+            continue
+        break
+    if policy is None and chip.supports("int8"):
+        from flagdeploy.quantize.policy import load_policy
+
+        q_groups = weight_groups(config, policy=load_policy("no-fp8"), include_mtp=req.mtp)
+        if _evaluate(req, chip, q_groups, cache, facts, load, legal)[0]:
+            out.append(f"a quantize policy: `flagdeploy quantize --policy no-fp8` (INT8 experts/MLPs) shrinks the weights "
+                       f"from {_gib(sum(g.bytes for g in groups))} to {_gib(sum(g.bytes for g in q_groups))} and it fits")
+    lo, hi = 0, req.max_model_len
+    while hi - lo > 256:
+        mid = (lo + hi) // 2
+        shorter = replace(load, max_model_len=mid)
+        if any(memory(groups, cache, facts, chip, lay, shorter).free >= 0 for lay in legal):
+            lo = mid
+        else:
+            hi = mid
+    if lo >= 256:
+        out.append(f"a shorter context: --max-model-len {lo // 256 * 256} fits at --concurrency {req.concurrency}")
+    else:
+        least = min(mems[lay].weights for lay in legal)
+        out.append(f"no context length helps: the weights alone need {_gib(least)} per device at best, "
+                   f"{_gib(mems[best].capacity)} is available")
+    return out
