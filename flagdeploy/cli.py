@@ -54,11 +54,18 @@ def main() -> None:
 @click.option("--default-temperature", default=0.0, show_default=True, type=float,
               help="Temperature for requests that set none (0: greedy).")
 @click.option("--api-key", default=None, envvar="FLAGDEPLOY_API_KEY", help="Require this key (Authorization: Bearer).")
+@click.option("--profile", "profile_file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A deployment profile (`flagdeploy plan --emit profile`); options given here override it.")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
-def serve(model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
-          weight_format, load_format, served_names, default_temperature, api_key, log_level) -> None:
+@click.pass_context
+def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
+          weight_format, load_format, served_names, default_temperature, api_key, profile_file, log_level) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     _setup_logging(log_level)
+    if profile_file:
+        model, chip, port, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, served_names = _from_profile(
+            ctx, profile_file, model=model, chip=chip, port=port, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names)
     from flagdeploy.engine import AsyncEngine, EngineConfig
     from flagdeploy.engine.loader import build_llm_engine, check_source
     from flagdeploy.loaders.source import resolve
@@ -71,6 +78,8 @@ def serve(model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_
         check_source(src.path, src.format, weights)  # a bad file fails here, before the server starts
     except FlagdeployError as exc:
         _fail(str(exc))
+    if not profile_file:
+        _print_plan(src, chip, max_model_len, max_num_seqs, _parse_bytes(kv_cache_memory))
     config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                           kv_cache_memory=_parse_bytes(kv_cache_memory), weight_format=weight_format,
@@ -95,6 +104,58 @@ def serve(model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_
     if failure:
         exc = failure[0]
         _fail(str(exc) if isinstance(exc, (FlagdeployError, ValueError)) else repr(exc))
+
+
+def _from_profile(ctx, path: str, **given):
+    """Profile values for every serve option not given on the command line."""
+    from click.core import ParameterSource
+
+    from flagdeploy.chips import get_chip
+    from flagdeploy.planner import Profile
+
+    try:
+        prof = Profile.load(path)
+        backend = get_chip(prof.chip).backend
+    except (FlagdeployError, ValueError, TypeError) as exc:
+        _fail(f"{path}: {exc}")
+    if prof.tp * prof.dp * prof.pp * prof.nodes > 1:
+        _fail(f"{path} splits the model (tp={prof.tp}, dp={prof.dp}, pp={prof.pp}, nodes={prof.nodes}); the builtin engine "
+              f"runs one device so far. Launch an external engine with `flagdeploy plan ... --emit vllm|sglang|...`.")
+    explicit = lambda name: ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE  # noqa: E731
+    pick = lambda name, value: given[name] if explicit(name) else value  # noqa: E731
+    names = given["served_names"] if explicit("served_names") else ((prof.served_model_name,) if prof.served_model_name else ())
+    return (pick("model", prof.model), pick("chip", backend), pick("port", prof.port), pick("max_model_len", prof.max_model_len),
+            pick("max_num_seqs", prof.max_num_seqs), pick("max_num_batched_tokens", prof.max_num_batched_tokens),
+            pick("block_size", prof.block_size), names)
+
+
+def _print_plan(src, chip: str | None, max_model_len: int, max_num_seqs: int, kv_cache_memory: int) -> None:
+    """The planner's ledger line for what is about to load (one device of the chip the backend runs)."""
+    import json
+
+    from flagdeploy import ops
+    from flagdeploy.chips import all_chips
+    from flagdeploy.planner import PlanRequest, make_plan
+    from flagdeploy.planner.report import serve_line
+
+    try:
+        backend = ops.get_backend(chip) if chip else ops.detect_backend()
+        chip_id = next(c.id for c in all_chips() if c.backend == backend.name)
+        if src.format == "gguf":
+            from flagdeploy.loaders import gguf_reader
+
+            c = gguf_reader.read_config(gguf_reader.open_gguf(src.path))
+            config = {"model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+                      "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+                      "head_dim": c.head_dim, "vocab_size": c.vocab_size, "tie_word_embeddings": c.tie_word_embeddings,
+                      "attention_bias": c.attention_bias, "torch_dtype": "float32"}
+        else:
+            config = json.loads((src.path / "config.json").read_text())
+        plan = make_plan(PlanRequest(src.name, chip_id, 1, max_model_len=max_model_len, concurrency=max_num_seqs,
+                                     config=config))
+        click.echo(f"flagdeploy: {serve_line(plan, kv_cache_memory)}", err=True)
+    except (FlagdeployError, ValueError, KeyError, StopIteration, OSError) as exc:  # the plan is advice: never block serving
+        logging.getLogger(__name__).info("no plan for %s: %s", src.name, exc)
 
 
 def _check_port(host: str, port: int) -> None:

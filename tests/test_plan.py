@@ -180,3 +180,43 @@ def test_cli_json_and_emit():
     assert "--tensor-parallel-size 8" in r.stdout and "--block-size 512" in r.stdout and "--quantization" not in r.stdout
     r = _plan("--model", "glm-5.3-flash", "--chip", "ascend910b4", "--devices", "8", "--max-model-len", "1048576")
     assert r.returncode == 1 and "nothing fits" in r.stdout and "short by" in r.stdout
+
+
+# ---- serve and the planner --------------------------------------------------------------------------------
+
+
+def test_serve_prints_the_plan_and_runs_a_profile(tmp_path, default_model):
+    """No profile: serve prints the planner's ledger line. A profile from `plan --emit profile` sets the
+    serve options; a profile that splits the model is refused with what to do instead."""
+    from test_cli import _free_port, _serve, wait_ready
+
+    import httpx
+
+    src = write_tiny_glm5_next(tmp_path / "glm")
+    r = _plan("--model", str(src), "--chip", "cpu", "--devices", "1", "--max-model-len", "512", "--concurrency", "3",
+              "--emit", "profile")
+    assert r.returncode == 0, r.stderr
+    port = _free_port()
+    profile = tmp_path / "p.yaml"
+    profile.write_text(r.stdout.replace("port: 8000", f"port: {port}"))
+    proc = _serve("--profile", str(profile))
+    try:
+        url = wait_ready(proc, port)
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]
+        assert model["max_model_len"] == 512
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    split = tmp_path / "split.yaml"
+    split.write_text(r.stdout.replace("tp: 1", "tp: 2"))
+    out = subprocess.run([sys.executable, "-m", "flagdeploy.cli", "serve", "--profile", str(split)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and "tp=2" in out.stderr and "--emit" in out.stderr
+    port = _free_port()
+    proc = _serve("--port", str(port), "--max-model-len", "1024")
+    try:
+        wait_ready(proc, port)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "plan: smollm2-135m-instruct: 0.13B params" in err and "KiB/token" in err

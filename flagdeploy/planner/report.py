@@ -88,3 +88,13 @@ def table(plan: Plan) -> str:
         lines.append("nothing fits.")
         lines += [f"  - {s}" for s in plan.suggestions]
     return "\n".join(lines)
+
+
+def serve_line(plan: Plan, kv_cache_memory: int) -> str:
+    """What `flagdeploy serve` prints before loading: the ledger, the layout, what the KV cache holds."""
+    per_token = plan.cache.kv_bytes_per_token(plan.workload.kv_dtype_bytes)
+    need = per_token * plan.request.max_model_len * plan.request.concurrency
+    layout = plan.chosen.layout if plan.chosen else "no layout fits"
+    return (f"plan: {ledger_line(plan)}; {plan.chip.id} x{plan.request.devices} {layout}; --kv-cache-memory "
+            f"{kv_cache_memory / GIB:.2f} GiB holds {kv_cache_memory // max(per_token, 1)} tokens (max-model-len x "
+            f"max-num-seqs needs {need / GIB:.2f} GiB)")

@@ -28,6 +28,7 @@ class PlanRequest:
     layout: Layout | None = None  # evaluate exactly this one
     avg_context: int | None = None  # default: half of max_model_len
     kv_cache_dtype: str = "bf16"
+    config: dict | None = None  # the HF config itself, when there is no file to name (a GGUF's, say)
 
 
 @dataclass
@@ -162,7 +163,7 @@ def make_plan(req: PlanRequest) -> Plan:
     if req.objective not in ("latency", "throughput"):
         raise PlanInputError(f"objective must be latency or throughput, not {req.objective!r}.")
     chip = get_chip(req.chip)
-    name, config = load_config(req.model)
+    name, config = (req.model, req.config) if req.config is not None else load_config(req.model)
     notes = []
     policy = None
     from flagdeploy.quantize.policy import default_policy_name, load_policy
