@@ -220,3 +220,16 @@ def test_serve_prints_the_plan_and_runs_a_profile(tmp_path, default_model):
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert "plan: smollm2-135m-instruct: 0.13B params" in err and "KiB/token" in err
+
+
+def test_unknown_decoder_gets_a_generic_estimate(tmp_path):
+    """A DeepSeek-V3-like MoE config the shape table does not know: estimated, and the plan says so."""
+    cfg = {"model_type": "some_new_moe", "hidden_size": 2048, "intermediate_size": 8192, "moe_intermediate_size": 1024,
+           "num_hidden_layers": 8, "num_attention_heads": 16, "vocab_size": 32000, "n_routed_experts": 16,
+           "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1}
+    plan = make_plan(PlanRequest("new-moe", "h100", 2, config=cfg, max_model_len=4096))
+    assert any("estimated" in n for n in plan.notes) and plan.chosen is not None
+    experts = sum(g.params for g in plan.groups if g.family == "experts")
+    assert experts == 7 * 16 * 3 * 2048 * 1024  # 7 MoE layers after one dense one
+    with pytest.raises(ValueError, match="intermediate_size"):
+        make_plan(PlanRequest("bad", "h100", 2, config={"model_type": "mystery", "hidden_size": 8}))

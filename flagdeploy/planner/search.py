@@ -165,6 +165,11 @@ def make_plan(req: PlanRequest) -> Plan:
     chip = get_chip(req.chip)
     name, config = (req.model, req.config) if req.config is not None else load_config(req.model)
     notes = []
+    from .shapes import is_exact
+
+    if not is_exact(config):
+        notes.append(f"model_type {config.get('model_type')!r} is estimated as a generic llama-like decoder "
+                     f"(MoE where the config names experts): sizes are approximate")
     policy = None
     from flagdeploy.quantize.policy import default_policy_name, load_policy
 

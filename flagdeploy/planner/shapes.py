@@ -47,11 +47,24 @@ def checkpoint_tensors(config: dict, *, include_mtp: bool = False) -> list[tuple
     model_type = config.get("model_type")
     builder = _BUILDERS.get(model_type)
     if builder is None:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(_BUILDERS))}")
+        if not _GENERIC_KEYS <= config.keys():
+            raise ValueError(f"unsupported model_type {model_type!r}: supported: {', '.join(sorted(_BUILDERS))}; other "
+                             f"decoders need at least {', '.join(sorted(_GENERIC_KEYS))} in their config for an estimate")
+        return list(_llama_like({**config, "model_type": "generic"}))
     if model_type == "glm5_next":
         return list(_glm5_next(config, include_mtp))
     c = {**_DEFAULTS[model_type], **{k: v for k, v in config.items() if v is not None}}
     return list(builder(c))
+
+
+# An unknown decoder with these keys is estimated as a llama-like one (MoE if it names routed experts):
+# attention, norms and embeddings are near enough across families for planning; the result is not exact.
+_GENERIC_KEYS = {"hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"}
+
+
+def is_exact(config: dict) -> bool:
+    """Whether `checkpoint_tensors` knows this model type (else it is a generic estimate)."""
+    return config.get("model_type") in _BUILDERS
 
 
 def parameter_count(config: dict, *, include_mtp: bool = False) -> int:
@@ -114,8 +127,19 @@ def _ffn(c: dict, p: str, i: int) -> Shapes:
         if mt == "qwen2_moe":
             yield from _mlp(p + "mlp.shared_expert.", hidden, c["shared_expert_intermediate_size"])
             yield p + "mlp.shared_expert_gate.weight", (1, hidden)
+    elif mt == "generic" and _generic_experts(c) and i >= c.get("first_k_dense_replace", 0):
+        e, inter = _generic_experts(c), c.get("moe_intermediate_size") or c["intermediate_size"]
+        yield p + "mlp.gate.weight", (e, hidden)
+        for j in range(e):
+            yield from _mlp(f"{p}mlp.experts.{j}.", hidden, inter)
+        if c.get("n_shared_experts"):
+            yield from _mlp(p + "mlp.shared_experts.", hidden, inter * c["n_shared_experts"])
     else:
         yield from _mlp(p + "mlp.", hidden, c["intermediate_size"], bool(c.get("mlp_bias", False)))
+
+
+def _generic_experts(c: dict) -> int:
+    return c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts") or 0
 
 
 def _llama_like(c: dict) -> Shapes:
