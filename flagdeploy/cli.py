@@ -1,4 +1,4 @@
-"""The `flagdeploy` command: serve, pull, models, quantize, plan, ops."""
+"""The `flagdeploy` command: serve, pull, models, quantize, plan, ops, selftest."""
 
 from __future__ import annotations
 
@@ -280,6 +280,93 @@ def ops_list(chip) -> None:
     width = max(len(n) for n in fops.OPS)
     for name in fops.OPS:
         click.echo(f"  {name:<{width}}  {'native' if name in be.overrides else 'reference'}")
+
+
+def _run_checks(be, model_config: str | None, dtypes: tuple[str, ...]):
+    import json
+
+    import torch
+
+    from flagdeploy.ops.check import check_backend
+
+    config = None
+    if model_config:
+        from flagdeploy.planner.ledger import load_config
+
+        config = load_config(model_config)[1]
+    return check_backend(be, tuple(getattr(torch, d) for d in dtypes), config)
+
+
+@ops.command("check")
+@click.option("--chip", default=None, help="Backend to check (default: detected).")
+@click.option("--model", "model_config", default=None, help="Check at this model's shapes (preset, config.json or directory).")
+@click.option("--dtype", "dtypes", multiple=True, default=("float32", "bfloat16"), show_default=True,
+              type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--json", "as_json", is_flag=True)
+def ops_check(chip, model_config, dtypes, as_json) -> None:
+    """Per op and dtype: error against a float64 reference, pass/fail, time per shape bucket."""
+    import json
+
+    from flagdeploy import ops as fops
+    from flagdeploy.ops.check import as_json as to_json, format_results
+
+    try:
+        be = fops.get_backend(chip) if chip else fops.detect_backend()
+        results = _run_checks(be, model_config, dtypes)
+    except (FlagdeployError, ValueError) as exc:
+        _fail(str(exc))
+    click.echo(json.dumps(to_json(be, results), indent=2) if as_json else format_results(be, results))
+    if not all(r.passed for r in results):
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--chip", required=True, help="Chip catalog id (ascend910c, h200, cpu, ...).")
+@click.option("--model", "model_config", default=None, help="Also check at this model's shapes.")
+@click.option("-o", "--output", default=None, help="JSON report path (default: flagdeploy-selftest-CHIP.json).")
+def selftest(chip, model_config, output) -> None:
+    """First thing to run on new hardware: find the device, check every op on it, write a report for bug reports."""
+    import importlib
+    import json
+    import os
+    import platform
+
+    from flagdeploy import ops as fops
+    from flagdeploy.chips import get_chip
+    from flagdeploy.ops.check import as_json as to_json, format_results
+
+    try:
+        spec = get_chip(chip)
+    except FlagdeployError as exc:
+        _fail(str(exc))
+    if spec.backend not in fops.backends():
+        _fail(f"{chip} runs on the {spec.backend!r} backend, which is not installed here (installed: "
+              f"{', '.join(sorted(fops.backends()))}). Install flagdeploy with that backend (`flagdeploy install --chip {chip}`).")
+    be = fops.get_backend(spec.backend)
+    found = fops.registry._safe_detect(be)
+    info = {}
+    try:  # a backend may describe what it found (SoC, device count, memory): backends/<name>/detect.py
+        info = importlib.import_module(f"flagdeploy.backends.{be.name}.detect").detect_info()
+    except (ImportError, AttributeError):
+        pass
+    except Exception as exc:  # noqa: BLE001 - detection trouble is part of the report
+        info = {"error": repr(exc)}
+    if not found:
+        _fail(f"no {spec.name} ({chip}) device is visible to the {be.name} backend on this host. Check the driver and "
+              f"runtime install (`flagdeploy install --chip {chip}`), the device nodes and visibility variables; detected: "
+              f"{info or 'nothing'}.")
+    fops.use_backend(be)
+    results = _run_checks(be, model_config, ("float32", "bfloat16"))
+    report = to_json(be, results, chip=chip, host=platform.node(), detected=info)
+    path = output or f"flagdeploy-selftest-{chip}.json"
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(tmp, path)
+    click.echo(format_results(be, results))
+    click.echo(f"report: {path} (attach it to bug reports)")
+    if not all(r.passed for r in results):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -165,3 +165,34 @@ def test_cpu_groupwise_w8a16_matches_reference(rows):
     want = OPS["linear_w8a16"].reference(x.double(), w)
     tol = OPS["linear_w8a16"].tolerance[torch.bfloat16]
     torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
+
+
+# ---- per-op evidence: ops check and selftest --------------------------------------------------------------
+
+
+def test_ops_check_and_selftest_on_the_cpu(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from flagdeploy.cli import main
+
+    r = CliRunner().invoke(main, ["ops", "check", "--chip", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    assert report["passed"] == report["total"] == 2 * len(OPS)
+    impl = {(x["op"], x["dtype"]): x["impl"] for x in report["results"]}
+    assert impl[("rms_norm", "float32")] == "native" and impl[("moe_router", "bfloat16")] == "reference"
+    assert all(x["time_us"] > 0 and x["max_abs_err"] is not None for x in report["results"])
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "intermediate_size": 96}))
+    r = CliRunner().invoke(main, ["ops", "check", "--chip", "cpu", "--model", str(config), "--dtype", "bfloat16"])
+    assert r.exit_code == 0, r.output
+    assert "m256 hidden=64" in r.output and "paged_attention_decode" in r.output
+    out = tmp_path / "report.json"
+    r = CliRunner().invoke(main, ["selftest", "--chip", "cpu", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["chip"] == "cpu"
+    r = CliRunner().invoke(main, ["selftest", "--chip", "ascend910c"])
+    assert r.exit_code == 1 and "ascend910c" in r.output
