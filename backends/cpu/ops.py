@@ -12,67 +12,11 @@ from flagdeploy.ops import reference
 from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight, stripped
 
+from flagdeploy.ops.fused import (  # noqa: F401  (torch's fused kernels, shared with other backends)
+    add_rms_norm, attention_prefill, paged_attention_decode, rms_norm, rope, write_kv_cache,
+)
+
 TUNE = yaml.safe_load((Path(__file__).with_name("tune.yaml")).read_text())
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    return weight * y.to(x.dtype)
-
-
-def add_rms_norm(x, residual, weight, eps):
-    h = x + residual
-    return rms_norm(h, weight, eps), h
-
-
-def rope(q, k, cos, sin):
-    """q and k rotated together: one pass of elementwise ops instead of two."""
-    h = q.shape[1]
-    x = torch.cat((q, k), dim=1).to(cos.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(q.dtype)
-    return out[:, :h], out[:, h:]
-
-
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
-
-
-def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
-    out = torch.empty_like(q)
-    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for i in range(len(bq) - 1):
-        qi = q[bq[i] : bq[i + 1]].transpose(0, 1)
-        ki = k[bk[i] : bk[i + 1]].transpose(0, 1)
-        vi = v[bk[i] : bk[i + 1]].transpose(0, 1)
-        tq, tk = qi.shape[1], ki.shape[1]
-        if tq == tk:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-        else:  # queries are the last tq positions: causal mask aligned bottom-right
-            mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[bq[i] : bq[i + 1]] = o.transpose(0, 1)
-    return out
-
-
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """All sequences at once: gather each one's blocks, mask past its length, one batched SDPA."""
-    b = q.shape[0]
-    idx = block_tables.reshape(-1).long()  # index_select: ~3x faster than fancy indexing here
-    k = k_cache.index_select(0, idx).view(b, -1, *k_cache.shape[2:]).transpose(1, 2)  # [B, KH, L, D]
-    v = v_cache.index_select(0, idx).view(b, -1, *v_cache.shape[2:]).transpose(1, 2)
-    if b == 1:  # one sequence: the first n keys of its blocks are exactly its keys, no mask needed
-        n = int(context_lens[0])
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k[:, :, :n], v[:, :, :n], scale=scale, enable_gqa=True)
-        return o.squeeze(2)
-    pos = torch.arange(k.shape[2], device=q.device)
-    mask = (pos[None, :] < context_lens[:, None]).view(b, 1, 1, -1)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.squeeze(2)
 
 
 # ---- weight-only quantized linears: packed kernels for few rows, a bf16 dense copy past that -------

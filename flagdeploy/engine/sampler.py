@@ -23,5 +23,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             sorted_p, idx = probs.sort(descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < p.top_p  # the token that crosses top_p stays
             probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-        out[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
+        # a sequence's generator lives on the CPU (seeded, device-independent draws): so does its draw
+        out[i] = int(torch.multinomial(probs.cpu(), 1, generator=seq.generator))
     return out

@@ -215,8 +215,8 @@ class PagedTokenRows(TokenRows):
 
     def _slots(self, start: int, end: int) -> torch.Tensor:
         bs = self.pool.shape[1]
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(self.table[: -(-end // bs)], dtype=torch.long)
+        pos = torch.arange(start, end, device=self.pool.device)
+        blocks = torch.tensor(self.table[: -(-end // bs)], dtype=torch.long, device=self.pool.device)
         return blocks[pos // bs] * bs + pos % bs
 
     def append(self, new: torch.Tensor) -> None:
@@ -586,7 +586,8 @@ class Glm5NextForCausalLM(nn.Module):
             widths = {"latent": c.kv_lora_rank}
             if kind == "full":  # a shared layer reuses the selection of the full layer before it
                 widths.update(index_keys=c.index_head_dim, index_gate=c.index_head_dim)
-            pools[i] = {k: torch.zeros(num_blocks, block_size, w, dtype=self.dtype) for k, w in widths.items()}
+            pools[i] = {k: torch.zeros(num_blocks, block_size, w, dtype=self.dtype, device=self.norm.device)
+                        for k, w in widths.items()}
         return pools
 
     def prepare(self, max_positions: int) -> None:

@@ -117,12 +117,13 @@ class LlamaForCausalLM(nn.Module):
 
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] at every position of one sequence, through a scratch cache (evaluation)."""
-        t = input_ids.shape[0]
-        cu = torch.tensor([0, t], dtype=torch.int32)
-        meta = AttentionMetadata(positions=torch.arange(t), slot_mapping=torch.arange(t), num_prefill_tokens=t,
-                                 cu_seqlens_q=cu, cu_seqlens_k=cu, prefill_kv_slots=None, block_tables=None,
-                                 context_lens=None, logits_indices=torch.arange(t))
-        caches = [[torch.zeros(s, dtype=self.kv_cache_dtype) for s in self.kv_cache_shape(t, 1)] for _ in self.layers]
+        t, dev = input_ids.shape[0], input_ids.device
+        cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
+        pos = torch.arange(t, device=dev)
+        meta = AttentionMetadata(positions=pos, slot_mapping=pos, num_prefill_tokens=t, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                 prefill_kv_slots=None, block_tables=None, context_lens=None, logits_indices=pos)
+        caches = [[torch.zeros(s, dtype=self.kv_cache_dtype, device=dev) for s in self.kv_cache_shape(t, 1)]
+                  for _ in self.layers]
         return self(input_ids, meta, caches)
 
 

@@ -1,0 +1,92 @@
+"""The cuda backend on a real GPU (skipped without one): every override against the reference, and the
+engine on the GPU against transformers on the same GPU, for a tiny random glm5_next and a llama.
+
+Run on the H200 through the device tool (see docs/backends/cuda.md for the command and the results)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_every_cuda_override_matches_the_reference():
+    from flagdeploy import ops
+    from flagdeploy.ops.check import check_backend
+
+    be = ops.get_backend("cuda")
+    llama = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "intermediate_size": 14336}
+    results = check_backend(be) + check_backend(be, dtypes=(torch.bfloat16,), config=llama)
+    bad = [r for r in results if not r.passed]
+    assert not bad, bad
+    assert {r.op for r in results if r.impl == "native"} >= set(be.overrides) - {"moe_experts"}
+
+
+def test_grouped_gemm_experts_match_the_reference():
+    from flagdeploy import ops
+
+    g = torch.Generator().manual_seed(0)
+    e, h, i, t = 16, 256, 128, 64
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:4] for _ in range(t)])
+    routing = torch.zeros(t, e).scatter_(1, ids, torch.rand(t, 4, generator=g)).to(torch.bfloat16)
+    gate_up = (torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(torch.bfloat16)
+    down = (torch.randn(e, h, i, generator=g) * i ** -0.5).to(torch.bfloat16)
+    want = ops.OPS["moe_experts"].reference(x.double(), routing.double(), gate_up.double(), down.double(), 7.0)
+    got = ops.get_backend("cuda").overrides["moe_experts"](x.cuda(), routing.cuda(), gate_up.cuda(), down.cuda(), 7.0)
+    torch.testing.assert_close(got.double().cpu(), want, atol=3e-2, rtol=3e-2)
+
+
+def _engine(path, **kw):
+    from flagdeploy.engine import EngineConfig
+    from flagdeploy.engine.loader import build_llm_engine
+
+    cfg = dict(max_model_len=256, block_size=16, kv_cache_memory=64 << 20, dtype=torch.float32)
+    cfg.update(kw)
+    return build_llm_engine(path, "safetensors", EngineConfig(**cfg), chip="cuda", progress=False)
+
+
+def test_glm5_next_on_the_gpu_matches_transformers_on_the_gpu(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Glm5NextForConditionalGeneration"):
+        pytest.skip("this transformers has no glm5_next (5.23 ships it)")
+    from flagdeploy.engine import SamplingParams
+    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+
+    src = write_tiny_glm5_next(tmp_path / "glm", index_topk=256)
+    ids = torch.randint(2, 64, (40,), generator=torch.Generator().manual_seed(1))
+    hf = transformers.Glm5NextForConditionalGeneration.from_pretrained(src, dtype=torch.float32).float().cuda().eval()
+    with torch.no_grad():
+        want = hf(input_ids=ids[None].cuda()).logits[0].float()
+    engine = _engine(src)
+    assert next(engine.model.parameters()).device.type == "cuda"
+    got = engine.model.score(ids.cuda())
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    with torch.no_grad():
+        ref = hf.generate(ids[None].cuda(), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert engine.generate([ids.tolist()], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0] == ref
+
+
+def test_llama_on_the_gpu_matches_transformers_on_the_gpu(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from flagdeploy.engine import SamplingParams
+    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    write_word_tokenizer(tmp_path, 211)
+    ref = ref.cuda()
+    engine = _engine(tmp_path)
+    ids = [5, 17, 42, 99, 3, 150, 7, 8, 9, 11]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids]).cuda()).logits[0].float()
+    torch.testing.assert_close(engine.model.score(torch.tensor(ids).cuda()), want, atol=1e-3, rtol=1e-3)
+    with torch.no_grad():
+        gen = ref.generate(torch.tensor([ids]).cuda(), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    assert engine.generate([ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0] == gen[0, len(ids):].tolist()
