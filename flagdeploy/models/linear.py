@@ -6,10 +6,11 @@ import torch
 from torch import nn
 
 from flagdeploy import ops
-from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight
+from flagdeploy.ops.weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight
 
 # Which op runs a weight: by the bundle's type (a W8A8 bundle also quantises the activations).
-_OP = {Int4Weight: "linear_w4a16", Int8Weight: "linear_w8a16", W8A8Weight: "linear_w8a8_dynamic"}
+_OP = {Int4Weight: "linear_w4a16", Int8Weight: "linear_w8a16", W8A8Weight: "linear_w8a8_dynamic",
+       Fp8BlockWeight: "linear_fp8_block"}
 
 
 class Linear(nn.Module):
@@ -40,7 +41,7 @@ class Linear(nn.Module):
         if self.has_bias:
             self.bias = torch.cat([self._pending.pop((p, "bias")).to(self.dtype) for p in self.parts])
         layouts = {(type(w), getattr(w, "group_size", None)) for w in ws}
-        if len(layouts) == 1 and type(ws[0]) in _OP:
+        if len(layouts) == 1 and type(ws[0]) in _OP and (len(ws) == 1 or hasattr(type(ws[0]), "cat")):
             q = ws[0] if len(ws) == 1 else type(ws[0]).cat(ws)
         else:
             q = None

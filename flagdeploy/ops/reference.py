@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .registry import OpSpec, Tolerance, register_op
-from .weights import Int4Weight, Int8Weight, W8A8Weight
+from .weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight, fp8_quant_groups, fp8_to_float
 
 # Per-dtype tolerances against a float64 run of the same reference: float32 is tight; half types
 # carry ~3 significant digits and accumulate over the reduction dimension.
@@ -80,6 +80,18 @@ def linear_w8a8_dynamic(x: torch.Tensor, weight: W8A8Weight, bias: torch.Tensor 
     acc = qx.double() @ weight.q.double().t()
     y = acc.to(sx.dtype) * sx[..., None] * weight.scales.to(sx.dtype)
     return (y if bias is None else y + bias.to(y.dtype)).to(a)
+
+
+def linear_fp8_block(x: torch.Tensor, weight: Fp8BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 x FP8 with block scales, as FP8 matrix units run DeepSeek/GLM-style checkpoints: activations
+    quantised to e4m3 per token and group of block[1] input channels at run time, weights per block, the
+    products of the decoded values accumulated in float32 (float64 in the spec check). 16-bit out."""
+    a = a16_dtype(x.dtype)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    qx, sx = fp8_quant_groups(x, weight.block[1])  # from float32 values: the same codes whatever x's dtype
+    xd = fp8_to_float(qx).to(acc) * sx.to(acc).repeat_interleave(weight.block[1], -1)[:, : x.shape[-1]]
+    y = xd @ weight.dequantize(acc).t()
+    return (y if bias is None else y + bias.to(acc)).to(a)
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -239,6 +251,11 @@ def _w8a8_inputs(dtype, device, g):
     return (_randn(g, 5, 64, dtype=dtype, device=device), w, _randn(g, 48, dtype=dtype, device=device)), {}
 
 
+def _fp8_inputs(dtype, device, g):
+    w = Fp8BlockWeight.quantize(_randn(g, 48, 64, dtype=torch.float32, device=device, scale=0.1), (16, 32))
+    return (_randn(g, 5, 64, dtype=dtype, device=device), w, _randn(g, 48, dtype=dtype, device=device)), {}
+
+
 def _embedding_inputs(dtype, device, g):
     return (torch.randint(0, 100, (7,), generator=g).to(device), _randn(g, 100, 32, dtype=dtype, device=device)), {}
 
@@ -289,6 +306,7 @@ for _spec in (
     OpSpec("linear_w4a16", linear_w4a16, _TOL_A16, _w4_inputs, linear_w4a16.__doc__),
     OpSpec("linear_w8a16", linear_w8a16, _TOL_A16, _w8_inputs, linear_w8a16.__doc__),
     OpSpec("linear_w8a8_dynamic", linear_w8a8_dynamic, _TOL_A16, _w8a8_inputs, linear_w8a8_dynamic.__doc__),
+    OpSpec("linear_fp8_block", linear_fp8_block, _TOL_A16, _fp8_inputs, linear_fp8_block.__doc__),
     OpSpec("embedding", embedding, _TOL, _embedding_inputs, "Row lookup in an embedding table."),
     OpSpec("rms_norm", rms_norm, _TOL, _norm_inputs, rms_norm.__doc__),
     OpSpec("add_rms_norm", add_rms_norm, _TOL, _add_norm_inputs, add_rms_norm.__doc__),

@@ -160,3 +160,35 @@ def stripped(w, **prepared_fields):
     if isinstance(w, Int4Weight):
         fields["zeros"] = None
     return replace(w, **fields, prepared=prepared_fields)
+
+
+@dataclass
+class Fp8BlockWeight:
+    """FP8 e4m3 weights with one float32 inverse scale per (rows, cols) block: a published FP8 checkpoint
+    kept as stored, for chips whose matrix unit takes FP8 (Hopper, Ascend 950)."""
+
+    q: torch.Tensor | None  # [N, K] float8_e4m3fn
+    scale_inv: torch.Tensor | None  # [ceil(N / block[0]), ceil(K / block[1])] float32
+    block: tuple[int, int]
+    out_features: int
+    in_features: int
+    prepared: Any = None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return fp8_block_dequantize(self.q, self.scale_inv, self.block).to(dtype)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> "Fp8BlockWeight":
+        q, s = fp8_block_quantize(w.float(), block)
+        return cls(q, s, tuple(block), w.shape[0], w.shape[1])
+
+
+def fp8_quant_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations to e4m3 per token and group of `group` input channels (DeepSeek-style dynamic
+    quantisation): (q [T, K], scale float32 [T, ceil(K / group)]) with each group's absmax at 448."""
+    t, k = x.shape
+    pad = -k % group
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(t, -1, group)
+    scale = (xf.abs().amax(-1) / FP8_E4M3_MAX).clamp(min=1e-12)
+    q = (xf / scale[..., None]).view(t, -1)[:, :k].to(torch.float8_e4m3fn)
+    return q, scale
