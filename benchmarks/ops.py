@@ -17,7 +17,7 @@ import torch
 
 from flagdeploy import ops
 from flagdeploy.ops.check import _fresh, _to, model_cases
-from flagdeploy.ops.weights import Int4Weight, Int8Weight
+from flagdeploy.ops.weights import Fp8BlockWeight, Int4Weight, Int8Weight
 
 LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
             "intermediate_size": 14336}
@@ -26,8 +26,8 @@ LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 3
 def _bytes(x) -> int:
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
-    if isinstance(x, (Int4Weight, Int8Weight)):
-        return sum(_bytes(getattr(x, k, None)) for k in ("q", "scales", "zeros"))
+    if isinstance(x, (Int4Weight, Int8Weight, Fp8BlockWeight)):
+        return sum(_bytes(getattr(x, k, None)) for k in ("q", "scales", "zeros", "scale_inv"))
     if isinstance(x, (list, tuple)):
         return sum(_bytes(y) for y in x)
     return 0

@@ -229,3 +229,25 @@ def test_check_source_rejects_what_transformers_rejects_before_reading_weights(t
         check_source(path, "safetensors")
     assert str(ours_err.value) == "index_topk (10) must be divisible by index_kpool (4)."
     assert str(ours_err.value) in str(hf_err.value)
+
+
+def test_fp8_linears_can_stay_fp8(tmp_path):
+    """keep_fp8 (what a backend with FP8 matmuls gets): the MLA projections and MLPs hold Fp8BlockWeight
+    and run linear_fp8_block (here its reference: FP8 activations too); experts and other tensors are
+    dequantized; logits stay within a few percent of the dequantized model's (index_topk covers the whole
+    prompt, so that the DSA's selection does not amplify the FP8 activation noise)."""
+    from flagdeploy.ops.weights import Fp8BlockWeight
+
+    fp8_dir = write_tiny_glm5_next(tmp_path / "fp8", fp8=True, seed=1, index_topk=256)
+
+    def logits(keep):
+        model = build_model(safetensors_reader.read_config(fp8_dir), torch.float32, "cpu")
+        load_weights(model, _shard_tensors(fp8_dir), keep_fp8=keep)
+        return model, model(IDS)
+
+    kept, got = logits(True)
+    assert isinstance(kept.layers[1].attn.q_a_proj.qweight, Fp8BlockWeight)
+    assert isinstance(kept.layers[0].mlp.gate_up_proj.qweight, Fp8BlockWeight)  # gate and up fused, both FP8
+    assert isinstance(kept.layers[1].mlp.experts.gate_up, torch.Tensor)
+    _, want = logits(False)
+    assert 0 < (got - want).norm() / want.norm() < 0.1

@@ -30,8 +30,9 @@ backend = Backend(
         "linear_w8a16": ops.linear_w8a16,
         "linear_w8a8_dynamic": ops.linear_w8a8_dynamic,
         "moe_experts": ops.moe_experts,
+        "linear_fp8_block": ops.linear_fp8_block,
     },
     prepare={"linear_w4a16": ops.prepare_dense, "linear_w8a16": ops.prepare_dense},
     priority=20,
-    description="torch CUDA kernels (FlashAttention via SDPA, cuBLASLt int8, Hopper grouped GEMM for MoE)",
+    description="torch CUDA kernels (FlashAttention via SDPA, cuBLASLt int8, Hopper grouped GEMM for MoE, blockwise FP8 GEMM)",
 )

@@ -1,17 +1,22 @@
 """CUDA overrides. Norms, rope, KV writes and attention come from torch's fused kernels (SDPA picks
 FlashAttention for 16-bit inputs), shared with the cpu backend; here: int8 x int8 matmuls through cuBLASLt
 (`_int_mm`), weight-only linears on a dense 16-bit copy made once at load (cuBLAS beats dequantising per
-call), and MoE experts through one grouped GEMM on Hopper (`_grouped_mm`) instead of a loop per expert.
+call), and MoE experts through one grouped GEMM on Hopper (`_grouped_mm`) instead of a loop per expert, and FP8 block-scaled linears on Hopper's FP8 tensor cores (cuBLASLt block scaling through
+`F.scaled_mm`: activations 1x128, weights 128x128, as DeepSeek/GLM checkpoints are quantised).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from flagdeploy.ops import reference
 from flagdeploy.ops.registry import OPS
-from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight, stripped
+from flagdeploy.ops.weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight, fp8_quant_groups, stripped
+
+log = logging.getLogger(__name__)
 
 _INT_MM_MIN_ROWS = 17  # cuBLASLt's int8 GEMM wants more than 16 rows: decode batches are padded up
 
@@ -68,3 +73,26 @@ def moe_experts(x, routing, gate_up, down, limit):
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y.float() * routing[tok, exp, None].float())
     return out.to(x.dtype)
+
+
+_FP8_NATIVE = {"ok": hasattr(F, "scaled_mm")}  # cleared, with a log line, if this torch/cuBLAS refuses blockwise FP8
+
+
+def linear_fp8_block(x, w: Fp8BlockWeight, bias=None):
+    """cuBLASLt wants the token count a multiple of 4, the activation scales outer-dim-major and the
+    weight scales' K-block count a multiple of 4: pad both (zeros do not change the product)."""
+    if not _FP8_NATIVE["ok"] or w.block != (128, 128) or w.in_features % 128 or w.out_features % 128:
+        return reference.linear_fp8_block(x, w, bias)
+    m = x.shape[0]
+    xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
+    qx, sx = fp8_quant_groups(xp, 128)
+    s = w.scale_inv.float()
+    s = F.pad(s, (0, -s.shape[1] % 4)) if s.shape[1] % 4 else s
+    try:
+        y = F.scaled_mm(qx, w.q.t(), sx.t().contiguous().t(), F.ScalingType.BlockWise1x128, s.t(),
+                        F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)[:m]
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        log.warning("blockwise FP8 GEMM unavailable (%s); linear_fp8_block runs the reference", exc)
+        _FP8_NATIVE["ok"] = False
+        return reference.linear_fp8_block(x, w, bias)
+    return y + bias.to(y.dtype) if bias is not None else y

@@ -13,6 +13,7 @@ from flagdeploy.errors import ModelLoadError
 from flagdeploy.loaders import gguf_reader, safetensors_reader
 from flagdeploy.models import build_model, load_weights
 from flagdeploy.models.linear import Linear
+from flagdeploy.ops.weights import to_device
 from flagdeploy.tokenizer import Tokenizer
 
 from .llm_engine import EngineConfig, LLMEngine
@@ -26,7 +27,8 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
 
     weight_format "dense" dequantises everything to `dtype`. "auto" keeps a GGUF's 4-bit linears
     as int4 and stores the LM head as int8 where the backend has kernels for them (on the CPU that is
-    what makes decoding fast: the step reads 1/8 of the bytes); elsewhere it falls back to dense.
+    what makes decoding fast: the step reads 1/8 of the bytes), and keeps FP8 block-scaled linears FP8
+    where the backend runs `linear_fp8_block`; elsewhere it falls back to dense.
     load_format "dummy" reads only the config and makes random weights of the right shapes, so that
     real shapes can be run and measured without a checkpoint.
     """
@@ -37,6 +39,7 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     be = ops.active_backend()
     keep_int4 = weight_format == "auto" and "linear_w4a16" in be.overrides
     quantize_head = keep_int4 and fmt == "gguf" and "linear_w8a16" in be.overrides
+    keep_fp8 = weight_format == "auto" and "linear_fp8_block" in be.overrides  # FP8 matmul units run FP8 as stored
     if fmt == "gguf":
         reader = gguf_reader.open_gguf(path)
         cfg = gguf_reader.read_config(reader)
@@ -56,7 +59,7 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
         tensors, total = safetensors_reader.iter_tensors(path, dtype), safetensors_reader.count_tensors(path)
     bar = tqdm(tensors, total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False)
     try:
-        load_weights(model, ((n, t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in bar), quantize_head)
+        load_weights(model, ((n, to_device(t, device)) for n, t in bar), quantize_head, keep_fp8)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}. The file does not match its own config; re-download it.") from exc
     return model, tokenizer

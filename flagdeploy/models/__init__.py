@@ -38,8 +38,9 @@ def build_model(cfg, dtype: torch.dtype, device: str):
         return cls(cfg, dtype).eval()
 
 
-def load_weights(model, tensors, quantize_head: bool = False) -> None:
-    FAMILIES[model.cfg.architecture][1](model, tensors, quantize_head)
+def load_weights(model, tensors, quantize_head: bool = False, keep_fp8: bool = False) -> None:
+    """keep_fp8: FP8 block-scaled linears stay FP8 (for a backend that runs `linear_fp8_block`)."""
+    FAMILIES[model.cfg.architecture][1](model, tensors, quantize_head, keep_fp8)
 
 
 def has_sequence_state(model) -> bool:

@@ -24,7 +24,7 @@ from torch import nn
 from flagdeploy import ops
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.ops import glm as glm_ops
-from flagdeploy.ops.weights import FP8_DTYPES, Int4Weight, Int8Weight, fp8_block_dequantize
+from flagdeploy.ops.weights import FP8_DTYPES, Fp8BlockWeight, Int8Weight, W8A8Weight, fp8_block_dequantize
 
 from .linear import Linear
 
@@ -480,9 +480,11 @@ class ExpertBank(nn.Module):
         if not self._pending:
             return
         bundles = list(self._pending.values())
-        gate_up_groups = {b.group_size for (_, name), b in self._pending.items() if name != "down_proj"}
-        down_groups = {b.group_size for (_, name), b in self._pending.items() if name == "down_proj"}
-        if len(bundles) == 3 * self.n and len({type(b) for b in bundles}) == len(gate_up_groups) == len(down_groups) == 1:
+        gate_up_groups = {getattr(b, "group_size", None) for (_, name), b in self._pending.items() if name != "down_proj"}
+        down_groups = {getattr(b, "group_size", None) for (_, name), b in self._pending.items() if name == "down_proj"}
+        kinds = {type(b) for b in bundles}
+        if (len(bundles) == 3 * self.n and kinds <= {Int8Weight, W8A8Weight}
+                and len(kinds) == len(gate_up_groups) == len(down_groups) == 1):
             get = lambda e, name: self._pending[(e, name)]  # noqa: E731
             gate_up = type(bundles[0]).stack([type(bundles[0]).cat([get(e, "gate_proj"), get(e, "up_proj")])
                                               for e in range(self.n)])
@@ -754,18 +756,20 @@ def checkpoint_names(name: str, tensor) -> Iterable[tuple[str, Any]]:
         yield name, tensor
 
 
-def dequantize_fp8_blocks(tensors: Iterable[tuple[str, Any]], block: tuple[int, int] = (128, 128)):
+def dequantize_fp8_blocks(tensors: Iterable[tuple[str, Any]], block: tuple[int, int] = (128, 128), keep: bool = False):
     """Pair each FP8 `<name>.weight` with its `<name>.weight_scale_inv` (one float32 factor per block)
-    and yield the weight in float32; everything else passes through. Which tensors are FP8 is read from
+    and yield the weight in float32 (keep: as an Fp8BlockWeight, for FP8 matmuls); everything else
+    passes through. Which tensors are FP8 is read from
     their dtype, not from `modules_to_not_convert` (whose matching is prefix/suffix-only upstream).
     A weight waits for its scale (or the reverse) only until the partner arrives, usually the next tensor.
     """
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
 
-    def apply(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    def apply(w: torch.Tensor, s: torch.Tensor):
         try:
-            return fp8_block_dequantize(w, s, block)
+            out = fp8_block_dequantize(w, s, block)
+            return Fp8BlockWeight(w, s, tuple(block), w.shape[0], w.shape[1]) if keep and w.dim() == 2 else out
         except ValueError as exc:
             raise ModelLoadError(f"{name}: {exc}; the checkpoint's weight_block_size does not match its scales.") from exc
 
@@ -791,18 +795,20 @@ def dequantize_fp8_blocks(tensors: Iterable[tuple[str, Any]], block: tuple[int, 
                              f"converted without their scales. Re-download or re-convert it.")
 
 
-def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any]], quantize_head: bool = False) -> None:
+def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any]], quantize_head: bool = False,
+                    keep_fp8: bool = False) -> None:
     """Put (HF name, tensor) pairs into the model, then finalize it.
 
     Takes both the published checkpoint's names and transformers' `state_dict()` names (any of the
-    usual prefixes); FP8 block-scaled weights are dequantized to the model's dtype on the way in.
+    usual prefixes); FP8 block-scaled weights are dequantized to the model's dtype on the way in, or with
+    keep_fp8 stay FP8 in the linears that take them (experts and other tensors are dequantized).
     A shape mismatch names the tensor and both shapes; missing tensors are named.
     """
     slots = model.weight_slots()
     missing = set(slots)
     skipped: list[str] = []
     with torch.no_grad():
-        for raw_name, raw in dequantize_fp8_blocks(tensors, model.cfg.fp8_block or (128, 128)):
+        for raw_name, raw in dequantize_fp8_blocks(tensors, model.cfg.fp8_block or (128, 128), keep_fp8):
             for name, t in checkpoint_names(raw_name, raw):
                 slot = slots.get(name)
                 if slot is None:
@@ -811,7 +817,7 @@ def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any
                 if len(slot) == 1:
                     dst = slot[0]
                     if not isinstance(t, torch.Tensor):
-                        t = t.dequantize(dst.dtype) if isinstance(t, (Int4Weight, Int8Weight)) else t
+                        t = t.dequantize(dst.dtype)
                     if tuple(dst.shape) != tuple(t.shape):
                         raise ModelLoadError(f"weight {raw_name} ({name}) has shape {tuple(t.shape)}, "
                                              f"the config implies {tuple(dst.shape)}")

@@ -26,7 +26,7 @@ class Linear(nn.Module):
         self.out_features, self.in_features, self.dtype = out_features, in_features, dtype
         self.parts = parts
         self.weight: torch.Tensor | None = None
-        self.qweight: Int4Weight | Int8Weight | W8A8Weight | None = None
+        self.qweight: Int4Weight | Int8Weight | W8A8Weight | Fp8BlockWeight | None = None
         self.bias: torch.Tensor | None = None
         self.has_bias = bias
         self._pending: dict[tuple[str, str], object] = {}
@@ -41,13 +41,16 @@ class Linear(nn.Module):
         if self.has_bias:
             self.bias = torch.cat([self._pending.pop((p, "bias")).to(self.dtype) for p in self.parts])
         layouts = {(type(w), getattr(w, "group_size", None)) for w in ws}
-        if len(layouts) == 1 and type(ws[0]) in _OP and (len(ws) == 1 or hasattr(type(ws[0]), "cat")):
-            q = ws[0] if len(ws) == 1 else type(ws[0]).cat(ws)
-        else:
-            q = None
+        q = None
+        if len(layouts) == 1 and type(ws[0]) in _OP:
+            try:
+                q = ws[0] if len(ws) == 1 else type(ws[0]).cat(ws)
+            except ValueError:  # parts that cannot share one layout are joined dense below
+                q = None
+        if q is None:
             dense = [w.to(self.dtype) if isinstance(w, torch.Tensor) else w.dequantize(self.dtype) for w in ws]
             self.weight = dense[0] if len(dense) == 1 else torch.cat(dense)
-        if q is not None:
+        else:
             self._op = _OP[type(q)]
             self.qweight = ops.prepare_weight(self._op, q)
         shape = (self.out_features, self.in_features)

@@ -127,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         return self(input_ids, meta, caches)
 
 
-def load_hf_weights(model: LlamaForCausalLM, tensors, quantize_head: bool = False) -> None:
+def load_hf_weights(model: LlamaForCausalLM, tensors, quantize_head: bool = False, keep_fp8: bool = False) -> None:
     """Put (HF name, tensor or quantized bundle) pairs into the model, then finalize it.
 
     Each tensor goes straight to its slot, so loading never holds a second full copy of the model.

@@ -10,13 +10,13 @@ device, and compares with the reference run in float64 on the CPU. An op that ra
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
 from . import reference as ref
 from .registry import OPS, Backend
-from .weights import Int4Weight, Int8Weight
+from .weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight, to_device
 
 DTYPES = (torch.float32, torch.bfloat16)
 BUCKETS = (1, 16, 256)
@@ -39,9 +39,8 @@ class OpResult:
 def _to(x, device, dtype=None):
     if isinstance(x, torch.Tensor):
         return x.to(device=device, dtype=dtype if (dtype and x.is_floating_point()) else x.dtype)
-    if isinstance(x, (Int4Weight, Int8Weight)):
-        fields = {k: getattr(x, k).to(device) for k in ("q", "scales", "zeros") if isinstance(getattr(x, k, None), torch.Tensor)}
-        return replace(x, **fields)
+    if isinstance(x, (Int4Weight, Int8Weight, Fp8BlockWeight)):
+        return to_device(x, device)
     return x
 
 
@@ -111,10 +110,11 @@ def model_cases(config: dict, dtype: torch.dtype, gen: torch.Generator):
         yield "linear", f"{lab} out={2 * inter}", (r(m, h), r(2 * inter, h, scale=h ** -0.5), None), {}
         w8 = Int8Weight.quantize(torch.randn(2 * inter, h, generator=gen) * h ** -0.5)
         yield "linear_w8a16", f"{lab} out={2 * inter}", (r(m, h), w8, None), {}
-        from .weights import W8A8Weight
-
         yield "linear_w8a8_dynamic", f"{lab} out={2 * inter}", (r(m, h), W8A8Weight(w8.q, w8.scales, w8.out_features,
                                                                                         w8.in_features), None), {}
+        if h % 128 == 0 and inter % 64 == 0:
+            fp8 = Fp8BlockWeight.quantize(torch.randn(2 * inter, h, generator=gen) * h ** -0.5)
+            yield "linear_fp8_block", f"{lab} out={2 * inter}", (r(m, h), fp8, None), {}
         yield "rms_norm", lab, (r(m, h), r(h), 1e-6), {}
         yield "add_rms_norm", lab, (r(m, h), r(m, h), r(h), 1e-6), {}
         yield "swiglu", f"m{m} inter={inter}", (r(m, 2 * inter, scale=3.0),), {}

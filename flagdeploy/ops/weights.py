@@ -7,7 +7,7 @@ reference implementations only read the canonical fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -154,6 +154,14 @@ class W8A8Weight(Int8Weight):
             raise ValueError("W8A8 dynamic weights are per output channel (group_size 0)")
 
 
+def to_device(x, device):
+    """A tensor, or a weight bundle with its tensors, on `device` (loaders read onto the CPU)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    return replace(x, **{f.name: getattr(x, f.name).to(device) for f in fields(x)
+                         if isinstance(getattr(x, f.name), torch.Tensor)})
+
+
 def stripped(w, **prepared_fields):
     """A copy of bundle `w` with its canonical tensors dropped, once a backend has its own layout."""
     fields = {"q": None, "scales": None}  # the bundle keeps its type, shape and group size
@@ -176,6 +184,14 @@ class Fp8BlockWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return fp8_block_dequantize(self.q, self.scale_inv, self.block).to(dtype)
+
+    @classmethod
+    def cat(cls, parts: list["Fp8BlockWeight"]) -> "Fp8BlockWeight":
+        """Fuse along the output dim; each part must end on a block boundary for the scale grid to stack."""
+        if any(p.out_features % p.block[0] or p.block != parts[0].block for p in parts[:-1]):
+            raise ValueError("FP8 parts that do not end on a scale-block boundary cannot be fused")
+        return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale_inv for p in parts]), parts[0].block,
+                   sum(p.out_features for p in parts), parts[0].in_features)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> "Fp8BlockWeight":
