@@ -320,6 +320,36 @@ def ops_check(chip, model_config, dtypes, as_json) -> None:
         sys.exit(1)
 
 
+@ops.command("tune")
+@click.option("--chip", default=None, help="Backend to tune (default: detected).")
+@click.option("-o", "--output", default=None, help="Where to write the table (default: print it).")
+def ops_tune(chip, output) -> None:
+    """Measure this machine's shape-bucket crossovers and write the backend's tune table (YAML)."""
+    import importlib
+    import os
+
+    import yaml
+
+    from flagdeploy import ops as fops
+
+    try:
+        be = fops.get_backend(chip) if chip else fops.detect_backend()
+        tuner = importlib.import_module(f"flagdeploy.backends.{be.name}.tune")
+    except FlagdeployError as exc:
+        _fail(str(exc))
+    except ImportError:
+        _fail(f"the {be.name} backend has nothing to tune (no flagdeploy.backends.{be.name}.tune module).")
+    text = f"# measured by `flagdeploy ops tune --chip {be.name}`\n" + yaml.safe_dump(tuner.measure(), sort_keys=False)
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    tmp = f"{output}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, output)
+    click.echo(f"wrote {output}; point the backend at it by replacing its tune.yaml")
+
+
 @main.command()
 @click.option("--chip", required=True, help="Chip catalog id (ascend910c, h200, cpu, ...).")
 @click.option("--model", "model_config", default=None, help="Also check at this model's shapes.")

@@ -196,3 +196,21 @@ def test_ops_check_and_selftest_on_the_cpu(tmp_path):
     assert json.loads(out.read_text())["chip"] == "cpu"
     r = CliRunner().invoke(main, ["selftest", "--chip", "ascend910c"])
     assert r.exit_code == 1 and "ascend910c" in r.output
+
+
+def test_ops_tune_writes_the_backends_table(tmp_path):
+    import yaml
+    from click.testing import CliRunner
+
+    from flagdeploy.cli import main
+    from flagdeploy.profiles import PROFILES_DIR
+
+    out = tmp_path / "tune.yaml"
+    r = CliRunner().invoke(main, ["ops", "tune", "--chip", "cpu", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    measured = yaml.safe_load(out.read_text())
+    shipped = yaml.safe_load((PROFILES_DIR.parent / "backends" / "cpu" / "tune.yaml").read_text())
+    assert {k: set(v) for k, v in measured.items()} == {k: set(v) for k, v in shipped.items()}
+    assert all(isinstance(x, int) and x >= 0 for v in measured.values() for x in v.values())
+    r = CliRunner().invoke(main, ["ops", "tune", "--chip", "cuda"])
+    assert r.exit_code == 1 and "nothing to tune" in r.output

@@ -1,0 +1,94 @@
+"""`flagdeploy ops tune --chip cpu`: measure this CPU and return the shape buckets of tune.yaml.
+
+Each tunable is a crossover: up to some row count the packed GEMV kernel beats the oneDNN bf16 copy;
+up to some tokens x experts the dense all-experts MoE beats the per-expert loop. They are measured at
+SmolLM2-135M's linear shapes and a small MoE's, and returned as data for `ops tune` to write.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from flagdeploy.ops.registry import OPS
+from flagdeploy.ops.weights import Int4Weight, Int8Weight
+
+from . import ops
+
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+LINEAR_SHAPES = ((960, 576), (3072, 576), (576, 1536))
+
+
+def _best(fn, repeat: int = 7) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _int4(w: torch.Tensor) -> Int4Weight:
+    groups = w.shape[1] // 32
+    return Int4Weight(torch.randint(0, 16, w.shape, dtype=torch.uint8), torch.full((w.shape[0], groups), 0.01),
+                      torch.zeros(w.shape[0], groups), 32, *w.shape)
+
+
+def _packed_w4(x, w):
+    return torch._weight_int4pack_mm_for_cpu(x, w.prepared["packed"], w.group_size, w.prepared["scales_zeros"])
+
+
+def _packed_w8(x, w):
+    return torch._weight_int8pack_mm(x, w.prepared["q"], w.prepared["scales"])
+
+
+# op -> (make a canonical bundle, the backend's prepare, its packed kernel)
+_LINEARS = {"linear_w4a16": (_int4, ops.prepare_w4a16, _packed_w4),
+            "linear_w8a16": (Int8Weight.quantize, ops.prepare_w8a16, _packed_w8)}
+
+
+def _linear_crossover(op: str) -> int:
+    """The largest row count up to which the packed kernel is still faster, over one layer's shapes."""
+    make, prepare, packed = _LINEARS[op]
+    g = torch.Generator().manual_seed(0)
+    ws = [prepare(make(torch.randn(n, k, generator=g) * 0.02)) for n, k in LINEAR_SHAPES]
+    last = 0
+    for m in ROWS:
+        xs = [torch.randn(m, k).to(torch.bfloat16) for _, k in LINEAR_SHAPES]
+        t_packed = _best(lambda: [packed(x, w) for x, w in zip(xs, ws)])
+        t_dense = _best(lambda: [ops._dense_mm(x, w.prepared["dense"]) for x, w in zip(xs, ws)])
+        if t_packed <= t_dense:
+            last = m
+    return last
+
+
+def _dense_moe(x, routing, gate_up, down):
+    gate, up = torch.einsum("th,eoh->eto", x, gate_up).chunk(2, dim=-1)
+    y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down)
+    return torch.einsum("eth,te->th", y, routing)
+
+
+def _moe_crossover() -> int:
+    """The largest tokens x experts for which computing every expert densely beats the expert loop."""
+    g = torch.Generator().manual_seed(0)
+    e, h, i = 16, 256, 128
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.randn(e, h, i, generator=g) * 0.05
+    last = 0
+    for t in (1, 2, 4, 8, 16, 32, 64):
+        x = torch.randn(t, h, generator=g)
+        picks = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(t)])
+        routing = torch.zeros(t, e).scatter_(1, picks, 0.5)
+        if _best(lambda: _dense_moe(x, routing, gate_up, down)) <= _best(
+                lambda: OPS["moe_experts"].reference(x, routing, gate_up, down, None)):
+            last = t * e
+    return last
+
+
+def measure() -> dict:
+    """The tune table's values as measured on this machine (the keys of tune.yaml)."""
+    return {"linear_w4a16": {"packed_max_m": _linear_crossover("linear_w4a16")},
+            "linear_w8a16": {"packed_max_m": _linear_crossover("linear_w8a16")},
+            "moe_experts": {"dense_max_token_experts": _moe_crossover()}}
