@@ -81,16 +81,7 @@ NATIVE = {
 HALF_ONLY = {"attention_prefill", "paged_attention_decode", "write_kv_cache"}
 
 
-def _run(fn, args, kwargs):
-    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    out = fn(*args, **kwargs)
-    if out is None:  # in-place op (write_kv_cache): its outputs are the caches it wrote
-        out = (args[2], args[3])
-    return out if isinstance(out, tuple) else (out,)
-
-
-def _to64(x):
-    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+from test_ops import _run, _to64  # noqa: E402  (the generic op tests' own helpers)
 
 
 def _check(name, got, args, kwargs, dtype):
