@@ -245,8 +245,9 @@ def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, 
     from flagdeploy.planner.report import parse_layout, table, to_json
 
     try:
-        req = PlanRequest(model, chip, devices, nodes, interconnect, max_model_len, concurrency, objective, mtp, policy,
-                          parse_layout(layout) if layout else None, kv_cache_dtype=kv_cache_dtype)
+        req = PlanRequest(model, chip, devices, nodes=nodes, interconnect=interconnect, max_model_len=max_model_len,
+                          concurrency=concurrency, objective=objective, mtp=mtp, policy=policy,
+                          layout=parse_layout(layout) if layout else None, kv_cache_dtype=kv_cache_dtype)
         result = make_plan(req)
         if emit and result.chosen:
             from flagdeploy.planner.emit import emit as emit_engine

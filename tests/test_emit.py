@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from flagdeploy.errors import FlagdeployError
-from flagdeploy.planner.emit import ENGINES, ENGINES_FILE, EmitError, emit, emit_profile
+from flagdeploy.planner.emit import ENGINES, ENGINES_FILE, EmitError, emit
 from flagdeploy.planner.profile import Profile
 
 # Real argument names, read from vllm/engine/arg_utils.py (EngineArgs.add_cli_args) and
@@ -191,7 +191,7 @@ def test_unknown_engine_lists_known_ones():
 def test_profile_yaml_round_trips(tmp_path):
     profile = glm(tp=4, dp=2, ep=8, mtp=True, quantization="fp8", reasoning_parser="glm47")
     path = tmp_path / "p.yaml"
-    path.write_text(emit_profile(profile))
+    path.write_text(profile.to_yaml())
     assert Profile.load(path) == profile
 
 

@@ -27,7 +27,7 @@ from flagdeploy.errors import FlagdeployError
 from flagdeploy.planner.profile import Profile
 from flagdeploy.profiles import PROFILES_DIR
 
-__all__ = ["ENGINES", "EmitError", "Launch", "emit", "emit_profile"]
+__all__ = ["ENGINES", "EmitError", "Launch", "emit"]
 
 ENGINES_FILE = PROFILES_DIR / "engines.yaml"
 # Names usable in `when` and templates besides the Profile fields (see the engines.yaml header).
@@ -69,11 +69,6 @@ class Launch:
         lines.append(" ".join([f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
                               + [shlex.quote(a) for a in self.argv]))
         return "\n".join(lines) + "\n"
-
-
-def emit_profile(profile: Profile) -> str:
-    """The profile YAML that `flagdeploy serve --profile` reads (`plan --emit profile`)."""
-    return profile.to_yaml()
 
 
 def _as_list(x: Any) -> list:
