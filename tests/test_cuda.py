@@ -124,3 +124,23 @@ def test_fp8_glm5_next_keeps_fp8_weights_on_the_gpu(tmp_path):
     dense = _engine(src, weight_format="dense")
     a, b = fp8.model.score(ids), dense.model.score(ids)
     assert (a - b).norm() / b.norm() < 0.1
+
+
+def test_cuda_graph_decode_matches_eager(tmp_path):
+    """Decode steps replayed as CUDA graphs give the eager engine's tokens, padded batches included."""
+    transformers = pytest.importorskip("transformers")
+    from flagdeploy.engine import SamplingParams
+    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    write_word_tokenizer(tmp_path, 211)
+    prompts = [[5, 17, 42, 99], [3, 150, 7], [8, 9, 11, 12, 13, 14, 15]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    graphed, eager = _engine(tmp_path, max_num_seqs=4), _engine(tmp_path, cuda_graphs=False)
+    assert graphed.runner.graphs is not None and eager.runner.graphs is None
+    assert graphed.generate(prompts, params) == eager.generate(prompts, params)
+    assert graphed.generate(prompts[:1], params) == eager.generate(prompts[:1], params)
+    assert set(graphed.runner.graphs.graphs) == {2, 4}

@@ -35,6 +35,7 @@ class EngineConfig:
     weight_format: str = "auto"  # keep a GGUF's 4-bit weights packed where the backend can; or "dense"
     load_format: str = "auto"  # or "dummy": random weights from the config (benchmarks without a checkpoint)
     device: str = "cpu"
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs where the device is a GPU (paged models)
 
 
 class _Request:
@@ -67,7 +68,11 @@ class LLMEngine:
         # A sequence-state model cannot resume from shared blocks: its recurrent state is not in them.
         self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching=not stateful)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = runner_cls(model, num_blocks, config.block_size, config.device)
+        if runner_cls is PagedRunner and config.cuda_graphs and config.device == "cuda":
+            graphs = {"max_batch": config.max_num_seqs, "max_model_len": config.max_model_len}
+            self.runner = PagedRunner(model, num_blocks, config.block_size, config.device, graphs)
+        else:
+            self.runner = runner_cls(model, num_blocks, config.block_size, config.device)
         self.requests: dict[str, _Request] = {}
         self.eos = tokenizer.eos_token_ids | set(model.cfg.eos_token_ids)
         self.num_steps = 0

@@ -50,8 +50,7 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     model = build_model(cfg, dtype, device)
     tokenizer = Tokenizer.from_source(path, fmt, extra_eos_ids=cfg.eos_token_ids)
     if load_format == "dummy":
-        with torch.device(device):
-            init_dummy_weights(model)
+        init_dummy_weights(model)
         return model, tokenizer
     if fmt == "gguf":
         tensors, total = gguf_reader.iter_tensors(reader, cfg, dtype, keep_int4), len(reader.tensors)
@@ -93,12 +92,13 @@ def check_source(path: Path, fmt: str, weights: bool = True) -> None:
 def init_dummy_weights(model, seed: int = 0) -> None:
     """Random weights for every parameter and linear (norm scales at 1, the rest N(0, 0.02^2)):
     enough for the activations to stay finite, which is all a speed measurement needs."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # drawn on the CPU (same weights on every device), then moved
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.ones(p.shape) if "norm" in name else torch.randn(p.shape, generator=gen) * 0.02)
+        device = next(model.parameters()).device
         for m in model.modules():
             if isinstance(m, Linear):
-                m.init_random(gen)
+                m.init_random(gen, device=device)
     if getattr(model.cfg, "tie_word_embeddings", False):
         model.lm_head.weight = model.embed_tokens

@@ -14,14 +14,24 @@ from .scheduler import ScheduledBatch
 
 
 class PagedRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, device: str):
+    def __init__(self, model, num_blocks: int, block_size: int, device: str, graphs: dict | None = None):
+        """graphs: {"max_batch", "max_model_len"} to replay pure-decode steps as CUDA graphs (cuda only);
+        the pool then gets one extra block, never handed out, for the graphs' padded rows."""
         self.model = model
         self.block_size = block_size
         self.device = device
+        extra = 1 if graphs else 0
         self.kv_caches = [
-            [torch.zeros(s, dtype=model.kv_cache_dtype, device=device) for s in model.kv_cache_shape(num_blocks, block_size)]
+            [torch.zeros(s, dtype=model.kv_cache_dtype, device=device)
+             for s in model.kv_cache_shape(num_blocks + extra, block_size)]
             for _ in range(model.cfg.num_layers)
         ]
+        self.graphs = None
+        if graphs:
+            from .cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.kv_caches, graphs["max_batch"],
+                                       -(-graphs["max_model_len"] // block_size), num_blocks, block_size)
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
@@ -66,6 +76,9 @@ class PagedRunner:
             if end == seq.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(i)
+        if self.graphs is not None and not num_prefill and len(ids) <= self.graphs.max_batch:
+            logits = self.graphs.run(ids, pos, slots, tables, ctx_lens)
+            return logits[torch.tensor(logits_rows, device=logits.device)], sampled
         dev = self.device
         t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
         width = max((len(b) for b in tables), default=0)

@@ -62,11 +62,13 @@ class Linear(nn.Module):
         """A checkpoint part's [out, in], where it is known (one part; fused parts may differ in rows)."""
         return (self.out_features, self.in_features) if len(self.parts) == 1 else None
 
-    def init_random(self, gen: torch.Generator, std: float = 0.02) -> None:
-        """Random weights of the right shape instead of loaded parts (`--load-format dummy`)."""
+    def init_random(self, gen: torch.Generator, std: float = 0.02, device: torch.device | str = "cpu") -> None:
+        """Random weights of the right shape instead of loaded parts (`--load-format dummy`); `gen` is a
+        CPU generator, so the weights are the same whatever the device."""
         self._pending.clear()
-        self.weight = (torch.randn(self.out_features, self.in_features, generator=gen) * std).to(self.dtype)
-        self.bias = torch.zeros(self.out_features, dtype=self.dtype) if self.has_bias else None
+        w = torch.randn(self.out_features, self.in_features, generator=gen, device="cpu") * std
+        self.weight = w.to(device=device, dtype=self.dtype)
+        self.bias = torch.zeros(self.out_features, dtype=self.dtype, device=device) if self.has_bias else None
 
     def quantize_int8(self) -> None:
         """Re-store a dense weight as per-channel int8 (used for lm_head in the quantized weight format)."""
