@@ -1,4 +1,4 @@
-"""The `flagdeploy` command: serve, pull, models, quantize, plan, ops, selftest."""
+"""The `flagdeploy` command: install, doctor, serve, pull, models, quantize, plan, deploy, ops, selftest."""
 
 from __future__ import annotations
 
@@ -349,6 +349,115 @@ def ops_tune(chip, output) -> None:
         f.write(text)
     os.replace(tmp, output)
     click.echo(f"wrote {output}; point the backend at it by replacing its tune.yaml")
+
+
+@main.command()
+@click.option("--chip", required=True, help="Chip catalog id (ascend910c, h20, cpu, ...) or auto.")
+@click.option("--engine", default="builtin", show_default=True,
+              type=click.Choice(["builtin", "vllm-ascend", "vllm", "sglang", "mindie"]))
+@click.option("--dry-run", is_flag=True, help="Print the plan; install nothing (works for a chip not on this host).")
+@click.option("--yes", is_flag=True, help="Install without asking.")
+@click.option("--download-only", type=click.Path(file_okay=False), default=None,
+              help="Download every wheel the plan needs into this directory (for an air-gapped site), then stop.")
+@click.option("--offline", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Install from a directory made by --download-only, without any index.")
+@click.option("--index-url", default=None, help="A PyPI mirror (e.g. one reachable from inside China).")
+@click.option("--env-file", default="flagdeploy-env.sh", show_default=True, help="Where to write the environment file.")
+@click.option("--root", default="/", hidden=True, help="Detect from a recorded system under this directory (tests).")
+def install(chip, engine, dry_run, yes, download_only, offline, index_url, env_file, root) -> None:
+    """Detect the chip, install the matching stack, verify the ops on the device."""
+    from pathlib import Path
+
+    from flagdeploy.installer import install as inst
+    from flagdeploy.installer.detect import detect, pick_chip
+
+    try:
+        info = detect(Path(root))
+        chip_id = pick_chip(info, chip, present_required=not (dry_run or download_only))
+        plan = inst.make_plan(info, chip_id, engine)
+        click.echo(f"found: {info.describe()}")
+        click.echo(plan.describe())
+        if dry_run:
+            return
+        if download_only:
+            Path(download_only).mkdir(parents=True, exist_ok=True)
+            inst.download(plan, Path(download_only), index_url)
+            click.echo(f"downloaded into {download_only}; install there with `flagdeploy install --chip {chip_id} "
+                       f"--offline {download_only}`")
+            return
+        if plan.host_missing:
+            _fail(f"{len(plan.host_missing)} host prerequisite(s) of {chip_id} are missing (listed above with their "
+                  f"install commands); install them, then run this again.")
+        if plan.to_install and not yes:
+            click.confirm(f"install {', '.join(plan.to_install)}?", abort=True)
+        if offline:
+            inst.install(plan, Path(offline))
+        else:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="flagdeploy-wheels-") as wheels:
+                inst.download(plan, Path(wheels), index_url)
+                inst.install(plan, Path(wheels))
+        inst.write_env_file(plan, Path(env_file).resolve())
+        if plan.backend == "cpu":  # the builtin CPU path is ready to serve: fetch its default model too
+            from flagdeploy.loaders.source import pull
+
+            pull(None)
+        facts = inst.verify(plan)
+    except FlagdeployError as exc:
+        _fail(str(exc))
+    click.echo(f"verified: torch {facts['torch']}, {facts['devices']} {facts['backend']} device(s), {facts['ops_check']}")
+    click.echo(f"environment: `. {env_file}` before `flagdeploy serve`")
+
+
+@main.command()
+@click.option("--chip", default="auto", show_default=True, help="Chip catalog id or auto.")
+@click.option("--model", default=None, help="Also check that this model fits and that its weights fit on disk.")
+@click.option("--devices", default=None, type=int, help="Devices to plan the model on (default: a node's).")
+@click.option("--max-model-len", default=32768, show_default=True, type=int)
+@click.option("--root", default="/", hidden=True)
+def doctor(chip, model, devices, max_model_len, root) -> None:
+    """Every install check plus the usual traps, each with why it matters and the fix."""
+    from pathlib import Path
+
+    from flagdeploy.installer import doctor as doc
+    from flagdeploy.installer.detect import detect, pick_chip
+
+    try:
+        info = detect(Path(root))
+        chip_id = pick_chip(info, chip, present_required=False)
+        findings = doc.run(info, chip_id, model, devices, max_model_len)
+    except FlagdeployError as exc:
+        _fail(str(exc))
+    click.echo(f"found: {info.describe()}")
+    click.echo(doc.format_findings(findings))
+    if any(f.level == "fail" for f in findings):
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("kind", type=click.Choice(["docker", "compose", "k8s"]))
+@click.option("--chip", required=True)
+@click.option("--model", required=True, help="Model to serve (path, hub id or preset); the planner picks the layout.")
+@click.option("--devices", default=None, type=int, help="Devices to use (default: a node's).")
+@click.option("--max-model-len", default=32768, show_default=True, type=int)
+@click.option("--image", default=None, help="Container image (default: a digest placeholder to pin).")
+@click.option("-o", "--output", default=".", show_default=True, help="Directory to write the files into.")
+@click.option("--overwrite", is_flag=True)
+def deploy(kind, chip, model, devices, max_model_len, image, output, overwrite) -> None:
+    """Container and Kubernetes artefacts that run `flagdeploy serve` with the planner's profile."""
+    from flagdeploy.chips import get_chip
+    from flagdeploy.installer.deploy import write
+    from flagdeploy.planner import PlanRequest, make_plan
+
+    try:
+        spec = get_chip(chip)
+        plan = make_plan(PlanRequest(model, spec.id, devices or spec.devices_per_node, max_model_len=max_model_len))
+        paths = write(kind, plan.profile(), output, image=image, overwrite=overwrite)
+    except (FlagdeployError, ValueError, FileExistsError) as exc:
+        _fail(str(exc))
+    for p in paths:
+        click.echo(f"wrote {p}")
 
 
 @main.command()

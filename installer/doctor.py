@@ -1,0 +1,112 @@
+"""`flagdeploy doctor`: the install checks plus the mistakes users actually trip on, each as a finding
+that says what is wrong, why it matters and how to fix it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from flagdeploy.chips import get_chip
+
+from .detect import SystemInfo
+
+
+@dataclass
+class Finding:
+    level: str  # ok, warn, fail
+    what: str
+    why: str = ""
+    fix: str = ""
+
+
+def _ascend(info: SystemInfo, chip) -> list[Finding]:
+    out = []
+    if info.in_container and not any("davinci" in d for d in info.device_nodes):
+        out.append(Finding("fail", "no Ascend device nodes inside this container",
+                           "the NPUs may exist on the host (and even show on its PCI bus) but were not passed in, so no "
+                           "process here can open them",
+                           "start the container with --device /dev/davinci0 (one per die) --device /dev/davinci_manager "
+                           "--device /dev/devmm_svm --device /dev/hisi_hdc and mount /usr/local/Ascend/driver "
+                           "(`flagdeploy deploy docker --chip ...` writes the command)"))
+    elif not any(a.vendor == "huawei" for a in info.accelerators):
+        out.append(Finding("fail", f"no Ascend NPU found for {chip.id}", "nothing to run on",
+                           "check `npu-smi info` and the driver install; `flagdeploy install --dry-run` shows what is needed"))
+    if not info.ascend_driver:
+        out.append(Finding("fail", "Ascend driver not found (/usr/local/Ascend/driver/version.info)",
+                           "torch_npu cannot open a device without it", "install the NPU driver and firmware (see `flagdeploy install --dry-run`)"))
+    if not info.cann:
+        out.append(Finding("fail", "CANN toolkit not found", "torch_npu's kernels come from CANN",
+                           "install Ascend-cann-toolkit and `source /usr/local/Ascend/ascend-toolkit/set_env.sh`"))
+    elif info.ascend_driver and _major(info.cann) > _major(info.ascend_driver) + 1:
+        out.append(Finding("warn", f"CANN {info.cann} with driver {info.ascend_driver}",
+                           "a CANN newer than its driver fails at device init with an opaque error",
+                           "upgrade the driver/firmware to the release Huawei's HDK table pairs with this CANN"))
+    if not info.nnal:
+        out.append(Finding("warn", "NNAL (libatb) not installed", "torch_npu's _npu_* ATB ops and vLLM-Ascend need it",
+                           "install Ascend-cann-nnal and `source /usr/local/Ascend/nnal/atb/set_env.sh`"))
+    if not os.environ.get("HCCL_SOCKET_IFNAME") and not os.environ.get("HCCL_IF_IP"):
+        out.append(Finding("warn", "HCCL_SOCKET_IFNAME / HCCL_IF_IP not set",
+                           "multi-node HCCL picks the first interface, often not the RoCE one, and hangs at init",
+                           "for multi-node serving export HCCL_SOCKET_IFNAME=<the RoCE NIC> (and GLOO_SOCKET_IFNAME)"))
+    return out
+
+
+def _major(version: str) -> int:
+    digits = "".join(c if c.isdigit() else " " for c in version).split()
+    return int(digits[0]) if digits else 0
+
+
+def run(info: SystemInfo, chip_id: str, model: str | None = None, devices: int | None = None,
+        max_model_len: int = 32768, cache_dir: Path | None = None) -> list[Finding]:
+    chip = get_chip(chip_id)
+    out: list[Finding] = []
+    if chip.backend == "ascend":
+        out += _ascend(info, chip)
+    elif chip.backend == "cuda" and not info.nvidia_driver:
+        out.append(Finding("fail", "no NVIDIA driver found", "CUDA cannot see a GPU", "install the NVIDIA driver; check `nvidia-smi`"))
+    from .install import make_plan
+
+    plan = make_plan(info, chip.id)
+    if plan.to_install:
+        out.append(Finding("warn", f"packages missing or at other versions: {', '.join(plan.to_install)}",
+                           "the matrix row pins what is known to work together", f"flagdeploy install --chip {chip.id}"))
+    if model:
+        out += _model(chip, model, devices or chip.devices_per_node, max_model_len, cache_dir)
+    if not any(f.level != "ok" for f in out):
+        out.append(Finding("ok", f"no problem found for {chip.id}"))
+    return out
+
+
+def _model(chip, model: str, devices: int, max_model_len: int, cache_dir: Path | None) -> list[Finding]:
+    from flagdeploy.planner import PlanRequest, make_plan
+
+    plan = make_plan(PlanRequest(model, chip.id, devices, max_model_len=max_model_len, concurrency=1))
+    out = []
+    if plan.chosen is None:
+        out.append(Finding("fail", f"{plan.model_name} does not fit on {devices} x {chip.id} at --max-model-len "
+                           f"{max_model_len}", "the server would fail while loading or at the first long request",
+                           "; ".join(plan.suggestions)))
+    else:
+        out.append(Finding("ok", f"{plan.model_name} fits on {devices} x {chip.id} as {plan.chosen.layout}"))
+    path = cache_dir or Path(os.environ.get("FLAGDEPLOY_CACHE", Path.home() / ".cache" / "flagdeploy"))
+    probe = next((p for p in [path, *path.parents] if p.exists()), Path("/"))
+    free = shutil.disk_usage(probe).free
+    if free < plan.weight_bytes * 1.1:
+        out.append(Finding("fail", f"{free / 2**30:.0f} GiB free at {probe}, the weights need "
+                           f"{plan.weight_bytes / 2**30:.0f} GiB", "the download or conversion stops half-way",
+                           "free space or point FLAGDEPLOY_CACHE at a larger disk"))
+    return out
+
+
+def format_findings(findings: list[Finding]) -> str:
+    mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}
+    lines = []
+    for f in findings:
+        lines.append(f"[{mark[f.level]}] {f.what}")
+        if f.why:
+            lines.append(f"       why: {f.why}")
+        if f.fix:
+            lines.append(f"       fix: {f.fix}")
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""`flagdeploy install --chip X`: from what this host has to a verified stack for chip X.
+
+The plan comes from detection (installer.detect) and the compatibility matrix (installer.matrix):
+what is present, which Python packages to install at which pinned versions, which host prerequisites
+(driver, firmware, CANN, NNAL) it cannot install itself, with the commands to do so, and the
+environment file to source. Installing is two-phase: every wheel is first downloaded (`pip download`)
+and only then installed from that directory with `--no-index`, so a network or resolution failure
+leaves the environment as it was. Verification runs in a fresh interpreter: imports, the device
+count, and `flagdeploy ops check` on the device.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+from flagdeploy.chips import get_chip
+from flagdeploy.errors import FlagdeployError
+
+from .detect import SystemInfo, chip_family
+from .matrix import StackRow, resolve
+
+# What a chip's runtime reads from the environment, and what has to be sourced first (ascend-torch-npu.md §4).
+_ENV = {
+    "ascend": {"source": ["/usr/local/Ascend/ascend-toolkit/set_env.sh", "/usr/local/Ascend/nnal/atb/set_env.sh"],
+               "vars": {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True", "TASK_QUEUE_ENABLE": "1",
+                        "HCCL_OP_EXPANSION_MODE": "AIV", "OMP_NUM_THREADS": "1"}},
+    "cuda": {"source": [], "vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
+    "cpu": {"source": [], "vars": {}},
+}
+# Host prerequisites pip cannot install: what to check and the commands that install it.
+_HOST = {
+    "ascend": [
+        ("ascend_driver", "Ascend driver and firmware (matching the CANN version, see Huawei's HDK table)",
+         "download Ascend-hdk-<chip>-npu-driver_<ver>_linux-<arch>.run and -firmware from https://www.hiascend.com/"
+         "hardware/firmware-drivers, then: ./Ascend-hdk-*-npu-driver_*.run --full --install-for-all && "
+         "./Ascend-hdk-*-npu-firmware_*.run --full"),
+        ("cann", "CANN toolkit (Ascend-cann-toolkit, the version the matrix row needs)",
+         "download Ascend-cann-toolkit_<ver>_linux-<arch>.run (and the kernels package for the chip) from "
+         "https://www.hiascend.com/developer/download/community/result?module=cann, then: "
+         "./Ascend-cann-toolkit_*.run --install && source /usr/local/Ascend/ascend-toolkit/set_env.sh"),
+        ("nnal", "NNAL (libatb, for the ATB ops torch_npu and vLLM-Ascend call)",
+         "./Ascend-cann-nnal_<ver>_linux-<arch>.run --install && source /usr/local/Ascend/nnal/atb/set_env.sh"),
+    ],
+    "cuda": [("nvidia_driver", "NVIDIA driver (R550+ for CUDA 12.4+ wheels)",
+              "install the driver from https://www.nvidia.com/Download/index.aspx or your distribution's packages")],
+    "cpu": [],
+}
+
+
+class InstallError(FlagdeployError):
+    """The stack could not be installed or verified; the message says which step and how to retry."""
+
+
+@dataclass
+class InstallPlan:
+    chip: str
+    backend: str
+    row: StackRow
+    present: dict[str, str]  # package -> installed version (those the row names)
+    to_install: list[str]  # pinned requirements not yet satisfied
+    host_missing: list[tuple[str, str]] = field(default_factory=list)  # (what, how to install it)
+    env: dict[str, str] = field(default_factory=dict)
+    source: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        r = self.row
+        lines = [f"chip {self.chip} ({r.family}), engine {r.engine}; versions from: {r.source}",
+                 f"  python    {sys.version.split()[0]} (needs {r.python})"]
+        if r.unconfirmed:
+            lines.append(f"  note      not backed by a stored source yet: {', '.join(r.unconfirmed)}")
+        lines += [f"  present   {n}=={v}" for n, v in sorted(self.present.items())]
+        lines += [f"  install   {req}" for req in self.to_install] or ["  install   nothing: every package is present"]
+        for what, how in self.host_missing:
+            lines += [f"  host      {what} is missing; flagdeploy cannot install it. Do:", f"            {how}"]
+        if r.cann_min:
+            lines.append(f"  CANN      >= {r.cann_min}")
+        if r.image:
+            lines.append(f"  image     {r.image} (the same stack, prebuilt)")
+        return "\n".join(lines)
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def make_plan(info: SystemInfo, chip_id: str, engine: str = "builtin") -> InstallPlan:
+    chip = get_chip(chip_id)
+    family = next((a.family for a in info.accelerators if a.chip == chip.id), None) or chip_family(chip.id)
+    row = resolve(family, engine)
+    present, todo = {}, []
+    for name, spec in row.packages.items():
+        req = Requirement(f"{name}{spec}")
+        have = _installed(name)
+        if have is not None:
+            present[name] = have
+        if have is None or not req.specifier.contains(have, prereleases=True):
+            todo.append(str(req))
+    missing = []
+    for key, what, how in _HOST.get(chip.backend, []):
+        if not _host_present(info, key):
+            missing.append((what, how))
+    env = _ENV.get(chip.backend, {"source": [], "vars": {}})
+    return InstallPlan(chip.id, chip.backend, row, present, todo, missing, dict(env["vars"]), list(env["source"]))
+
+
+def _host_present(info: SystemInfo, key: str) -> bool:
+    return {"ascend_driver": info.ascend_driver, "cann": info.cann, "nnal": info.nnal,
+            "nvidia_driver": info.nvidia_driver}.get(key) not in (None, False, "")
+
+
+def _pip(args: list[str], what: str) -> None:
+    cmd = [sys.executable, "-m", "pip", *args]
+    print(f"$ {' '.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    for line in proc.stdout:  # pip's own progress, passed through
+        print(line, end="", flush=True)
+        tail = (tail + [line.rstrip()])[-15:]
+    if proc.wait() != 0:
+        raise InstallError(f"{what} failed (exit {proc.returncode}). Command: {' '.join(cmd)}\nLast lines:\n"
+                           + "\n".join(f"  {t}" for t in tail) + "\nNothing was installed by this step; fix the cause "
+                           "(network, index URL, disk) and run the same `flagdeploy install` again, or pass "
+                           "--offline DIR with wheels from `flagdeploy install --download-only DIR`.")
+
+
+def download(plan: InstallPlan, dest: Path, index_url: str | None = None) -> None:
+    """Phase 1: every wheel the plan needs, with dependencies, into `dest` (also what --download-only does)."""
+    if not plan.to_install:
+        return
+    extra = ["--index-url", index_url] if index_url else []
+    _pip(["download", "--dest", str(dest), *extra, *plan.to_install], "downloading the packages")
+
+
+def install(plan: InstallPlan, wheels: Path) -> None:
+    """Phase 2: install from the downloaded wheels only."""
+    if plan.to_install:
+        _pip(["install", "--no-index", "--find-links", str(wheels), *plan.to_install], "installing the packages")
+
+
+def write_env_file(plan: InstallPlan, path: Path) -> Path:
+    lines = ["# written by `flagdeploy install`; source it before serving", *[f"[ -f {s} ] && . {s}" for s in plan.source],
+             *[f"export {k}={v}" for k, v in plan.env.items()]]
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+_VERIFY = """
+import json, torch, flagdeploy
+from flagdeploy import ops
+be = ops.get_backend({backend!r})
+count = {{"cpu": 1, "cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0}}.get(be.name)
+if count is None:
+    import torch_npu  # noqa: F401
+    count = torch.npu.device_count()
+print(json.dumps({{"torch": torch.__version__, "backend": be.name, "devices": count, "detected": be.detect()}}))
+"""
+
+
+def verify(plan: InstallPlan) -> dict:
+    """Imports and device count in a fresh interpreter (with the env file's variables), then the op check."""
+    env = {**os.environ, **plan.env}
+    out = subprocess.run([sys.executable, "-c", _VERIFY.format(backend=plan.backend)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    if out.returncode != 0:
+        raise InstallError(f"the installed stack does not import: {out.stderr.strip().splitlines()[-1:]}. Run "
+                           f"`flagdeploy doctor --chip {plan.chip}` for the likely cause.")
+    facts = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+    if not facts["detected"] or not facts["devices"]:
+        raise InstallError(f"the {plan.backend} backend imports but sees no {plan.chip} device (devices: "
+                           f"{facts['devices']}). Run `flagdeploy doctor --chip {plan.chip}`.")
+    check = subprocess.run([sys.executable, "-m", "flagdeploy.cli", "ops", "check", "--chip", plan.backend],
+                           capture_output=True, text=True, env=env, timeout=1800)
+    facts["ops_check"] = (check.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if check.returncode != 0:
+        raise InstallError(f"ops check failed on the device: {facts['ops_check']}. Attach the output of "
+                           f"`flagdeploy selftest --chip {plan.chip}` to a bug report.")
+    return facts

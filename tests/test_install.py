@@ -1,0 +1,92 @@
+"""`flagdeploy install`, `doctor` and `deploy` from the command line: plans over recorded systems, a real
+install of the CPU stack in this venv, and the errors a user meets first."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flagdeploy.installer import install as inst
+from flagdeploy.installer.detect import detect
+
+SYSTEMS = Path(__file__).parent / "fixtures" / "systems"
+
+
+def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flagdeploy.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("system,chip,wants", [
+    ("a2", "ascend910b", ["8 x ascend910b (A2", "install   torch-npu==2.12.0", "CANN      >= 9.1.0"]),
+    ("a3", "auto", ["16 x ascend910c (A3", "install   torch-npu==2.12.0", "-a3-"]),
+    ("h20", "auto", ["8 x h20", "chip h20 (sm90)"]),
+    ("cpu", "cpu", ["1 x cpu", "chip cpu (cpu)"]),
+])
+def test_dry_run_plans_for_recorded_systems(system, chip, wants):
+    r = _cli("install", "--chip", chip, "--dry-run", "--root", str(SYSTEMS / system))
+    assert r.returncode == 0, r.stderr
+    for w in wants:
+        assert w in r.stdout, (w, r.stdout)
+    assert "host " not in r.stdout  # these boxes have their driver, CANN and NNAL
+
+
+def test_plan_names_host_prerequisites_with_their_commands():
+    plan = inst.make_plan(detect(SYSTEMS / "cpu"), "ascend910c", "vllm-ascend")
+    missing = "\n".join(f"{what}: {how}" for what, how in plan.host_missing)
+    assert "driver" in missing and "Ascend-cann-toolkit" in missing and "nnal/atb/set_env.sh" in missing
+    assert any(r.startswith("vllm-ascend") for r in plan.to_install)
+
+
+def test_absent_and_unknown_chips():
+    r = _cli("install", "--chip", "ascend910c", "--root", str(SYSTEMS / "h20"))
+    assert r.returncode == 1 and "found: 8 x h20" in r.stderr and "--dry-run" in r.stderr
+    r = _cli("install", "--chip", "ascend9999", "--dry-run")
+    assert r.returncode == 1 and "ascend910c" in r.stderr and "--chip auto" in r.stderr
+
+
+def test_a_failed_pip_step_says_what_and_changes_nothing(tmp_path):
+    plan = inst.make_plan(detect(SYSTEMS / "cpu"), "cpu")
+    plan.to_install = ["flagdeploy-no-such-package==1.0"]
+    with pytest.raises(inst.InstallError, match=r"(?s)downloading the packages failed.*pip download.*run the same"):
+        inst.download(plan, tmp_path, index_url="http://127.0.0.1:9/simple")
+    assert not list(tmp_path.iterdir())
+    assert inst._installed("flagdeploy-no-such-package") is None
+
+
+def test_install_cpu_for_real(tmp_path, default_model):
+    """What CI runs: the builtin CPU stack in this fresh venv, the default model, the op check, exit 0."""
+    env = tmp_path / "env.sh"
+    r = _cli("install", "--chip", "cpu", "--yes", "--env-file", str(env))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verified: torch 2.13" in r.stdout and "passed" in r.stdout
+    assert env.read_text().startswith("# written by `flagdeploy install`")
+
+
+def test_doctor_finds_the_container_without_devices(tmp_path):
+    box = tmp_path / "a3"
+    shutil.copytree(SYSTEMS / "a3", box)
+    for node in (box / "dev").glob("davinci*"):
+        node.unlink()
+    (box / ".commands" / "npu-smi_info.txt").unlink(missing_ok=True)
+    r = _cli("doctor", "--chip", "ascend910c", "--root", str(box))
+    assert r.returncode == 1
+    assert "no Ascend device nodes inside this container" in r.stdout and "--device /dev/davinci0" in r.stdout
+    r = _cli("doctor", "--chip", "ascend910c", "--root", str(SYSTEMS / "a3"))
+    assert "device nodes" not in r.stdout
+
+
+def test_deploy_writes_the_planned_manifests(tmp_path):
+    r = _cli("deploy", "k8s", "--chip", "h200", "--model", "glm-5.3-flash", "--devices", "8", "-o", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    docs = list(yaml.safe_load_all((tmp_path / "deployment.yaml").read_text()))
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service"} <= kinds
+    profile = yaml.safe_load((tmp_path / "profile.yaml").read_text())["profile"]
+    assert profile["chip"] == "h200" and profile["tp"] * profile["dp"] * profile["pp"] == 8
+    r = _cli("deploy", "k8s", "--chip", "h200", "--model", "glm-5.3-flash", "--devices", "8", "-o", str(tmp_path))
+    assert r.returncode == 1 and "refusing to overwrite" in r.stderr and "--overwrite" in r.stderr
