@@ -39,10 +39,11 @@ def _ascend(info: SystemInfo, chip) -> list[Finding]:
     if not info.cann:
         out.append(Finding("fail", "CANN toolkit not found", "torch_npu's kernels come from CANN",
                            "install Ascend-cann-toolkit and `source /usr/local/Ascend/ascend-toolkit/set_env.sh`"))
-    elif info.ascend_driver and _major(info.cann) > _major(info.ascend_driver) + 1:
-        out.append(Finding("warn", f"CANN {info.cann} with driver {info.ascend_driver}",
-                           "a CANN newer than its driver fails at device init with an opaque error",
-                           "upgrade the driver/firmware to the release Huawei's HDK table pairs with this CANN"))
+    elif info.ascend_driver:  # no stored copy of Huawei's HDK pairing table: say what to compare
+        out.append(Finding("warn", f"CANN {info.cann} with driver {info.ascend_driver}: pairing not checked",
+                           "a CANN newer than its driver fails at device init with an opaque error, and flagdeploy has "
+                           "no source for Huawei's driver/CANN table yet",
+                           "compare both versions with the HDK compatibility table on hiascend.com"))
     if not info.nnal:
         out.append(Finding("warn", "NNAL (libatb) not installed", "torch_npu's _npu_* ATB ops and vLLM-Ascend need it",
                            "install Ascend-cann-nnal and `source /usr/local/Ascend/nnal/atb/set_env.sh`"))
@@ -51,11 +52,6 @@ def _ascend(info: SystemInfo, chip) -> list[Finding]:
                            "multi-node HCCL picks the first interface, often not the RoCE one, and hangs at init",
                            "for multi-node serving export HCCL_SOCKET_IFNAME=<the RoCE NIC> (and GLOO_SOCKET_IFNAME)"))
     return out
-
-
-def _major(version: str) -> int:
-    digits = "".join(c if c.isdigit() else " " for c in version).split()
-    return int(digits[0]) if digits else 0
 
 
 def run(info: SystemInfo, chip_id: str, model: str | None = None, devices: int | None = None,
