@@ -6,12 +6,14 @@ what is present, which Python packages to install at which pinned versions, whic
 environment file to source. Installing is two-phase: every wheel is first downloaded (`pip download`)
 and only then installed from that directory with `--no-index`, so a network or resolution failure
 leaves the environment as it was. Verification runs in a fresh interpreter: imports, the device
-count, and `flagdeploy ops check` on the device.
+count, on Ascend the SoC family the device reports against the plan's, and `flagdeploy ops check` on
+the device.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
 import os
 import subprocess
 import sys
@@ -162,23 +164,49 @@ _VERIFY = """
 import json, torch, flagdeploy
 from flagdeploy import ops
 be = ops.get_backend({backend!r})
-count = {{"cpu": 1, "cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0}}.get(be.name)
-if count is None:
-    import torch_npu  # noqa: F401
-    count = torch.npu.device_count()
-print(json.dumps({{"torch": torch.__version__, "backend": be.name, "devices": count, "detected": be.detect()}}))
+facts = {{"torch": torch.__version__, "backend": be.name, "detected": be.detect()}}
+if be.name == "cpu":
+    facts["devices"] = 1
+elif be.name == "cuda":
+    facts["devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+else:
+    import torch_npu
+    facts["devices"] = torch.npu.device_count()
+    facts["soc_version"] = torch_npu.npu.get_soc_version()
+print(json.dumps(facts))
 """
 
+# torch_npu.npu.get_soc_version() -> family, as vLLM-Ascend's device/hardware.py reads it (ascend-torch-npu.md 1.11)
+_SOC_FAMILIES = ((range(220, 226), "A2"), (range(250, 256), "A3"), (range(200, 206), "310P"), (range(260, 261), "950"))
 
-def verify(plan: InstallPlan) -> dict:
-    """Imports and device count in a fresh interpreter (with the env file's variables), then the op check."""
-    env = {**os.environ, **plan.env}
+
+def soc_family(soc_version: int) -> str | None:
+    return next((family for versions, family in _SOC_FAMILIES if soc_version in versions), None)
+
+
+def probe(plan: InstallPlan, env: dict | None = None) -> dict:
+    """What the installed stack reports in a fresh interpreter; on Ascend, the SoC family must be the
+    plan's (an A2 stack on an A3 box imports fine and fails later, in the first kernel)."""
+    env = {**os.environ, **plan.env, **(env or {})}
     out = subprocess.run([sys.executable, "-c", _VERIFY.format(backend=plan.backend)], capture_output=True, text=True,
                          env=env, timeout=600)
     if out.returncode != 0:
         raise InstallError(f"the installed stack does not import: {out.stderr.strip().splitlines()[-1:]}. Run "
                            f"`flagdeploy doctor --chip {plan.chip}` for the likely cause.")
-    facts = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    if "soc_version" in facts:
+        facts["family"] = soc_family(facts["soc_version"])
+        if facts["family"] != plan.row.family:
+            raise InstallError(f"the device reports SoC version {facts['soc_version']} ({facts['family'] or 'unknown'}), "
+                               f"but this stack was planned for {plan.chip} ({plan.row.family}). Install for the chip "
+                               f"that is here: `flagdeploy install --chip auto`.")
+    return facts
+
+
+def verify(plan: InstallPlan) -> dict:
+    """Imports and device count in a fresh interpreter (with the env file's variables), then the op check."""
+    env = {**os.environ, **plan.env}
+    facts = probe(plan)
     if not facts["detected"] or not facts["devices"]:
         raise InstallError(f"the {plan.backend} backend imports but sees no {plan.chip} device (devices: "
                            f"{facts['devices']}). Run `flagdeploy doctor --chip {plan.chip}`.")

@@ -90,3 +90,16 @@ def test_deploy_writes_the_planned_manifests(tmp_path):
     assert profile["chip"] == "h200" and profile["tp"] * profile["dp"] * profile["pp"] == 8
     r = _cli("deploy", "k8s", "--chip", "h200", "--model", "glm-5.3-flash", "--devices", "8", "-o", str(tmp_path))
     assert r.returncode == 1 and "refusing to overwrite" in r.stderr and "--overwrite" in r.stderr
+
+
+def test_verification_catches_a_stack_for_the_wrong_ascend_family(monkeypatch):
+    """Through the torch_npu stand-in: an A2 plan on a device that reports an A3 SoC is refused."""
+    import os
+
+    standins = str(Path(__file__).parent / "standins")
+    env = {"PYTHONPATH": os.pathsep.join([standins, os.environ.get("PYTHONPATH", "")])}
+    a2 = inst.make_plan(detect(SYSTEMS / "a2"), "ascend910b")
+    facts = inst.probe(a2, {**env, "FLAGDEPLOY_STANDIN_SOC": "Ascend910B3"})
+    assert facts["family"] == "A2" and facts["devices"] >= 1
+    with pytest.raises(inst.InstallError, match=r"SoC version 250 \(A3\).*ascend910b \(A2\).*--chip auto"):
+        inst.probe(a2, {**env, "FLAGDEPLOY_STANDIN_SOC": "Ascend910_9391"})
