@@ -284,7 +284,6 @@ def ops_list(chip) -> None:
 
 
 def _run_checks(be, model_config: str | None, dtypes: tuple[str, ...]):
-    import json
 
     import torch
 

@@ -3,7 +3,6 @@ fit rejected with the reason, the rest ranked by the objective; and, when nothin
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from flagdeploy.chips import Chip, get_chip

@@ -19,7 +19,6 @@ variable FLAGDEPLOY_STANDIN_SOC (a SoC name, default "Ascend910_9391", an A3 die
 
 from __future__ import annotations
 
-import math
 import os
 import types
 from collections import Counter
