@@ -53,9 +53,14 @@ _CONTEXT_SUFFIX = re.compile(r"(\s*\[1m\])+\s*$", re.IGNORECASE)
 # ---- model names ---------------------------------------------------------------------------------
 
 
+def strip_context_suffix(name: str) -> str:
+    """The bare name: Claude Code's `[1m]` (1M-context) marker is client-side decoration."""
+    return _CONTEXT_SUFFIX.sub("", name.strip()).strip()
+
+
 def normalize_model_name(name: str) -> str:
-    """Claude Code's `[1m]` (1M-context) marker and case are client-side decoration, not identity."""
-    return _CONTEXT_SUFFIX.sub("", name.strip()).strip().lower()
+    """The lookup key: the bare name, case-insensitive."""
+    return strip_context_suffix(name).lower()
 
 
 class ModelNames:
@@ -199,8 +204,8 @@ def _finish_reason(out: RequestOutput) -> str:
     raise errors.server_error(f"generation ended with finish reason {out.finish_reason!r}")
 
 
-def _chat_prompt(engine: "AsyncEngine", req: ChatCompletionRequest) -> list[int]:
-    messages = [m.to_template() for m in req.messages]
+def _chat_prompt(engine: "AsyncEngine", messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of `messages` (template dicts) through the model's chat template."""
     try:
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
@@ -310,8 +315,8 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         model = names.resolve(req.model)
         engine = slot.get()
         cid = new_id("chatcmpl")
-        gen = Generation(engine, _jobs(engine, req, req.requested_max_tokens(), [_chat_prompt(engine, req)], cid,
-                                        default_temperature))
+        prompt = _chat_prompt(engine, [m.to_template() for m in req.messages])
+        gen = Generation(engine, _jobs(engine, req, req.requested_max_tokens(), [prompt], cid, default_temperature))
         gen.start()
         if req.stream:
             first = await _first_output(request, gen, "messages")
@@ -356,6 +361,10 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         return JSONResponse(Completion(id=cid, model=model, choices=choices, usage=_usage(gen)).model_dump())
 
     app.include_router(v1)
+    # Imported here: the Anthropic routes build on this module's helpers.
+    from .anthropic import anthropic_router
+
+    app.include_router(anthropic_router(slot, names, _auth_dependency(api_key), default_temperature))
     return app
 
 

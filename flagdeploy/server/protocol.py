@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_serializer
 
 
 def new_id(prefix: str) -> str:
@@ -214,16 +215,37 @@ class Completion(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model fields plus Anthropic's (`type`, `display_name`, `created_at`), so that one
+    /v1/models serves both CC Switch's "Fetch Models" and Claude Code's gateway discovery."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "flagdeploy"
     max_model_len: int | None = None
+    type: Literal["model"] = "model"
+
+    @computed_field
+    def display_name(self) -> str:
+        return self.id
+
+    @computed_field
+    def created_at(self) -> str:
+        return datetime.fromtimestamp(self.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False  # Anthropic's paging fields: one page holds every model
+
+    @computed_field
+    def first_id(self) -> str | None:
+        return self.data[0].id if self.data else None
+
+    @computed_field
+    def last_id(self) -> str | None:
+        return self.data[-1].id if self.data else None
 
 
 def request_field_names() -> frozenset[str]:

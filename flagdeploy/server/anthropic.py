@@ -1,0 +1,295 @@
+"""The Anthropic Messages API: `/v1/messages` (stream and not) and `/v1/messages/count_tokens`.
+
+Claude Code (as CC Switch configures it) speaks only this protocol, so serving it lets users point
+`ANTHROPIC_BASE_URL` at `flagdeploy serve` and change nothing else. It runs on the same engine,
+chat template and generation path as the OpenAI routes; only the wire shapes differ:
+`event:`-framed SSE (the SDK drops events without an `event:` line), exactly one message_start /
+message_delta / message_stop (duplicates make Claude Code abort), and errors as
+`{"type": "error", "error": {"type", "message"}}` (never 422, never 5xx for a client mistake).
+
+Requests are lenient like the OpenAI ones: Claude Code sends `thinking`, `context_management`,
+`metadata`, `tools`, `cache_control`, a `?beta=true` query, `anthropic-version` / `anthropic-beta`
+headers of any value, and `role: "system"` entries inside `messages`; all are accepted, and what
+this text-only path cannot use is ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+
+from flagdeploy.engine.sampling import RequestOutput
+
+from . import errors
+from .app import EngineSlot, ModelNames, _chat_prompt, _first_output, _jobs, strip_context_suffix
+from .errors import APIError
+from .generation import ClientDisconnected, EventStream, Generation, unless_disconnected
+from .protocol import SamplingFields
+
+if TYPE_CHECKING:
+    from flagdeploy.engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+# Anthropic's error type for each status (its documented table). Our 503 "still loading" (with
+# Retry-After) is transient like Anthropic's 529, so it is "overloaded"; a 503 without Retry-After
+# (the model failed to load) is an api_error.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error", 529: "overloaded_error"}
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Block(_Lenient):
+    """A content block. Text is the conversation; tool_use / tool_result become plain text so that
+    an agent's history still renders on a template without tools; thinking, images and documents
+    are dropped (Claude Code echoes earlier thinking blocks back, which must not fail)."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    tool_use_id: str | None = None
+    content: str | list[Block] | None = None
+    is_error: bool | None = None
+
+    def render(self) -> str:
+        if self.type == "text":
+            return self.text or ""
+        if self.type == "tool_use":
+            return f"[tool call {self.name} ({self.id}): {json.dumps(self.input, ensure_ascii=False)}]"
+        if self.type == "tool_result":
+            label = "tool error" if self.is_error else "tool result"
+            return f"[{label} ({self.tool_use_id}): {_text(self.content)}]"
+        return ""
+
+
+def _text(content: str | list[Block] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(t for t in (b.render() for b in content) if t)
+
+
+class Message(_Lenient):
+    role: str  # a plain string: Claude Code >= 2.1.154 sends "system" here
+    content: str | list[Block] | None = None
+
+
+class MessagesRequest(_Lenient):
+    """Both routes' body. `max_tokens` is required by Anthropic but optional here (whatever fits,
+    as on the OpenAI routes); a missing `model` means the one model served."""
+
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[Block] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Chat-template dicts; system prompts inside `messages` are merged into the top-level one
+        (what vLLM does: models trained on one leading system turn degrade on scattered ones)."""
+        system = [_text(self.system)] + [_text(m.content) for m in self.messages if m.role == "system"]
+        system_text = "\n\n".join(s for s in system if s)
+        turns = [{"role": "system", "content": system_text}] if system_text else []
+        return turns + [{"role": m.role, "content": _text(m.content)} for m in self.messages if m.role != "system"]
+
+    def sampling(self) -> SamplingFields:
+        return SamplingFields(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              stop=[s for s in self.stop_sequences or [] if s])
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    """An APIError (raised by the shared code in OpenAI terms) in Anthropic's shape."""
+    kind = _ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
+    if exc.status == 503 and not exc.headers:
+        kind = "api_error"
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": exc.message}},
+                        status_code=exc.status, headers=exc.headers)
+
+
+class AnthropicRoute(APIRoute):
+    """Every failure on these routes, auth (a dependency) included, answers in Anthropic's shape
+    rather than the app-wide OpenAI envelope."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as exc:
+                return error_response(exc)
+            except RequestValidationError as exc:
+                return error_response(errors.from_validation(exc.errors()))
+            except HTTPException as exc:
+                return error_response(APIError(exc.status_code, str(exc.detail)))
+            except Exception as exc:  # noqa: BLE001 - a 500 the SDK can read
+                log.error("unhandled error on %s", request.url.path, exc_info=exc)
+                return error_response(errors.server_error())
+
+        return route
+
+
+async def _parse(request: Request) -> MessagesRequest:
+    body = errors.parse_json_body(await request.body())
+    try:
+        return MessagesRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = f"{where}: {first['msg']}" if where else f"The request body is invalid: {first['msg']}"
+        raise APIError(400, message) from None
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+def _stop_reason(engine: "AsyncEngine", final: RequestOutput, text: str, token_ids: list[int],
+                 stops: list[str]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence). The engine reports "stop" both for EOS and for a stop string,
+    and cuts the string off the text; the raw decoded tokens show which string, if any, it was."""
+    if final.finish_reason == "length":
+        return "max_tokens", None
+    if final.finish_reason != "stop":
+        raise errors.server_error(f"generation ended with finish reason {final.finish_reason!r}")
+    if stops:
+        raw = engine.tokenizer.decode(token_ids)
+        hits = [(i, s) for i, s in ((raw.find(s, max(len(text) - 1, 0)), s) for s in stops) if i >= 0]
+        if hits:
+            return "stop_sequence", min(hits)[1]
+    return "end_turn", None
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    """One SSE event the way the Anthropic SDK parses it: an `event:` line, then the JSON."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _message(mid: str, model: str, text: str | None, stop: tuple[str | None, str | None],
+             input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {"id": mid, "type": "message", "role": "assistant", "model": model,
+            "content": [] if text is None else [{"type": "text", "text": text}],
+            "stop_reason": stop[0], "stop_sequence": stop[1],
+            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+
+
+async def _events(engine: "AsyncEngine", gen: Generation, first: tuple[int, RequestOutput], mid: str, model: str,
+                  stops: list[str]) -> AsyncIterator[str]:
+    """The stream; a failure after the 200 is one `event: error` (which the SDK raises), and then
+    no message_delta / message_stop, as Anthropic does."""
+    input_tokens = len(gen.jobs[0].prompt_ids)
+    try:
+        yield _event("message_start", {"message": _message(mid, model, None, (None, None), input_tokens, 0)})
+        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        yield _event("ping", {})
+        parts: list[str] = []
+        ids: list[int] = []
+        item: tuple[int, RequestOutput] | None = first
+        while item is not None:
+            out = item[1]
+            ids += out.token_ids
+            if out.text:
+                parts.append(out.text)
+                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": out.text}})
+            item = await gen.next() if not gen.done else None
+        final = gen.finals[0]
+        reason, sequence = _stop_reason(engine, final, "".join(parts), ids, stops)
+        yield _event("content_block_stop", {"index": 0})
+        yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                       "usage": {"input_tokens": input_tokens,
+                                                 "output_tokens": final.num_output_tokens}})
+        yield _event("message_stop", {})
+    except asyncio.CancelledError:
+        log.info("%s: client disconnected mid-stream, aborted", mid)
+        raise
+    except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
+        body = json.loads(error_response(errors.from_generation(exc, "messages")).body)
+        yield _event("error", {"error": body["error"]})
+    finally:
+        gen.close()
+
+
+# ---- routes --------------------------------------------------------------------------------------
+
+
+def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Request], Any],
+                     default_temperature: float) -> APIRouter:
+    """The Messages routes; `auth` is the app's key check (it takes `x-api-key` or Bearer)."""
+    router = APIRouter(prefix="/v1/messages", dependencies=[Depends(auth)], route_class=AnthropicRoute)
+
+    def prepare(req: MessagesRequest) -> tuple["AsyncEngine", str, list[int]]:
+        """Engine, the model name to echo (bare: Anthropic echoes the id without `[1m]`), prompt ids."""
+        names.resolve(req.model)  # 404 for a name we do not serve
+        model = strip_context_suffix(req.model) if req.model and req.model.strip() else names.canonical
+        engine = slot.get()
+        return engine, model, _chat_prompt(engine, req.template_messages())
+
+    @router.post("")
+    async def create_message(request: Request) -> Response:
+        req = await _parse(request)
+        engine, model, prompt = prepare(req)
+        mid = f"msg_{uuid.uuid4().hex}"
+        sampling = req.sampling()
+        stops = sampling.stop_list()
+        gen = Generation(engine, _jobs(engine, sampling, req.max_tokens, [prompt], mid, default_temperature))
+        gen.start()
+        if req.stream:
+            first = await _first_output(request, gen, "messages")
+            if first is None:
+                return Response(status_code=499)
+            return EventStream(_events(engine, gen, first, mid, model, stops), gen.close)
+
+        async def run() -> tuple[str, list[int]]:
+            parts, ids = [], []
+            while not gen.done:
+                _, out = await gen.next()
+                parts.append(out.text)
+                ids += out.token_ids
+            return "".join(parts), ids
+
+        try:
+            text, ids = await unless_disconnected(request, run())
+        except ClientDisconnected:
+            log.info("%s: client disconnected, aborted", mid)
+            return Response(status_code=499)
+        except Exception as exc:
+            raise errors.from_generation(exc, "messages") from None
+        finally:
+            gen.close()
+        final = gen.finals[0]
+        stop = _stop_reason(engine, final, text, ids, stops)
+        return JSONResponse(_message(mid, model, text, stop, len(prompt), final.num_output_tokens))
+
+    @router.post("/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, int]:
+        """The prompt as generation would see it (chat template applied), without generating."""
+        _, _, prompt = prepare(await _parse(request))
+        return {"input_tokens": len(prompt)}
+
+    return router
