@@ -54,12 +54,19 @@ def main() -> None:
 @click.option("--default-temperature", default=0.0, show_default=True, type=float,
               help="Temperature for requests that set none (0: greedy).")
 @click.option("--api-key", default=None, envvar="FLAGDEPLOY_API_KEY", help="Require this key (Authorization: Bearer).")
+@click.option("--reasoning-parser", default="none", show_default=True,
+              help="Split the model's thinking from its answer into reasoning_content (OpenAI) / thinking blocks "
+                   "(Anthropic). think: <think>...</think> (DeepSeek-R1, Qwen3, GLM); none: off, for models that do not think.")
+@click.option("--max-waiting", default=64, show_default=True, type=click.IntRange(min=-1),
+              help="Requests allowed to wait for a free sequence slot; past it, new requests get 429 (OpenAI) / "
+                   "529 (Anthropic) with Retry-After instead of queueing. -1: unbounded.")
 @click.option("--profile", "profile_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A deployment profile (`flagdeploy plan --emit profile`); options given here override it.")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.pass_context
 def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
-          weight_format, load_format, served_names, default_temperature, api_key, profile_file, log_level) -> None:
+          weight_format, load_format, served_names, default_temperature, api_key, reasoning_parser, max_waiting,
+          profile_file, log_level) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     _setup_logging(log_level)
     if profile_file:
@@ -72,6 +79,12 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     from flagdeploy.server import create_app, make_server
 
     _check_port(host, port)
+    from flagdeploy.server.reasoning import get_style
+
+    try:
+        get_style(reasoning_parser)  # a typo fails now, not after the model has loaded
+    except ValueError as exc:
+        _fail(f"--reasoning-parser: {exc}")
     try:
         weights = load_format != "dummy"
         src = resolve(model, weights=weights)
@@ -97,7 +110,8 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         click.echo(f"flagdeploy: serving {names[0]} on http://{host}:{port}/v1 (ready)", err=True)
         return engine
 
-    app = create_app(load, names, api_key=api_key, default_temperature=default_temperature)
+    app = create_app(load, names, api_key=api_key, default_temperature=default_temperature,
+                     reasoning_parser=reasoning_parser, max_waiting=None if max_waiting < 0 else max_waiting)
     server = make_server(app, host, port, log_level)
     click.echo(f"flagdeploy: loading {src.path} ... (/ready answers 503 until done)", err=True)
     server.run()

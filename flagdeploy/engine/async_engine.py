@@ -25,6 +25,8 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self._inbox: queue.Queue = queue.Queue()
+        self._inbox_adds = 0  # requests handed to the engine thread and not yet taken by it
+        self._count_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="flagdeploy-engine", daemon=True)
@@ -39,6 +41,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
+        with self._count_lock:
+            self._inbox_adds += 1
         self._inbox.put(("add", request_id, prompt_token_ids, params))
         finished = False
         try:
@@ -57,6 +61,15 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    def would_wait(self, n: int) -> int:
+        """How many requests would wait (queued, not running) if `n` more arrived now: those in the
+        inbox and the scheduler's waiting list, plus the newcomers, less the free sequence slots.
+        Read from the event loop without a step's lock: the lengths are at most one step stale,
+        which is precise enough to bound a queue."""
+        scheduler = self.engine.scheduler
+        free = max(0, scheduler.max_num_seqs - len(scheduler.running))
+        return max(0, self._inbox_adds + len(scheduler.waiting) + n - free)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
@@ -87,6 +100,9 @@ class AsyncEngine:
                     self.engine.add_request(rid, prompt, params)
                 except Exception as exc:  # bad input for this request only
                     self._deliver(rid, exc)
+                finally:  # after add_request: in the waiting list now, so never counted as gone
+                    with self._count_lock:
+                        self._inbox_adds -= 1
             elif msg[0] == "abort":
                 self.engine.abort(msg[1])
 

@@ -16,6 +16,7 @@ this text-only path cannot use is ignored.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import uuid
@@ -31,10 +32,11 @@ from starlette.exceptions import HTTPException
 from flagdeploy.engine.sampling import RequestOutput
 
 from . import errors
-from .app import EngineSlot, ModelNames, _chat_prompt, _first_output, _jobs, strip_context_suffix
+from .app import EngineSlot, ModelNames, _admit, _chat_prompt, _first_output, _jobs, strip_context_suffix
 from .errors import APIError
 from .generation import ClientDisconnected, EventStream, Generation, unless_disconnected
-from .protocol import SamplingFields
+from .protocol import SamplingFields, thinking_switch, thinking_template_kwargs
+from .reasoning import ReasoningStyle, RequestReasoning
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
@@ -107,6 +109,11 @@ class MessagesRequest(_Lenient):
     top_k: int | None = Field(default=None, ge=-1)
     stop_sequences: list[str] | None = None
     stream: bool | None = False
+    thinking: Any = None  # {"type": "enabled", "budget_tokens": N} | {"type": "adaptive"} | {"type": "disabled"}
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """`thinking` as the template's thinking switch (budget_tokens has no template equivalent)."""
+        return thinking_template_kwargs(thinking_switch(self.thinking))
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Chat-template dicts; system prompts inside `messages` are merged into the top-level one
@@ -191,22 +198,85 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def _message(mid: str, model: str, text: str | None, stop: tuple[str | None, str | None],
+def _signature(thinking: str) -> str:
+    """A thinking block's `signature`. Anthropic's is an opaque token that Claude Code echoes back
+    and we never verify (earlier thinking is dropped from prompts), so a digest of the text does."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
+def _content(text: str, reasoning: RequestReasoning | None) -> list[dict[str, Any]]:
+    """The content blocks of an answer: a thinking block first when the model thought, then text."""
+    thought, text = reasoning.split(text) if reasoning is not None else (None, text)
+    blocks = [{"type": "thinking", "thinking": thought, "signature": _signature(thought)}] if thought is not None else []
+    return blocks + [{"type": "text", "text": text}]
+
+
+def _message(mid: str, model: str, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
              input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    return {"id": mid, "type": "message", "role": "assistant", "model": model,
-            "content": [] if text is None else [{"type": "text", "text": text}],
+    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop[0], "stop_sequence": stop[1],
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
 
 
+class _Blocks:
+    """The content blocks of a streamed message, in order: each opened by content_block_start,
+    filled by deltas, closed by content_block_stop; a thinking block gets its signature_delta
+    just before it closes."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+        self.thought: list[str] = []
+
+    def _switch(self, kind: str) -> list[str]:
+        if self.kind == kind:
+            return []
+        events = self.close()
+        self.index, self.kind = self.index + 1, kind
+        start = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "", "signature": ""}
+        return events + [_event("content_block_start", {"index": self.index, "content_block": start})]
+
+    def add(self, thought: str, text: str) -> list[str]:
+        events = []
+        if thought:
+            self.thought.append(thought)
+            events += self._switch("thinking")
+            events.append(_event("content_block_delta", {"index": self.index,
+                                                         "delta": {"type": "thinking_delta", "thinking": thought}}))
+        if text:
+            events += self._switch("text")
+            events.append(_event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}}))
+        return events
+
+    def close(self) -> list[str]:
+        events = []
+        if self.kind == "thinking":
+            signature = _signature("".join(self.thought))
+            events.append(_event("content_block_delta", {"index": self.index,
+                                                         "delta": {"type": "signature_delta", "signature": signature}}))
+        if self.kind is not None:
+            events.append(_event("content_block_stop", {"index": self.index}))
+        self.kind = None
+        return events
+
+    def finish(self) -> list[str]:
+        """Close the last block; an answer always has a text block, if only an empty one."""
+        return (self._switch("text") if self.kind != "text" else []) + self.close()
+
+
 async def _events(engine: "AsyncEngine", gen: Generation, first: tuple[int, RequestOutput], mid: str, model: str,
-                  stops: list[str]) -> AsyncIterator[str]:
+                  stops: list[str], reasoning: RequestReasoning | None = None) -> AsyncIterator[str]:
     """The stream; a failure after the 200 is one `event: error` (which the SDK raises), and then
-    no message_delta / message_stop, as Anthropic does."""
+    no message_delta / message_stop, as Anthropic does. With a reasoning parser the first block
+    opens only once the output shows whether it is thinking or text."""
     input_tokens = len(gen.jobs[0].prompt_ids)
+    parser = reasoning.parser() if reasoning is not None else None
+    blocks = _Blocks()
     try:
-        yield _event("message_start", {"message": _message(mid, model, None, (None, None), input_tokens, 0)})
-        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        yield _event("message_start", {"message": _message(mid, model, [], (None, None), input_tokens, 0)})
+        if parser is None:
+            for event in blocks._switch("text"):
+                yield event
         yield _event("ping", {})
         parts: list[str] = []
         ids: list[int] = []
@@ -214,13 +284,18 @@ async def _events(engine: "AsyncEngine", gen: Generation, first: tuple[int, Requ
         while item is not None:
             out = item[1]
             ids += out.token_ids
-            if out.text:
-                parts.append(out.text)
-                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": out.text}})
+            parts.append(out.text)
+            thought, text = parser.feed(out.text) if parser is not None else ("", out.text)
+            if out.finished and parser is not None:
+                more_thought, more_text = parser.finish()
+                thought, text = thought + more_thought, text + more_text
+            for event in blocks.add(thought, text):
+                yield event
             item = await gen.next() if not gen.done else None
         final = gen.finals[0]
         reason, sequence = _stop_reason(engine, final, "".join(parts), ids, stops)
-        yield _event("content_block_stop", {"index": 0})
+        for event in blocks.finish():
+            yield event
         yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                        "usage": {"input_tokens": input_tokens,
                                                  "output_tokens": final.num_output_tokens}})
@@ -239,31 +314,36 @@ async def _events(engine: "AsyncEngine", gen: Generation, first: tuple[int, Requ
 
 
 def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Request], Any],
-                     default_temperature: float) -> APIRouter:
-    """The Messages routes; `auth` is the app's key check (it takes `x-api-key` or Bearer)."""
+                     default_temperature: float, style: ReasoningStyle | None = None,
+                     max_waiting: int | None = None) -> APIRouter:
+    """The Messages routes; `auth` is the app's key check (it takes `x-api-key` or Bearer);
+    `style` the model's reasoning tags (None: no thinking blocks); `max_waiting` the queue bound."""
     router = APIRouter(prefix="/v1/messages", dependencies=[Depends(auth)], route_class=AnthropicRoute)
 
-    def prepare(req: MessagesRequest) -> tuple["AsyncEngine", str, list[int]]:
-        """Engine, the model name to echo (bare: Anthropic echoes the id without `[1m]`), prompt ids."""
+    def prepare(req: MessagesRequest) -> tuple["AsyncEngine", str, list[int], RequestReasoning | None]:
+        """Engine, the model name to echo (bare: Anthropic echoes the id without `[1m]`), prompt ids,
+        and how to split reasoning from the answer."""
         names.resolve(req.model)  # 404 for a name we do not serve
         model = strip_context_suffix(req.model) if req.model and req.model.strip() else names.canonical
         engine = slot.get()
-        return engine, model, _chat_prompt(engine, req.template_messages())
+        prompt, prompt_text = _chat_prompt(engine, req.template_messages(), req.template_kwargs())
+        return engine, model, prompt, RequestReasoning.for_prompt(style, prompt_text)
 
     @router.post("")
     async def create_message(request: Request) -> Response:
         req = await _parse(request)
-        engine, model, prompt = prepare(req)
+        engine, model, prompt, reasoning = prepare(req)
         mid = f"msg_{uuid.uuid4().hex}"
         sampling = req.sampling()
         stops = sampling.stop_list()
         gen = Generation(engine, _jobs(engine, sampling, req.max_tokens, [prompt], mid, default_temperature))
+        _admit(engine, gen.jobs, max_waiting, status=529)
         gen.start()
         if req.stream:
             first = await _first_output(request, gen, "messages")
             if first is None:
                 return Response(status_code=499)
-            return EventStream(_events(engine, gen, first, mid, model, stops), gen.close)
+            return EventStream(_events(engine, gen, first, mid, model, stops, reasoning), gen.close)
 
         async def run() -> tuple[str, list[int]]:
             parts, ids = [], []
@@ -283,13 +363,14 @@ def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
         finally:
             gen.close()
         final = gen.finals[0]
+        content = _content(text, reasoning)
         stop = _stop_reason(engine, final, text, ids, stops)
-        return JSONResponse(_message(mid, model, text, stop, len(prompt), final.num_output_tokens))
+        return JSONResponse(_message(mid, model, content, stop, len(prompt), final.num_output_tokens))
 
     @router.post("/count_tokens")
     async def count_tokens(request: Request) -> dict[str, int]:
         """The prompt as generation would see it (chat template applied), without generating."""
-        _, _, prompt = prepare(await _parse(request))
+        _, _, prompt, _ = prepare(await _parse(request))
         return {"input_tokens": len(prompt)}
 
     return router

@@ -39,6 +39,7 @@ from .protocol import (
     new_id,
     now,
 )
+from .reasoning import RequestReasoning, get_style
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
@@ -204,16 +205,31 @@ def _finish_reason(out: RequestOutput) -> str:
     raise errors.server_error(f"generation ended with finish reason {out.finish_reason!r}")
 
 
-def _chat_prompt(engine: "AsyncEngine", messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of `messages` (template dicts) through the model's chat template."""
+def _chat_prompt(engine: "AsyncEngine", messages: list[dict[str, Any]],
+                 template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
+    """Token ids and text of `messages` (template dicts) through the model's chat template;
+    `template_kwargs` are extra template variables (enable_thinking, reasoning_effort, ...). The
+    text tells whether the template opened a reasoning section for the output."""
     try:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
         # The template rejects the conversation (roles out of order, no template, ...): the
         # client can fix that, so 400 rather than 500.
         raise APIError(400, f"The messages could not be formatted with the model's chat template: {exc}",
                        param="messages") from None
-    return engine.tokenizer.encode(text)  # the template already carries the special tokens
+    return engine.tokenizer.encode(text), text  # the template already carries the special tokens
+
+
+def _admit(engine: "AsyncEngine", jobs: list[Job], max_waiting: int | None, status: int = 429) -> None:
+    """Backpressure: refuse at once, with Retry-After, a request whose engine requests would push
+    the wait queue past `max_waiting`, instead of queueing without bound (every SDK retries 429 and
+    529 after Retry-After, so a burst is spread out rather than piled up). `status` is 429 for the
+    OpenAI routes and 529 (Anthropic's overloaded_error) for the Anthropic ones."""
+    if max_waiting is None:
+        return
+    would_wait = getattr(engine, "would_wait", None)
+    if would_wait is not None and would_wait(len(jobs)) > max_waiting:
+        raise errors.overloaded(max_waiting, status)
 
 
 def _completion_prompts(engine: "AsyncEngine", req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
@@ -260,15 +276,20 @@ def _usage(gen: Generation) -> Usage:
 
 
 def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: list[str],
-               api_key: str | None = None, default_temperature: float = 0.0) -> FastAPI:
+               api_key: str | None = None, default_temperature: float = 0.0,
+               reasoning_parser: str | None = None, max_waiting: int | None = None) -> FastAPI:
     """The server app. `load_engine` runs on a background thread at startup; until it returns,
     /ready and the inference routes answer 503.
+
+    `reasoning_parser` (a REASONING_PARSERS name; None: off) splits the model's thinking from its
+    answer. `max_waiting` bounds the engine's wait queue (None: unbounded); see `_admit`.
 
     `default_temperature` applies when a request sets none. It is 0 (greedy) unless the operator
     says otherwise: a bare request gets the model's own best answer, reproducibly, and clients that
     want sampling say so (LangChain and Dify send their temperature). 1.0 is OpenAI's default.
     """
     names = ModelNames(served_model_names)
+    style = get_style(reasoning_parser)  # an unknown name fails here, at startup
     slot = EngineSlot(load_engine)
     started = now()
 
@@ -315,14 +336,16 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         model = names.resolve(req.model)
         engine = slot.get()
         cid = new_id("chatcmpl")
-        prompt = _chat_prompt(engine, [m.to_template() for m in req.messages])
+        prompt, prompt_text = _chat_prompt(engine, [m.to_template() for m in req.messages], req.template_kwargs())
+        reasoning = RequestReasoning.for_prompt(style, prompt_text)
         gen = Generation(engine, _jobs(engine, req, req.requested_max_tokens(), [prompt], cid, default_temperature))
+        _admit(engine, gen.jobs, max_waiting)
         gen.start()
         if req.stream:
             first = await _first_output(request, gen, "messages")
             if first is None:
                 return Response(status_code=499)
-            return EventStream(_chat_events(gen, first, cid, model, req.include_usage), gen.close)
+            return EventStream(_chat_events(gen, first, cid, model, req.include_usage, reasoning), gen.close)
         try:
             texts = await collect(request, gen)
         except ClientDisconnected:
@@ -330,7 +353,7 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
             return Response(status_code=499)
         except Exception as exc:
             raise errors.from_generation(exc, "messages") from None
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]),
+        choices = [ChatChoice(index=i, message=_assistant_message(texts[i], reasoning),
                               finish_reason=_finish_reason(gen.finals[i])) for i in sorted(texts)]
         return JSONResponse(ChatCompletion(id=cid, model=model, choices=choices, usage=_usage(gen)).model_dump())
 
@@ -343,6 +366,7 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         prompt_ids, prompt_texts = _completion_prompts(engine, req)
         gen = Generation(engine, _jobs(engine, req, req.requested_max_tokens(), prompt_ids, cid, default_temperature))
         echo = {job.index: prompt_texts[job.prompt_index] for job in gen.jobs} if req.echo else {}
+        _admit(engine, gen.jobs, max_waiting)
         gen.start()
         if req.stream:
             first = await _first_output(request, gen, "prompt")
@@ -364,7 +388,8 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
     # Imported here: the Anthropic routes build on this module's helpers.
     from .anthropic import anthropic_router
 
-    app.include_router(anthropic_router(slot, names, _auth_dependency(api_key), default_temperature))
+    app.include_router(anthropic_router(slot, names, _auth_dependency(api_key), default_temperature,
+                                        style, max_waiting))
     return app
 
 
@@ -394,10 +419,28 @@ async def _stream(gen: Generation, first: tuple[int, RequestOutput], render: Cal
         gen.close()
 
 
+def _assistant_message(text: str, reasoning: RequestReasoning | None) -> AssistantMessage:
+    if reasoning is None:
+        return AssistantMessage(content=text)
+    thought, content = reasoning.split(text)
+    return AssistantMessage(content=content, reasoning_content=thought, reasoning=thought)
+
+
 def _chat_events(gen: Generation, first: tuple[int, RequestOutput], cid: str, model: str,
-                 include_usage: bool) -> AsyncIterator[str]:
+                 include_usage: bool, reasoning: RequestReasoning | None = None) -> AsyncIterator[str]:
     created = now()
     exclude = None if include_usage else {"usage"}
+    parsers = {job.index: reasoning.parser() for job in gen.jobs} if reasoning is not None else {}
+
+    def delta(index: int, out: RequestOutput) -> DeltaMessage:
+        parser = parsers.get(index)
+        if parser is None:
+            return DeltaMessage(content=out.text or None)
+        thought, content = parser.feed(out.text)
+        if out.finished:
+            more_thought, more_content = parser.finish()
+            thought, content = thought + more_thought, content + more_content
+        return DeltaMessage(content=content or None, reasoning_content=thought or None, reasoning=thought or None)
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         body = ChatCompletionChunk(id=cid, created=created, model=model, choices=choices, usage=usage)
@@ -407,7 +450,10 @@ def _chat_events(gen: Generation, first: tuple[int, RequestOutput], cid: str, mo
         if not out.finished and not out.text:
             return None  # an incomplete multi-byte character: nothing to show yet
         finish = _finish_reason(out) if out.finished else None
-        return chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=out.text or None), finish_reason=finish)])
+        d = delta(index, out)
+        if finish is None and d.content is None and d.reasoning_content is None:
+            return None  # held back: maybe part of a tag
+        return chunk([ChatChunkChoice(index=index, delta=d, finish_reason=finish)])
 
     async def events() -> AsyncIterator[str]:
         for job in gen.jobs:  # every choice opens with its role, as OpenAI's first chunk does

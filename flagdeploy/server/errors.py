@@ -88,6 +88,15 @@ def model_load_failed(reason: str) -> APIError:
                     type="service_unavailable_error", code="model_load_failed")
 
 
+def overloaded(max_waiting: int, status: int = 429) -> APIError:
+    """Too many requests already wait for the engine. 429 with OpenAI's rate-limit body (type
+    `requests`, code `rate_limit_exceeded`, as real OpenAI answers); the Anthropic routes send 529,
+    which they render as `overloaded_error`. Both SDKs retry after Retry-After."""
+    return APIError(status, f"The server is busy: more than {max_waiting} requests are already waiting. "
+                            "Retry after a short while.", type="requests", code="rate_limit_exceeded",
+                    headers={"Retry-After": "1"})
+
+
 def server_error(detail: str | None = None) -> APIError:
     message = SERVER_ERROR_MESSAGE if not detail else f"{SERVER_ERROR_MESSAGE} ({detail})"
     return APIError(500, message, type="server_error")

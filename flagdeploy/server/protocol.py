@@ -97,9 +97,40 @@ class SamplingFields(_Lenient):
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
 
+# Arguments the server itself gives the template; a request may not override them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "conversation",
+                                       "return_dict", "continue_final_message", "chat_template"})
+
+
+def thinking_switch(thinking: Any) -> bool | None:
+    """`thinking: {"type": "enabled"|"adaptive"|"disabled"}` (Anthropic, Zhipu) as on/off."""
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    return {"enabled": True, "adaptive": True, "disabled": False}.get(kind) if isinstance(kind, str) else None
+
+
+def thinking_template_kwargs(on: bool | None) -> dict[str, Any]:
+    """Both spellings templates use for the switch: `enable_thinking` (Qwen3, GLM) and `thinking`
+    (DeepSeek-V3.1+). A template ignores variables it does not read."""
+    return {} if on is None else {"enable_thinking": on, "thinking": on}
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM / SGLang: extra template variables
+    reasoning_effort: str | None = None
+    thinking: Any = None  # Dify "extended" mode sends Zhipu's {"type": "enabled"|"disabled"}
+    enable_thinking: bool | None = None  # Dify "extended" mode, top level
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template gets besides the messages: the reasoning switches clients send
+        in their various places (clients.md §2.3, §4.3), then `chat_template_kwargs`, which wins."""
+        on = self.enable_thinking if self.enable_thinking is not None else thinking_switch(self.thinking)
+        kwargs = thinking_template_kwargs(on)
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        kwargs.update(self.chat_template_kwargs or {})
+        return {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
 
     def requested_max_tokens(self) -> int | None:
         """LangChain sends only `max_completion_tokens`; it wins when both are present."""
@@ -149,8 +180,17 @@ FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
 
 
 class AssistantMessage(BaseModel):
+    """With a reasoning parser on, the thinking goes in both `reasoning_content` (DeepSeek, SGLang,
+    most clients) and `reasoning` (vLLM >= 0.11, read first by Dify); without one neither appears."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_reasoning(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None or k not in ("reasoning_content", "reasoning")}
 
 
 class ChatChoice(BaseModel):
@@ -174,6 +214,8 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):
