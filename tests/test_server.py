@@ -299,6 +299,7 @@ def test_wrong_or_missing_api_key_is_401(live: LiveServer, client: openai.OpenAI
     assert httpx.get(f"{live.url}/v1/models").status_code == 401
     assert httpx.get(f"{live.url}/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
     assert httpx.get(f"{live.url}/health").status_code == 200  # never behind the key
+    assert httpx.head(f"{live.url}/").status_code == 200  # Claude Code's connectivity probe, key or not
     _still_serving(client)
 
 

@@ -308,6 +308,11 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> dict[str, str]:
+        """Claude Code probes `HEAD /` before its first request: answer it (no auth, like /health)."""
+        return {"status": "ok", "service": "flagdeploy"}
+
     @app.get("/ready")
     async def ready() -> JSONResponse:
         if slot.engine is not None:
