@@ -332,7 +332,7 @@ def convert(p: Plan, dst: Path, *, chip: Chip, policy: Policy, fmt: str, overwri
 
 
 def _write_metadata(p: Plan, root: Path, rows: list[dict], *, chip: Chip, policy: Policy, fmt: str) -> None:
-    outputs = [(o[0], t.scheme, o) for s in p.shards for t in s.tensors for o in t.outputs]
+    outputs = [(t.scheme, o) for t in p.tensors for o in t.outputs]  # o = (name, dtype, shape)
     weight_map = {name: s.output for s in p.shards for t in s.tensors for name, _, _ in t.outputs}
     total = sum(r["bytes_after"] for r in rows)
     _write_json(root / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -340,8 +340,8 @@ def _write_metadata(p: Plan, root: Path, rows: list[dict], *, chip: Chip, policy
     source_qc = config.pop("quantization_config", None)
     if isinstance(config.get("text_config"), dict):
         source_qc = config["text_config"].pop("quantization_config", None) or source_qc
-    fp8_out = any(is_fp8(o[1]) for _, _, o in outputs)
-    modules = {formats.base_name(t.name): t.scheme for s in p.shards for t in s.tensors if is_matrix_weight(t.name, t.entry.shape)}
+    fp8_out = any(is_fp8(dtype) for _, (_, dtype, _) in outputs)
+    modules = {formats.base_name(t.name): t.scheme for t in p.tensors if is_matrix_weight(t.name, t.entry.shape)}
     block = list(p.tensors[0].block) if p.tensors else list(FP8_BLOCK)
     qc = formats.quantization_config(fmt, chip=chip.id, policy=policy.name, source=source_qc, modules=modules,
                                      fp8_block=block if fp8_out else None)
@@ -349,7 +349,7 @@ def _write_metadata(p: Plan, root: Path, rows: list[dict], *, chip: Chip, policy
         config["quantization_config"] = qc
     _write_json(root / "config.json", config)
     if fmt == "vllm-ascend":
-        _write_json(root / formats.DESCRIPTION_FILE, formats.description([(n, s) for n, s, _ in outputs]))
+        _write_json(root / formats.DESCRIPTION_FILE, formats.description([(o[0], scheme) for scheme, o in outputs]))
     skip = {"config.json", "model.safetensors.index.json", REPORT_FILE, formats.DESCRIPTION_FILE}
     for f in p.src.iterdir():  # tokenizer, chat template, generation config, ...
         if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
