@@ -57,18 +57,43 @@ def main() -> None:
 @click.option("--reasoning-parser", default="none", show_default=True,
               help="Split the model's thinking from its answer into reasoning_content (OpenAI) / thinking blocks "
                    "(Anthropic). think: <think>...</think> (DeepSeek-R1, Qwen3, GLM); none: off, for models that do not think.")
+@click.option("--tool-call-parser", default="auto", show_default=True,
+              help="How the model writes tool calls (profiles/tool_parsers.yaml: hermes, glm45, glm47); auto: "
+                   "from its chat template. A template without tools gets them in the system prompt, hermes style.")
+@click.option("--request-timeout", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds a request may run; longer ones are stopped (408, or an error event in a stream). "
+                   "Default: no limit.")
 @click.option("--max-waiting", default=64, show_default=True, type=click.IntRange(min=-1),
               help="Requests allowed to wait for a free sequence slot; past it, new requests get 429 (OpenAI) / "
                    "529 (Anthropic) with Retry-After instead of queueing. -1: unbounded.")
 @click.option("--profile", "profile_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A deployment profile (`flagdeploy plan --emit profile`); options given here override it.")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--engine", default="builtin", show_default=True,
+              type=click.Choice(["builtin", "vllm", "vllm-ascend", "sglang", "mindie", "llama.cpp"]),
+              help="builtin: this process runs the model. Otherwise launch that engine (flags from the planner for "
+                   "--chip/--profile; llama.cpp: llama-cpp-python's server on a GGUF), supervise it and serve it here.")
+@click.option("--upstream", "upstreams", multiple=True, metavar="URL",
+              help="Attach an engine that already runs (http://HOST:PORT); repeat for replicas, balanced.")
+@click.option("--config", "config_file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="serve.yaml: several models (builtin, launched, attached) behind this one endpoint.")
+@click.option("--startup-timeout", default=1800.0, show_default=True, type=click.FloatRange(min=1),
+              help="Seconds a launched engine may take to become ready before it is marked failed.")
 @click.pass_context
 def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
           weight_format, load_format, served_names, default_temperature, api_key, reasoning_parser, max_waiting,
-          profile_file, log_level) -> None:
-    """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
+          tool_call_parser, request_timeout, profile_file, log_level, engine, upstreams, config_file, startup_timeout) -> None:
+    """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
+
+    With --engine (not builtin), --upstream or --config, the model runs on external engines behind this
+    endpoint instead (docs/gateway.md)."""
     _setup_logging(log_level)
+    if engine != "builtin" or upstreams or config_file:
+        _serve_gateway(ctx, engine=engine, upstreams=upstreams, config_file=config_file, model=model, host=host,
+                       port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names,
+                       api_key=api_key, profile_file=profile_file, startup_timeout=startup_timeout, log_level=log_level)
+        return
     if profile_file:
         model, chip, port, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, served_names = _from_profile(
             ctx, profile_file, model=model, chip=chip, port=port, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -85,6 +110,13 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         get_style(reasoning_parser)  # a typo fails now, not after the model has loaded
     except ValueError as exc:
         _fail(f"--reasoning-parser: {exc}")
+    if tool_call_parser != "auto":
+        from flagdeploy.server.tools import get_parser
+
+        try:
+            get_parser(tool_call_parser)
+        except ValueError as exc:
+            _fail(f"--tool-call-parser: {exc}")
     try:
         weights = load_format != "dummy"
         src = resolve(model, weights=weights)
@@ -111,13 +143,79 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         return engine
 
     app = create_app(load, names, api_key=api_key, default_temperature=default_temperature,
-                     reasoning_parser=reasoning_parser, max_waiting=None if max_waiting < 0 else max_waiting)
+                     reasoning_parser=reasoning_parser, max_waiting=None if max_waiting < 0 else max_waiting,
+                     tool_call_parser=tool_call_parser, request_timeout=request_timeout)
     server = make_server(app, host, port, log_level)
     click.echo(f"flagdeploy: loading {src.path} ... (/ready answers 503 until done)", err=True)
     server.run()
     if failure:
         exc = failure[0]
         _fail(str(exc) if isinstance(exc, (FlagdeployError, ValueError)) else repr(exc))
+
+
+def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, chip, max_model_len, max_num_seqs,
+                   max_num_batched_tokens, block_size, served_names, api_key, profile_file, startup_timeout,
+                   log_level) -> None:
+    """`serve` with external engines: the gateway (flagdeploy/gateway) from serve.yaml or from the options."""
+    from click.core import ParameterSource
+
+    from flagdeploy.gateway import build_gateway, load_config, parse_config
+    from flagdeploy.server import make_server
+
+    explicit = lambda name: ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE  # noqa: E731
+    try:
+        if config_file:
+            if engine != "builtin" or upstreams:
+                _fail("--config describes every model; put the engine or upstreams in serve.yaml instead of "
+                      "also passing --engine/--upstream")
+            cfg = load_config(config_file)
+            host = host if explicit("host") or not cfg.host else cfg.host
+            port = port if explicit("port") or not cfg.port else cfg.port
+            updates = {"api_key": api_key} if api_key is not None else {}
+            if explicit("startup_timeout"):
+                updates["startup_timeout"] = startup_timeout
+            cfg = cfg.model_copy(update=updates)
+        else:
+            if upstreams and engine != "builtin":
+                _fail(f"--upstream attaches engines that already run, --engine {engine} launches one; use one of "
+                      f"them (or both kinds of model in a serve.yaml, --config)")
+            entry = {"names": list(served_names)}
+            if upstreams:
+                entry |= {"engine": "upstream", "upstreams": list(upstreams)}
+                if not served_names and model:
+                    entry["names"] = [model]
+            else:
+                entry |= {"engine": engine, "model": model, "chip": chip, "max_model_len": max_model_len}
+                args = {}
+                if profile_file:
+                    from dataclasses import asdict
+
+                    from flagdeploy.planner import Profile
+
+                    prof = asdict(Profile.load(profile_file))
+                    entry["model"] = model or prof.pop("model")
+                    entry["chip"] = chip or prof.pop("chip")
+                    entry["max_model_len"] = max_model_len if explicit("max_model_len") else prof["max_model_len"]
+                    if not served_names and prof.get("served_model_name"):
+                        entry["names"] = [prof["served_model_name"]]
+                    args = {k: v for k, v in prof.items() if k not in ("model", "chip", "port")}
+                if engine != "llama.cpp":
+                    args |= {name: value for name, value in (("max_num_seqs", max_num_seqs),
+                             ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size))
+                             if explicit(name)}
+                entry["args"] = args
+            cfg = parse_config({"api_key": api_key, "startup_timeout": startup_timeout, "models": [entry]},
+                               "serve options")
+        gateway = build_gateway(cfg)
+    except (FlagdeployError, ValueError) as exc:
+        _fail(str(exc))
+    _check_port(host, port)
+    for pool in gateway.pools:
+        click.echo(f"flagdeploy: {', '.join(pool.names) or '(names from the engine)'} -> {pool.engine} "
+                   f"{', '.join(u.url for u in pool.upstreams)}", err=True)
+    click.echo(f"flagdeploy: serving on http://{host}:{port}/v1 (/ready answers 503 until every engine is ready)",
+               err=True)
+    make_server(gateway, host, port, log_level).run()
 
 
 def _from_profile(ctx, path: str, **given):
@@ -520,6 +618,8 @@ def selftest(chip, model_config, output) -> None:
     click.echo(f"report: {path} (attach it to bug reports)")
     if not all(r.passed for r in results):
         sys.exit(1)
+
+
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from flagdeploy.server import create_app, make_server
 
@@ -109,8 +110,9 @@ def _still_serving(client: openai.OpenAI) -> None:
 
 
 def _running(http: httpx.Client) -> int:
-    metrics = dict(line.split(" ") for line in http.get("/metrics").text.splitlines())
-    return int(metrics["flagdeploy_running"]) + int(metrics["flagdeploy_waiting"])
+    metrics = {family.name: family.samples[0].value
+               for family in text_string_to_metric_families(http.get("/metrics").text) if family.samples}
+    return int(metrics["flagdeploy:num_requests_running"]) + int(metrics["flagdeploy:num_requests_waiting"])
 
 
 # ---- lifecycle -----------------------------------------------------------------------------------

@@ -11,12 +11,30 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator
 
 from .llm_engine import LLMEngine
 from .sampling import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class RequestMetrics:
+    """What `AsyncEngine.generate` reports per request (times in seconds). This default records
+    nothing; the server installs one that feeds Prometheus (flagdeploy/server/metrics.py)."""
+
+    def first_output(self, ttft: float, queue_time: float | None) -> None:
+        pass
+
+    def next_output(self, interval: float, num_tokens: int) -> None:
+        pass
+
+    def finished(self, out: RequestOutput, e2e: float) -> None:
+        pass
+
+    def unfinished(self, reason: str) -> None:
+        """The request ended without a final output: "abort" (client gone) or "error"."""
 
 
 class AsyncEngine:
@@ -29,6 +47,7 @@ class AsyncEngine:
         self._count_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        self.metrics = RequestMetrics()
         self._thread = threading.Thread(target=self._loop, name="flagdeploy-engine", daemon=True)
         self._thread.start()
 
@@ -43,21 +62,37 @@ class AsyncEngine:
         self._streams[request_id] = (loop, q)
         with self._count_lock:
             self._inbox_adds += 1
+        metrics, submitted, last = self.metrics, time.perf_counter(), None
         self._inbox.put(("add", request_id, prompt_token_ids, params))
-        finished = False
+        finished, failed = False, False
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
+                    failed = True
                     raise item
-                yield item
+                now = time.perf_counter()  # measured before the consumer sees the output
+                if last is None:
+                    queued = None if item.scheduled_at is None else max(item.scheduled_at - submitted, 0.0)
+                    metrics.first_output(now - submitted, queued)
+                else:
+                    metrics.next_output(now - last, len(item.token_ids))
+                last = now
                 if item.finished:
                     finished = True
+                    metrics.finished(item, now - submitted)
+                yield item
+                if finished:
                     return
         finally:
             self._streams.pop(request_id, None)
             if not finished:  # the client went away (or the consumer stopped early)
                 self.abort(request_id)
+                metrics.unfinished("error" if failed else "abort")
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise what `generate` would (empty, too long, ids outside the vocabulary) without queueing."""
+        self.engine.check_prompt(prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

@@ -13,9 +13,10 @@ from flagdeploy.models import has_sequence_state
 from flagdeploy.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .block_manager import BlockManager
+from .grammar import Matcher
 from .model_runner import PagedRunner, SequenceStateRunner
 from .sampler import sample
-from .sampling import RequestOutput, SamplingParams
+from .sampling import RequestOutput, SamplingParams, TokenLogprob
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -47,6 +48,18 @@ class _Request:
         self.sent_chars = 0
         self.sent_tokens = 0
         self.hold = max((len(s) for s in seq.params.stop), default=1) - 1
+        self.matcher = Matcher(tokenizer, seq.params.grammar) if seq.params.grammar is not None else None
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # handed out with the first output
+
+
+def _token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    """`row` is a log-softmax row on the CPU."""
+    top = []
+    if k:
+        values, ids = row.topk(k)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id, float(row[token_id]), top)
 
 
 class LLMEngine:
@@ -98,9 +111,20 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = min(params.max_tokens, self.config.max_model_len - len(prompt_ids))
         seq = Sequence(request_id, prompt_ids, params, max_tokens)
-        self.requests[request_id] = _Request(seq, self.tokenizer)
+        req = _Request(seq, self.tokenizer)  # compiles the grammar: a bad one fails here, alone
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = self._prompt_logprobs(prompt_ids, params.prompt_logprobs)
+        self.requests[request_id] = req
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(prompt_ids)
+
+    def _prompt_logprobs(self, prompt_ids: list[int], k: int) -> list[TokenLogprob | None]:
+        """Each prompt token's logprob given the tokens before it, from one scratch forward pass
+        (outside the paged cache: this is for scoring, e.g. perplexity through `echo`)."""
+        with torch.inference_mode():
+            logits = self.model.score(torch.tensor(prompt_ids, device=self.config.device))
+        rows = logits.float().log_softmax(-1).cpu()
+        return [None] + [_token_logprob(rows[j - 1], prompt_ids[j], k) for j in range(1, len(prompt_ids))]
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -117,18 +141,33 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
+        scheduled_at = time.perf_counter()
         logits, rows = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.scheduled_at is None:
+                seq.scheduled_at = scheduled_at
             seq.num_computed += n
             self.blocks.register_full_blocks(seq)
         sampled_seqs = [batch.seqs[i] for i in rows]
+        reqs = [self.requests[seq.request_id] for seq in sampled_seqs]
+        # Logprobs are the model's own distribution: taken before any grammar mask or temperature.
+        want = [i for i, seq in enumerate(sampled_seqs) if seq.params.logprobs is not None]
+        logprob_rows = logits[want].float().log_softmax(-1).cpu() if want else None
+        if any(req.matcher is not None for req in reqs):
+            allowed = torch.ones(logits.shape, dtype=torch.bool)
+            for i, req in enumerate(reqs):
+                if req.matcher is not None:
+                    allowed[i] = req.matcher.allowed(logits.shape[-1])
+            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
         tokens = sample(logits, sampled_seqs)
         self.num_steps += 1
+        for row, i in enumerate(want):
+            reqs[i].logprobs.append(_token_logprob(logprob_rows[row], tokens[i], sampled_seqs[i].params.logprobs))
         outputs = []
-        for seq, tok in zip(sampled_seqs, tokens):
+        for seq, req, tok in zip(sampled_seqs, reqs, tokens):
             seq.token_ids.append(tok)
             self.num_generated_tokens += 1
-            outputs.append(self._advance(self.requests[seq.request_id], tok))
+            outputs.append(self._advance(req, tok))
         return outputs
 
     def _advance(self, req: _Request, tok: int) -> RequestOutput:
@@ -136,7 +175,8 @@ class LLMEngine:
         req.detok.add(tok)
         text = req.detok.text
         reason = None
-        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+        grammar_done = req.matcher is not None and tok not in self.eos and req.matcher.accept(tok) and req.matcher.stopped
+        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids or grammar_done:
             reason = "stop"
         elif seq.num_output_tokens >= seq.max_tokens:
             reason = "length"
@@ -161,7 +201,11 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            scheduled_at=seq.scheduled_at,
+            logprobs=req.logprobs[req.sent_tokens :] if p.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs,
         )
+        req.prompt_logprobs = None
         req.sent_chars = end
         req.sent_tokens = seq.num_output_tokens
         return out

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .grammar import GrammarSpec
+
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 @dataclass
@@ -21,6 +27,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k: the chosen token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token (perplexity, `echo`)
+    grammar: "GrammarSpec | None" = None  # the output must match it (structured output, forced tools)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -31,10 +40,24 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {k}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the model (before temperature, top-p or a grammar mask,
+    as vLLM reports it), and the `top` most likely alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -54,3 +77,6 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per entry of token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only; None for token 0
+    scheduled_at: float | None = None  # time.perf_counter() when the request was first scheduled

@@ -32,6 +32,7 @@ class Sequence:
         self.num_computed = 0  # tokens whose k/v are in the cache
         self.num_cached_tokens = 0  # of the prompt, served by the prefix cache at admission
         self.finish_reason: str | None = None
+        self.scheduled_at: float | None = None  # perf_counter() of its first step (queue-time metric)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

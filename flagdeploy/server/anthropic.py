@@ -11,6 +11,12 @@ Requests are lenient like the OpenAI ones: Claude Code sends `thinking`, `contex
 `metadata`, `tools`, `cache_control`, a `?beta=true` query, `anthropic-version` / `anthropic-beta`
 headers of any value, and `role: "system"` entries inside `messages`; all are accepted, and what
 this text-only path cannot use is ignored.
+
+Tools map onto the OpenAI path's machinery: `tools` (name, description, input_schema) become
+function tools rendered by the chat template, `tool_use` / `tool_result` blocks in the history become
+assistant tool calls and tool turns, the model's calls come back as `tool_use` blocks (streamed as
+`input_json_delta` fragments) with stop_reason "tool_use", and `tool_choice` any / tool forces a
+call by grammar.
 """
 
 from __future__ import annotations
@@ -32,11 +38,14 @@ from starlette.exceptions import HTTPException
 from flagdeploy.engine.sampling import RequestOutput
 
 from . import errors
-from .app import EngineSlot, ModelNames, _admit, _chat_prompt, _first_output, _jobs, strip_context_suffix
+from .answer import AnswerParser, parse_answer
+from .app import (EngineSlot, ModelNames, ServerSettings, _chat_prompt, _first_output, _grammar, _jobs, _tool_plan,
+                  strip_context_suffix)
 from .errors import APIError
 from .generation import ClientDisconnected, EventStream, Generation, unless_disconnected
 from .protocol import SamplingFields, thinking_switch, thinking_template_kwargs
-from .reasoning import ReasoningStyle, RequestReasoning
+from .reasoning import RequestReasoning
+from .tools import ToolPlan
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
@@ -47,7 +56,7 @@ log = logging.getLogger(__name__)
 # Retry-After) is transient like Anthropic's 529, so it is "overloaded"; a 503 without Retry-After
 # (the model failed to load) is an api_error.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
                 503: "overloaded_error", 529: "overloaded_error"}
 
 
@@ -96,6 +105,20 @@ class Message(_Lenient):
     content: str | list[Block] | None = None
 
 
+def _structured(m: Message) -> list[dict[str, Any]]:
+    """One Anthropic message as OpenAI-style turns: tool results first (each its own tool turn),
+    then the text, with tool_use blocks as the assistant's tool calls."""
+    blocks = m.content if isinstance(m.content, list) else []
+    turns = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": ("[error] " if b.is_error else "") + _text(b.content)}
+             for b in blocks if b.type == "tool_result"]
+    text = "\n".join(b.text or "" for b in blocks if b.type == "text")
+    calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input or {}, ensure_ascii=False)}}
+             for b in blocks if b.type == "tool_use"]
+    if text or calls or not turns:
+        turns.append({"role": m.role, "content": text, **({"tool_calls": calls} if calls else {})})
+    return turns
+
+
 class MessagesRequest(_Lenient):
     """Both routes' body. `max_tokens` is required by Anthropic but optional here (whatever fits,
     as on the OpenAI routes); a missing `model` means the one model served."""
@@ -110,18 +133,40 @@ class MessagesRequest(_Lenient):
     stop_sequences: list[str] | None = None
     stream: bool | None = False
     thinking: Any = None  # {"type": "enabled", "budget_tokens": N} | {"type": "adaptive"} | {"type": "disabled"}
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None  # {"type": "auto" | "any" | "none"} or {"type": "tool", "name": N}
+
+    def function_tools(self) -> list[dict[str, Any]]:
+        """The client tools in OpenAI's shape; server tools (web_search, ...) have no input_schema
+        and nothing here could run them, so they are left out."""
+        return [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                  "parameters": t.get("input_schema") or {"type": "object"}}}
+                for t in self.tools or [] if isinstance(t, dict) and isinstance(t.get("name"), str) and "input_schema" in t]
+
+    def choice(self) -> str | None:
+        """`tool_choice` in the OpenAI vocabulary the tool plan takes."""
+        kind = (self.tool_choice or {}).get("type")
+        if kind == "tool":
+            return str(self.tool_choice.get("name"))
+        return {"any": "required", "none": "none", "auto": "auto"}.get(kind)
 
     def template_kwargs(self) -> dict[str, Any]:
         """`thinking` as the template's thinking switch (budget_tokens has no template equivalent)."""
         return thinking_template_kwargs(thinking_switch(self.thinking))
 
-    def template_messages(self) -> list[dict[str, Any]]:
+    def template_messages(self, structured: bool = False) -> list[dict[str, Any]]:
         """Chat-template dicts; system prompts inside `messages` are merged into the top-level one
-        (what vLLM does: models trained on one leading system turn degrade on scattered ones)."""
+        (what vLLM does: models trained on one leading system turn degrade on scattered ones).
+        `structured`: tool_use / tool_result blocks as OpenAI tool calls and tool turns (for a request
+        with tools), else as text."""
         system = [_text(self.system)] + [_text(m.content) for m in self.messages if m.role == "system"]
         system_text = "\n\n".join(s for s in system if s)
         turns = [{"role": "system", "content": system_text}] if system_text else []
-        return turns + [{"role": m.role, "content": _text(m.content)} for m in self.messages if m.role != "system"]
+        for m in self.messages:
+            if m.role == "system":
+                continue
+            turns += _structured(m) if structured and isinstance(m.content, list) else [{"role": m.role, "content": _text(m.content)}]
+        return turns
 
     def sampling(self) -> SamplingFields:
         return SamplingFields(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -204,11 +249,26 @@ def _signature(thinking: str) -> str:
     return hashlib.sha256(thinking.encode()).hexdigest()
 
 
-def _content(text: str, reasoning: RequestReasoning | None) -> list[dict[str, Any]]:
-    """The content blocks of an answer: a thinking block first when the model thought, then text."""
-    thought, text = reasoning.split(text) if reasoning is not None else (None, text)
+def _content(text: str, reasoning: RequestReasoning | None, tools: ToolPlan | None) -> tuple[list[dict[str, Any]], bool]:
+    """The content blocks of an answer (a thinking block first when the model thought, then the
+    text, then tool_use blocks), and whether it calls tools."""
+    thought, text, calls = parse_answer(text, reasoning, tools)
     blocks = [{"type": "thinking", "thinking": thought, "signature": _signature(thought)}] if thought is not None else []
-    return blocks + [{"type": "text", "text": text}]
+    if text or not calls:
+        blocks.append({"type": "text", "text": text})
+    blocks += [{"type": "tool_use", "id": _tool_use_id(c.id), "name": c.name, "input": _input(c.arguments)} for c in calls]
+    return blocks, bool(calls)
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _input(arguments: str) -> Any:
+    try:
+        return json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        return {"_raw": arguments}  # a call whose arguments the model left unfinished
 
 
 def _message(mid: str, model: str, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
@@ -228,13 +288,27 @@ class _Blocks:
         self.kind: str | None = None
         self.thought: list[str] = []
 
-    def _switch(self, kind: str) -> list[str]:
-        if self.kind == kind:
+    def _switch(self, kind: str, start: dict[str, Any] | None = None) -> list[str]:
+        if self.kind == kind and start is None:
             return []
         events = self.close()
         self.index, self.kind = self.index + 1, kind
-        start = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "", "signature": ""}
+        if start is None:
+            start = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "", "signature": ""}
         return events + [_event("content_block_start", {"index": self.index, "content_block": start})]
+
+    def tool_calls(self, deltas: list[dict[str, Any]]) -> list[str]:
+        """OpenAI tool-call deltas as tool_use blocks: a header opens one, fragments fill it."""
+        events = []
+        for d in deltas:
+            if "id" in d:
+                events += self._switch("tool_use", {"type": "tool_use", "id": _tool_use_id(d["id"]),
+                                                    "name": d["function"]["name"], "input": {}})
+            fragment = d["function"].get("arguments")
+            if fragment:
+                events.append(_event("content_block_delta", {"index": self.index,
+                                                             "delta": {"type": "input_json_delta", "partial_json": fragment}}))
+        return events
 
     def add(self, thought: str, text: str) -> list[str]:
         events = []
@@ -259,22 +333,25 @@ class _Blocks:
         self.kind = None
         return events
 
-    def finish(self) -> list[str]:
-        """Close the last block; an answer always has a text block, if only an empty one."""
+    def finish(self, called: bool = False) -> list[str]:
+        """Close the last block; an answer always has a text block (if only an empty one) or a call."""
+        if called:
+            return self.close()
         return (self._switch("text") if self.kind != "text" else []) + self.close()
 
 
 async def _events(engine: "AsyncEngine", gen: Generation, first: tuple[int, RequestOutput], mid: str, model: str,
-                  stops: list[str], reasoning: RequestReasoning | None = None) -> AsyncIterator[str]:
+                  stops: list[str], reasoning: RequestReasoning | None = None,
+                  tools: ToolPlan | None = None) -> AsyncIterator[str]:
     """The stream; a failure after the 200 is one `event: error` (which the SDK raises), and then
     no message_delta / message_stop, as Anthropic does. With a reasoning parser the first block
     opens only once the output shows whether it is thinking or text."""
     input_tokens = len(gen.jobs[0].prompt_ids)
-    parser = reasoning.parser() if reasoning is not None else None
+    parser = AnswerParser(reasoning, tools)
     blocks = _Blocks()
     try:
         yield _event("message_start", {"message": _message(mid, model, [], (None, None), input_tokens, 0)})
-        if parser is None:
+        if reasoning is None and tools is None:
             for event in blocks._switch("text"):
                 yield event
         yield _event("ping", {})
@@ -285,16 +362,13 @@ async def _events(engine: "AsyncEngine", gen: Generation, first: tuple[int, Requ
             out = item[1]
             ids += out.token_ids
             parts.append(out.text)
-            thought, text = parser.feed(out.text) if parser is not None else ("", out.text)
-            if out.finished and parser is not None:
-                more_thought, more_text = parser.finish()
-                thought, text = thought + more_thought, text + more_text
-            for event in blocks.add(thought, text):
+            d = parser.feed(out.text, finished=out.finished)
+            for event in blocks.add(d.thought, d.content) + blocks.tool_calls(d.tool_calls):
                 yield event
             item = await gen.next() if not gen.done else None
         final = gen.finals[0]
-        reason, sequence = _stop_reason(engine, final, "".join(parts), ids, stops)
-        for event in blocks.finish():
+        reason, sequence = ("tool_use", None) if parser.calls else _stop_reason(engine, final, "".join(parts), ids, stops)
+        for event in blocks.finish(bool(parser.calls)):
             yield event
         yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                        "usage": {"input_tokens": input_tokens,
@@ -314,36 +388,37 @@ async def _events(engine: "AsyncEngine", gen: Generation, first: tuple[int, Requ
 
 
 def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Request], Any],
-                     default_temperature: float, style: ReasoningStyle | None = None,
-                     max_waiting: int | None = None) -> APIRouter:
+                     settings: ServerSettings) -> APIRouter:
     """The Messages routes; `auth` is the app's key check (it takes `x-api-key` or Bearer);
     `style` the model's reasoning tags (None: no thinking blocks); `max_waiting` the queue bound."""
     router = APIRouter(prefix="/v1/messages", dependencies=[Depends(auth)], route_class=AnthropicRoute)
 
-    def prepare(req: MessagesRequest) -> tuple["AsyncEngine", str, list[int], RequestReasoning | None]:
+    def prepare(req: MessagesRequest) -> tuple["AsyncEngine", str, list[int], RequestReasoning | None, ToolPlan | None]:
         """Engine, the model name to echo (bare: Anthropic echoes the id without `[1m]`), prompt ids,
-        and how to split reasoning from the answer."""
+        how to split reasoning from the answer, and the request's tools."""
         names.resolve(req.model)  # 404 for a name we do not serve
         model = strip_context_suffix(req.model) if req.model and req.model.strip() else names.canonical
         engine = slot.get()
-        prompt, prompt_text = _chat_prompt(engine, req.template_messages(), req.template_kwargs())
-        return engine, model, prompt, RequestReasoning.for_prompt(style, prompt_text)
+        tools = _tool_plan(engine, req.function_tools(), req.choice(), settings.tool_call_parser)
+        prompt, prompt_text = _chat_prompt(engine, req.template_messages(structured=tools is not None),
+                                           req.template_kwargs(), tools)
+        return engine, model, prompt, RequestReasoning.for_prompt(settings.style, prompt_text), tools
 
     @router.post("")
     async def create_message(request: Request) -> Response:
         req = await _parse(request)
-        engine, model, prompt, reasoning = prepare(req)
+        engine, model, prompt, reasoning, tools = prepare(req)
         mid = f"msg_{uuid.uuid4().hex}"
         sampling = req.sampling()
         stops = sampling.stop_list()
-        gen = Generation(engine, _jobs(engine, sampling, req.max_tokens, [prompt], mid, default_temperature))
-        _admit(engine, gen.jobs, max_waiting, status=529)
-        gen.start()
+        grammar = _grammar(engine, tools.grammar(engine.tokenizer), "tool_choice") if tools is not None else None
+        gen = settings.generation(engine, _jobs(engine, sampling, req.max_tokens, [prompt], mid,
+                                                settings.default_temperature, grammar=grammar), overload_status=529)
         if req.stream:
             first = await _first_output(request, gen, "messages")
             if first is None:
                 return Response(status_code=499)
-            return EventStream(_events(engine, gen, first, mid, model, stops, reasoning), gen.close)
+            return EventStream(_events(engine, gen, first, mid, model, stops, reasoning, tools), gen.close)
 
         async def run() -> tuple[str, list[int]]:
             parts, ids = [], []
@@ -363,14 +438,14 @@ def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
         finally:
             gen.close()
         final = gen.finals[0]
-        content = _content(text, reasoning)
-        stop = _stop_reason(engine, final, text, ids, stops)
+        content, called = _content(text, reasoning, tools)
+        stop = ("tool_use", None) if called else _stop_reason(engine, final, text, ids, stops)
         return JSONResponse(_message(mid, model, content, stop, len(prompt), final.num_output_tokens))
 
     @router.post("/count_tokens")
     async def count_tokens(request: Request) -> dict[str, int]:
         """The prompt as generation would see it (chat template applied), without generating."""
-        _, _, prompt, _ = prepare(await _parse(request))
+        _, _, prompt, _, _ = prepare(await _parse(request))
         return {"input_tokens": len(prompt)}
 
     return router

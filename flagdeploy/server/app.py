@@ -4,23 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import re
 import threading
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from flagdeploy.engine.sampling import RequestOutput, SamplingParams
+from flagdeploy.engine.grammar import GrammarError, GrammarSpec, validate as validate_grammar
+from flagdeploy.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
 
 from . import errors
 from .errors import APIError
 from .generation import SSE_DONE, ClientDisconnected, EventStream, Generation, Job, collect, sse, unless_disconnected
+from .metrics import HTTPMetricsMiddleware, ServerMetrics
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -28,18 +32,23 @@ from .protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    FunctionCall,
     Completion,
     CompletionChoice,
     CompletionRequest,
     DeltaMessage,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     SamplingFields,
+    ToolCall,
     Usage,
     new_id,
     now,
 )
-from .reasoning import RequestReasoning, get_style
+from .answer import AnswerParser, parse_answer
+from .reasoning import ReasoningStyle, RequestReasoning, get_style
+from .tools import ToolPlan, get_parser, plan_tools
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
@@ -79,6 +88,26 @@ class ModelNames:
         if name is None or not name.strip() or normalize_model_name(name) in self._keys:
             return self.canonical
         raise errors.model_not_found(name)
+
+
+# ---- settings ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the operator chose at startup that every generation route applies (see create_app)."""
+
+    default_temperature: float = 0.0
+    style: ReasoningStyle | None = None
+    max_waiting: int | None = None
+    tool_call_parser: str = "auto"
+    request_timeout: float | None = None
+
+    def generation(self, engine: "AsyncEngine", jobs: list[Job], overload_status: int = 429) -> Generation:
+        """The request's engine requests, admitted (or refused: backpressure) and started."""
+        gen = Generation(engine, jobs, self.request_timeout)
+        _admit(engine, gen.jobs, self.max_waiting, overload_status)
+        return gen.start()
 
 
 # ---- engine loading ------------------------------------------------------------------------------
@@ -161,7 +190,9 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raise errors.from_validation(exc.errors(include_url=False)) from None
 
 
-def _sampling_params(req: SamplingFields, max_tokens: int, seed: int | None, default_temperature: float) -> SamplingParams:
+def _sampling_params(req: SamplingFields, max_tokens: int, seed: int | None, default_temperature: float,
+                     **engine_fields: Any) -> SamplingParams:
+    """`engine_fields`: the SamplingParams a route adds (grammar, logprobs, prompt_logprobs)."""
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -172,13 +203,14 @@ def _sampling_params(req: SamplingFields, max_tokens: int, seed: int | None, def
             stop=req.stop_list(),
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos),
+            **engine_fields,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
 
 
 def _jobs(engine: "AsyncEngine", req: SamplingFields, requested_max: int | None, prompts: list[list[int]],
-          stem: str, default_temperature: float) -> list[Job]:
+          stem: str, default_temperature: float, **engine_fields: Any) -> list[Job]:
     """One engine request per (prompt, choice); choice i of a seeded request uses seed + i so that
     the n answers differ yet the whole request is reproducible."""
     n = req.n or 1
@@ -193,8 +225,8 @@ def _jobs(engine: "AsyncEngine", req: SamplingFields, requested_max: int | None,
         for i in range(n):
             seed = None if req.seed is None else req.seed + i
             index = p * n + i
-            jobs.append(Job(index, p, prompt_ids, _sampling_params(req, max_tokens, seed, default_temperature),
-                            f"{stem}-{index}"))
+            params = _sampling_params(req, max_tokens, seed, default_temperature, **engine_fields)
+            jobs.append(Job(index, p, prompt_ids, params, f"{stem}-{index}"))
     return jobs
 
 
@@ -206,18 +238,60 @@ def _finish_reason(out: RequestOutput) -> str:
 
 
 def _chat_prompt(engine: "AsyncEngine", messages: list[dict[str, Any]],
-                 template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
+                 template_kwargs: dict[str, Any] | None = None, tools: ToolPlan | None = None) -> tuple[list[int], str]:
     """Token ids and text of `messages` (template dicts) through the model's chat template;
-    `template_kwargs` are extra template variables (enable_thinking, reasoning_effort, ...). The
-    text tells whether the template opened a reasoning section for the output."""
+    `template_kwargs` are extra template variables (enable_thinking, reasoning_effort, ...), `tools`
+    how the request's tools reach the prompt. The text tells whether the template opened a
+    reasoning section for the output."""
+    kwargs = dict(template_kwargs or {})
+    if tools is not None:
+        messages = tools.messages(messages)
+        kwargs["tools"] = tools.template_tools()
     try:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
         # The template rejects the conversation (roles out of order, no template, ...): the
         # client can fix that, so 400 rather than 500.
         raise APIError(400, f"The messages could not be formatted with the model's chat template: {exc}",
                        param="messages") from None
     return engine.tokenizer.encode(text), text  # the template already carries the special tokens
+
+
+def _tool_plan(engine: "AsyncEngine", definitions: list[dict[str, Any]] | None, choice: str | None,
+               parser: str) -> ToolPlan | None:
+    try:
+        return plan_tools(engine.tokenizer, definitions, choice, parser)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
+
+
+def _grammar(engine: "AsyncEngine", spec: GrammarSpec | None, param: str) -> GrammarSpec | None:
+    """Check a request's grammar before anything is queued: a schema the library refuses is a 400."""
+    if spec is not None:
+        try:
+            validate_grammar(engine.tokenizer, spec)
+        except GrammarError as exc:
+            raise APIError(400, f"The {param} cannot be enforced: {exc}", param=param) from None
+    return spec
+
+
+def _output_grammar(req: ChatCompletionRequest) -> tuple[GrammarSpec | None, str]:
+    """The structured-output constraint of a chat request: OpenAI's response_format, or vLLM's
+    guided_json / guided_regex / guided_choice."""
+    if req.guided_json is not None:
+        schema = req.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise APIError(400, f"guided_json is not valid JSON: {exc}", param="guided_json") from None
+        return GrammarSpec("json_schema", schema), "guided_json"
+    if req.guided_regex is not None:
+        return GrammarSpec("regex", req.guided_regex), "guided_regex"
+    if req.guided_choice:
+        return GrammarSpec("regex", "|".join(re.escape(c) for c in req.guided_choice)), "guided_choice"
+    schema = req.response_format.schema() if req.response_format is not None else None
+    return (GrammarSpec("json_schema", schema) if schema is not None else None), "response_format"
 
 
 def _admit(engine: "AsyncEngine", jobs: list[Job], max_waiting: int | None, status: int = 429) -> None:
@@ -243,7 +317,11 @@ def _completion_prompts(engine: "AsyncEngine", req: CompletionRequest) -> tuple[
         if isinstance(prompt, str):
             ids.append(engine.tokenizer.encode(prompt, add_special_tokens=True))
             texts.append(prompt)
-        else:  # token ids: the engine refuses ids outside the vocabulary before queueing them
+        else:  # token ids: refused here if outside the vocabulary, before `echo` would decode them
+            try:
+                engine.check_prompt(list(prompt))
+            except Exception as exc:
+                raise errors.from_generation(exc, "prompt") from None
             ids.append(list(prompt))
             texts.append(engine.tokenizer.decode(list(prompt)) if req.echo else "")
     return ids, texts
@@ -277,20 +355,28 @@ def _usage(gen: Generation) -> Usage:
 
 def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: list[str],
                api_key: str | None = None, default_temperature: float = 0.0,
-               reasoning_parser: str | None = None, max_waiting: int | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, max_waiting: int | None = None,
+               tool_call_parser: str = "auto", request_timeout: float | None = None) -> FastAPI:
     """The server app. `load_engine` runs on a background thread at startup; until it returns,
     /ready and the inference routes answer 503.
 
     `reasoning_parser` (a REASONING_PARSERS name; None: off) splits the model's thinking from its
     answer. `max_waiting` bounds the engine's wait queue (None: unbounded); see `_admit`.
+    `tool_call_parser` names the convention tool calls are read in (tool_parsers.yaml), or "auto"
+    to take it from the model's chat template. `request_timeout` (seconds, None: none) aborts a
+    generation that runs longer: 408 before the first byte, an error event in a stream after it.
 
     `default_temperature` applies when a request sets none. It is 0 (greedy) unless the operator
     says otherwise: a bare request gets the model's own best answer, reproducibly, and clients that
     want sampling say so (LangChain and Dify send their temperature). 1.0 is OpenAI's default.
     """
     names = ModelNames(served_model_names)
-    style = get_style(reasoning_parser)  # an unknown name fails here, at startup
-    slot = EngineSlot(load_engine)
+    if tool_call_parser != "auto":
+        get_parser(tool_call_parser)  # an unknown name fails here, at startup
+    settings = ServerSettings(default_temperature, get_style(reasoning_parser), max_waiting, tool_call_parser,
+                              request_timeout)
+    slot = EngineSlot(lambda: app_metrics.attach(load_engine()))
+    app_metrics = ServerMetrics(lambda: slot.engine)  # this app's own registry
     started = now()
 
     @asynccontextmanager
@@ -302,6 +388,8 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
     app = FastAPI(title="flagdeploy", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.engine_slot = slot
     app.state.model_names = names
+    app.state.metrics = app_metrics
+    app.add_middleware(HTTPMetricsMiddleware, metrics=app_metrics)
     errors.install_error_handlers(app)
 
     @app.get("/health")
@@ -322,11 +410,9 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        lines = [f"flagdeploy_ready {int(slot.engine is not None)}"]
-        if slot.engine is not None:
-            lines += [f"flagdeploy_{key} {value}" for key, value in slot.engine.stats().items()]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        body, content_type = app_metrics.exposition()
+        return Response(body, media_type=content_type)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
 
@@ -341,25 +427,34 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         model = names.resolve(req.model)
         engine = slot.get()
         cid = new_id("chatcmpl")
-        prompt, prompt_text = _chat_prompt(engine, [m.to_template() for m in req.messages], req.template_kwargs())
-        reasoning = RequestReasoning.for_prompt(style, prompt_text)
-        gen = Generation(engine, _jobs(engine, req, req.requested_max_tokens(), [prompt], cid, default_temperature))
-        _admit(engine, gen.jobs, max_waiting)
-        gen.start()
+        choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+        tools = _tool_plan(engine, req.tools, choice, settings.tool_call_parser)
+        prompt, prompt_text = _chat_prompt(engine, [m.to_template() for m in req.messages], req.template_kwargs(), tools)
+        reasoning = RequestReasoning.for_prompt(settings.style, prompt_text)
+        grammar, grammar_param = (tools.grammar(engine.tokenizer), "tool_choice") if tools and tools.forced else _output_grammar(req)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        gen = settings.generation(engine, _jobs(engine, req, req.requested_max_tokens(), [prompt], cid,
+                                                settings.default_temperature,
+                                                grammar=_grammar(engine, grammar, grammar_param), logprobs=logprobs))
         if req.stream:
             first = await _first_output(request, gen, "messages")
             if first is None:
                 return Response(status_code=499)
-            return EventStream(_chat_events(gen, first, cid, model, req.include_usage, reasoning), gen.close)
+            return EventStream(_chat_events(engine, gen, first, cid, model, req.include_usage, reasoning, tools), gen.close)
         try:
-            texts = await collect(request, gen)
+            outputs = await collect(request, gen)
         except ClientDisconnected:
             log.info("%s: client disconnected, aborted", cid)
             return Response(status_code=499)
         except Exception as exc:
             raise errors.from_generation(exc, "messages") from None
-        choices = [ChatChoice(index=i, message=_assistant_message(texts[i], reasoning),
-                              finish_reason=_finish_reason(gen.finals[i])) for i in sorted(texts)]
+        choices = []
+        for i in sorted(outputs):
+            text = "".join(out.text for out in outputs[i])
+            message, called = _assistant_message(text, reasoning, tools)
+            lps = [lp for out in outputs[i] for lp in out.logprobs or []]
+            choices.append(ChatChoice(index=i, message=message, logprobs=_chat_logprobs(engine, lps) if logprobs is not None else None,
+                                      finish_reason="tool_calls" if called else _finish_reason(gen.finals[i])))
         return JSONResponse(ChatCompletion(id=cid, model=model, choices=choices, usage=_usage(gen)).model_dump())
 
     @v1.post("/completions")
@@ -369,33 +464,74 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         engine = slot.get()
         cid = new_id("cmpl")
         prompt_ids, prompt_texts = _completion_prompts(engine, req)
-        gen = Generation(engine, _jobs(engine, req, req.requested_max_tokens(), prompt_ids, cid, default_temperature))
+        # echo + logprobs scores the prompt too (perplexity): each prompt token given those before it
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        gen = settings.generation(engine, _jobs(engine, req, req.requested_max_tokens(), prompt_ids, cid,
+                                                settings.default_temperature, logprobs=req.logprobs,
+                                                prompt_logprobs=prompt_logprobs))
         echo = {job.index: prompt_texts[job.prompt_index] for job in gen.jobs} if req.echo else {}
-        _admit(engine, gen.jobs, max_waiting)
-        gen.start()
         if req.stream:
             first = await _first_output(request, gen, "prompt")
             if first is None:
                 return Response(status_code=499)
-            return EventStream(_completion_events(gen, first, cid, model, req.include_usage, echo), gen.close)
+            return EventStream(_completion_events(engine, gen, first, cid, model, req.include_usage, echo,
+                                                  req.logprobs is not None), gen.close)
         try:
-            texts = await collect(request, gen)
+            outputs = await collect(request, gen)
         except ClientDisconnected:
             log.info("%s: client disconnected, aborted", cid)
             return Response(status_code=499)
         except Exception as exc:
             raise errors.from_generation(exc, "prompt") from None
-        choices = [CompletionChoice(index=i, text=echo.get(i, "") + texts[i], finish_reason=_finish_reason(gen.finals[i]))
-                   for i in sorted(texts)]
+        choices = []
+        for job in gen.jobs:
+            outs = outputs[job.index]
+            text = "".join(out.text for out in outs)
+            lps = None
+            if req.logprobs is not None:
+                scored = _prompt_scores(job.prompt_ids, outs[0].prompt_logprobs) if req.echo else []
+                lps = _completion_logprobs(engine, scored + [lp for out in outs for lp in out.logprobs or []])
+            choices.append(CompletionChoice(index=job.index, text=echo.get(job.index, "") + text, logprobs=lps,
+                                            finish_reason=_finish_reason(gen.finals[job.index])))
         return JSONResponse(Completion(id=cid, model=model, choices=choices, usage=_usage(gen)).model_dump())
 
     app.include_router(v1)
     # Imported here: the Anthropic routes build on this module's helpers.
     from .anthropic import anthropic_router
 
-    app.include_router(anthropic_router(slot, names, _auth_dependency(api_key), default_temperature,
-                                        style, max_waiting))
+    app.include_router(anthropic_router(slot, names, _auth_dependency(api_key), settings))
+    from .anthropic import MessagesRequest
+    from .responses import ResponsesRequest, responses_router
+
+    app.include_router(responses_router(slot, names, _auth_dependency(api_key), settings))
+    _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                           "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": MessagesRequest,
+                           "/v1/responses": ResponsesRequest})
     return app
+
+
+def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Put the request models into /openapi.json. The routes parse bodies themselves (any
+    Content-Type, 400 not 422), so FastAPI cannot see them; without this the document would say
+    nothing about what the endpoints take, and schema-driven tools (clients, fuzzers) would guess."""
+    from pydantic.json_schema import models_json_schema
+
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            models = list(dict.fromkeys(bodies.values()))
+            refs, defs = models_json_schema([(m, "validation") for m in models],
+                                            ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            for path, model in bodies.items():
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True, "content": {"application/json": {"schema": refs[(model, "validation")]}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 # ---- streams -------------------------------------------------------------------------------------
@@ -424,41 +560,81 @@ async def _stream(gen: Generation, first: tuple[int, RequestOutput], render: Cal
         gen.close()
 
 
-def _assistant_message(text: str, reasoning: RequestReasoning | None) -> AssistantMessage:
-    if reasoning is None:
-        return AssistantMessage(content=text)
-    thought, content = reasoning.split(text)
-    return AssistantMessage(content=content, reasoning_content=thought, reasoning=thought)
+def _assistant_message(text: str, reasoning: RequestReasoning | None, tools: ToolPlan | None) -> tuple[AssistantMessage, bool]:
+    """The message, and whether it calls tools."""
+    thought, content, calls = parse_answer(text, reasoning, tools)
+    tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls] or None
+    message = AssistantMessage(content=content if content or not calls else None, tool_calls=tool_calls,
+                               reasoning_content=thought, reasoning=thought)
+    return message, bool(calls)
 
 
-def _chat_events(gen: Generation, first: tuple[int, RequestOutput], cid: str, model: str,
-                 include_usage: bool, reasoning: RequestReasoning | None = None) -> AsyncIterator[str]:
+def _token_text(engine: "AsyncEngine", token_id: int) -> str:
+    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_logprobs(engine: "AsyncEngine", lps: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's chat shape: per token its text, logprob, UTF-8 bytes and the top alternatives."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(engine, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps]}
+
+
+def _prompt_scores(prompt_ids: list[int], scores: list[TokenLogprob | None] | None) -> list[TokenLogprob | int]:
+    """The prompt's entries for `echo` + logprobs: the first token has no logprob (just its id)."""
+    scores = scores or [None] * len(prompt_ids)
+    return [score if score is not None else token_id for token_id, score in zip(prompt_ids, scores)]
+
+
+def _completion_logprobs(engine: "AsyncEngine", lps: list[TokenLogprob | int], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists of tokens, their logprobs, top alternatives as
+    {token: logprob} and each token's character offset in the text (`offset`: where this part
+    starts). A bare int is a token without a logprob (the first of an echoed prompt): null, as OpenAI."""
+    tokens, values, tops, offsets = [], [], [], []
+    for lp in lps:
+        token_id = lp if isinstance(lp, int) else lp.token_id
+        text = _token_text(engine, token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        values.append(None if isinstance(lp, int) else lp.logprob)
+        tops.append(None if isinstance(lp, int) else {_token_text(engine, t): v for t, v in lp.top})
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_events(engine: "AsyncEngine", gen: Generation, first: tuple[int, RequestOutput], cid: str, model: str,
+                 include_usage: bool, reasoning: RequestReasoning | None = None,
+                 tools: ToolPlan | None = None) -> AsyncIterator[str]:
     created = now()
     exclude = None if include_usage else {"usage"}
-    parsers = {job.index: reasoning.parser() for job in gen.jobs} if reasoning is not None else {}
-
-    def delta(index: int, out: RequestOutput) -> DeltaMessage:
-        parser = parsers.get(index)
-        if parser is None:
-            return DeltaMessage(content=out.text or None)
-        thought, content = parser.feed(out.text)
-        if out.finished:
-            more_thought, more_content = parser.finish()
-            thought, content = thought + more_thought, content + more_content
-        return DeltaMessage(content=content or None, reasoning_content=thought or None, reasoning=thought or None)
+    parsers = {job.index: AnswerParser(reasoning, tools) for job in gen.jobs}
+    unsent: dict[int, list[TokenLogprob]] = {job.index: [] for job in gen.jobs}  # logprobs of held-back text
+    want_logprobs = gen.jobs[0].params.logprobs is not None
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         body = ChatCompletionChunk(id=cid, created=created, model=model, choices=choices, usage=usage)
         return sse(body.model_dump_json(exclude=exclude))
 
     def render(index: int, out: RequestOutput) -> str | None:
+        unsent[index] += out.logprobs or []
         if not out.finished and not out.text:
             return None  # an incomplete multi-byte character: nothing to show yet
-        finish = _finish_reason(out) if out.finished else None
-        d = delta(index, out)
-        if finish is None and d.content is None and d.reasoning_content is None:
+        parser = parsers[index]
+        d = parser.feed(out.text, finished=out.finished)
+        finish = None
+        if out.finished:
+            finish = "tool_calls" if parser.calls else _finish_reason(out)
+        if finish is None and not d:
             return None  # held back: maybe part of a tag
-        return chunk([ChatChunkChoice(index=index, delta=d, finish_reason=finish)])
+        thought = (d.thought or None) if reasoning is not None else None
+        delta = DeltaMessage(content=d.content or None, reasoning_content=thought, reasoning=thought,
+                             tool_calls=d.tool_calls or None)
+        logprobs = _chat_logprobs(engine, unsent[index]) if want_logprobs else None
+        unsent[index] = []
+        return chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)])
 
     async def events() -> AsyncIterator[str]:
         for job in gen.jobs:  # every choice opens with its role, as OpenAI's first chunk does
@@ -470,24 +646,33 @@ def _chat_events(gen: Generation, first: tuple[int, RequestOutput], cid: str, mo
     return events()
 
 
-def _completion_events(gen: Generation, first: tuple[int, RequestOutput], cid: str, model: str,
-                       include_usage: bool, echo: dict[int, str]) -> AsyncIterator[str]:
+def _completion_events(engine: "AsyncEngine", gen: Generation, first: tuple[int, RequestOutput], cid: str, model: str,
+                       include_usage: bool, echo: dict[int, str], want_logprobs: bool = False) -> AsyncIterator[str]:
     created = now()
     exclude = None if include_usage else {"usage"}
+    offsets = {index: len(text) for index, text in echo.items()}  # text_offset continues after the echo
+    jobs = {job.index: job for job in gen.jobs}
 
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         body = Completion(id=cid, created=created, model=model, choices=choices, usage=usage)
         return sse(body.model_dump_json(exclude=exclude))
 
     def render(index: int, out: RequestOutput) -> str | None:
-        if not out.finished and not out.text:
+        if not out.finished and not out.text and not out.prompt_logprobs:
             return None
         finish = _finish_reason(out) if out.finished else None
-        return chunk([CompletionChoice(index=index, text=out.text, finish_reason=finish)])
+        lps = None
+        if want_logprobs:
+            scored = _prompt_scores(jobs[index].prompt_ids, out.prompt_logprobs) if out.prompt_logprobs else []
+            lps = _completion_logprobs(engine, scored + list(out.logprobs or []), 0 if scored else offsets.get(index, 0))
+            offsets[index] = lps["text_offset"][-1] + len(lps["tokens"][-1]) if lps["tokens"] else offsets.get(index, 0)
+        text = (echo.get(index, "") if out.prompt_logprobs else "") + out.text
+        return chunk([CompletionChoice(index=index, text=text, logprobs=lps, finish_reason=finish)])
 
     async def events() -> AsyncIterator[str]:
         for index, text in sorted(echo.items()):
-            yield chunk([CompletionChoice(index=index, text=text)])
+            if not want_logprobs:  # with logprobs the echoed prompt comes with its scores, in the first output
+                yield chunk([CompletionChoice(index=index, text=text)])
         usage = (lambda: chunk([], _usage(gen))) if include_usage else None
         async for event in _stream(gen, first, render, usage, cid, "prompt"):
             yield event

@@ -97,6 +97,13 @@ def overloaded(max_waiting: int, status: int = 429) -> APIError:
                     headers={"Retry-After": "1"})
 
 
+def request_timeout(seconds: float) -> APIError:
+    """The request ran past --request-timeout; its engine requests are aborted."""
+    return APIError(408, f"The request took longer than the server's limit of {seconds:g} s (--request-timeout) and "
+                         "was stopped. Ask for fewer tokens, or retry when the server is less busy.",
+                    type="timeout_error", code="request_timeout")
+
+
 def server_error(detail: str | None = None) -> APIError:
     message = SERVER_ERROR_MESSAGE if not detail else f"{SERVER_ERROR_MESSAGE} ({detail})"
     return APIError(500, message, type="server_error")

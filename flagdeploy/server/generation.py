@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -19,6 +20,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from flagdeploy.engine.sampling import RequestOutput, SamplingParams
+
+from . import errors
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
@@ -46,15 +49,19 @@ class Job:
 class Generation:
     """The engine requests of one HTTP request, run concurrently, outputs merged as they come."""
 
-    def __init__(self, engine: "AsyncEngine", jobs: list[Job]):
+    def __init__(self, engine: "AsyncEngine", jobs: list[Job], timeout: float | None = None):
         self.engine = engine
         self.jobs = jobs
+        self.timeout = timeout
+        self._deadline: float | None = None
         self.finals: dict[int, RequestOutput] = {}
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._closed = False
 
     def start(self) -> "Generation":
+        if self.timeout is not None:
+            self._deadline = time.monotonic() + self.timeout
         self._tasks = [asyncio.create_task(self._pump(job), name=job.request_id) for job in self.jobs]
         return self
 
@@ -75,7 +82,13 @@ class Generation:
 
     async def next(self) -> tuple[int, RequestOutput]:
         """The next output of any choice; re-raises a choice's failure here, in the consumer."""
-        index, item = await self._queue.get()
+        if self._deadline is None:
+            index, item = await self._queue.get()
+        else:
+            try:
+                index, item = await asyncio.wait_for(self._queue.get(), max(self._deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                raise errors.request_timeout(self.timeout) from None
         if isinstance(item, BaseException):
             raise item
         if item.finished:
@@ -139,20 +152,20 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-async def collect(request: Request, gen: Generation) -> dict[int, str]:
-    """Run every choice to its end; the text of each choice by index."""
-    texts: dict[int, list[str]] = {job.index: [] for job in gen.jobs}
+async def collect(request: Request, gen: Generation) -> dict[int, list[RequestOutput]]:
+    """Run every choice to its end; the outputs of each choice by index."""
+    outputs: dict[int, list[RequestOutput]] = {job.index: [] for job in gen.jobs}
 
     async def run() -> None:
         while not gen.done:
             index, out = await gen.next()
-            texts[index].append(out.text)
+            outputs[index].append(out)
 
     try:
         await unless_disconnected(request, run())
     finally:
         gen.close()
-    return {index: "".join(parts) for index, parts in texts.items()}
+    return outputs
 
 
 def sse(payload: Any) -> str:

@@ -78,7 +78,7 @@ class SamplingFields(_Lenient):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch.Generator takes
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int | None = Field(default=None, ge=1, le=16)
@@ -114,9 +114,43 @@ def thinking_template_kwargs(on: bool | None) -> dict[str, Any]:
     return {} if on is None else {"enable_thinking": on, "thinking": on}
 
 
+class FunctionChoice(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionChoice
+
+
+class ResponseFormat(_Lenient):
+    """`text`, `json_object`, or `json_schema` with `json_schema: {name, schema, strict}` (OpenAI);
+    Dify sends the schema itself under `json_schema`, so both nestings are read."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    def schema(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type != "json_schema":
+            return None
+        spec = self.json_schema or {}
+        inner = spec.get("schema")
+        return inner if isinstance(inner, dict) else ({k: v for k, v in spec.items() if k not in ("name", "strict", "description")} or {"type": "object"})
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    guided_json: dict[str, Any] | str | None = None  # vLLM's spellings of structured output
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM / SGLang: extra template variables
     reasoning_effort: str | None = None
     thinking: Any = None  # Dify "extended" mode sends Zhipu's {"type": "enabled"|"disabled"}
@@ -140,6 +174,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def requested_max_tokens(self) -> int | None:
         # OpenAI's legacy default is 16 tokens; we keep "whatever fits" like chat, which is what
@@ -179,24 +214,38 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     """With a reasoning parser on, the thinking goes in both `reasoning_content` (DeepSeek, SGLang,
-    most clients) and `reasoning` (vLLM >= 0.11, read first by Dify); without one neither appears."""
+    most clients) and `reasoning` (vLLM >= 0.11, read first by Dify); without one neither appears.
+    `tool_calls` appears only when the model called a tool."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_no_reasoning(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None or k not in ("reasoning_content", "reasoning")}
+        optional = ("reasoning_content", "reasoning", "tool_calls")
+        return {k: v for k, v in handler(self).items() if v is not None or k not in optional}
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -216,6 +265,7 @@ class DeltaMessage(BaseModel):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # deltas: index always, id/type/name only first
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):
@@ -225,7 +275,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -241,7 +291,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -293,5 +343,6 @@ class ModelList(BaseModel):
 def request_field_names() -> frozenset[str]:
     """Every field name of the request models: lets error reporting tell a field in a validation
     error's location from pydantic's union-member tags (`str`, `list[str]`, ...)."""
-    models = (ChatCompletionRequest, CompletionRequest, ChatMessage, ContentPart, StreamOptions)
+    models = (ChatCompletionRequest, CompletionRequest, ChatMessage, ContentPart, StreamOptions, ResponseFormat,
+              NamedToolChoice, FunctionChoice)
     return frozenset(name for m in models for name in m.model_fields)

@@ -1,0 +1,485 @@
+"""One endpoint for every model: a pure-ASGI wrapper around the builtin app and the upstream pools.
+
+The wrapper reads the body of each model route, looks at `model` (normalised like the builtin app:
+case-insensitive, Claude Code's `[1m]` suffix stripped), and either proxies the request to that
+model's upstream pool or replays it, byte for byte, to the builtin app made by
+`flagdeploy.server.create_app`. That app is not changed and does not know it is wrapped; with no
+builtin model configured, the wrapper runs alone.
+
+/health is the process (always 200); /ready is every model (503 with Retry-After while any engine is
+not ready, each model's state in the body); /v1/models lists builtin and upstream models together.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from flagdeploy.errors import FlagdeployError
+from flagdeploy.server import errors
+from flagdeploy.server.app import (
+    _presented_key,
+    normalize_model_name,
+    strip_context_suffix,
+)
+from flagdeploy.server.errors import APIError
+from flagdeploy.server.protocol import ModelCard, ModelList, now
+
+from .balancer import Balancer, Replica
+from .config import ConfigError, ModelConfig, ServeConfig, launch_plan
+from .normalize import RETRY_AFTER_S, upstream_unavailable
+from .proxy import Proxy, Timeouts, _send_error, _send_json
+from .supervisor import AttachedUpstream, State, Supervisor, Upstream
+from .translate import dialect_for
+
+log = logging.getLogger(__name__)
+
+PROXIED = ("/v1/chat/completions", "/v1/completions")
+TRANSLATED = ("/v1/responses", "/v1/messages")  # served through the upstream's chat completions
+BUILTIN_ONLY = ("/v1/messages/count_tokens",)
+_SEVERITY = [State.FAILED, State.DOWN, State.RESTARTING, State.STARTING, State.STOPPED]
+
+
+# ---- one upstream model --------------------------------------------------------------------------
+
+
+class ModelPool:
+    """The replicas of one upstream model, the names it answers to, and its state."""
+
+    def __init__(self, names: list[str], upstreams: list[Upstream], engine: str = "upstream",
+                 max_model_len: int | None = None, slack: int = 2):
+        self.configured_names = list(names)
+        self.upstreams = upstreams
+        self.engine = engine
+        self._max_model_len = max_model_len
+        self.balancer = Balancer([u.url for u in upstreams], slack=slack)
+        self._by_url = {u.url: u for u in upstreams}
+
+    @property
+    def names(self) -> list[str]:
+        """Configured names, else the ids the engines serve (known once one answered)."""
+        if self.configured_names:
+            return self.configured_names
+        seen: list[str] = []
+        for upstream in self.upstreams:
+            seen += [m["id"] for m in upstream.models if isinstance(m.get("id"), str) and m["id"] not in seen]
+        return seen
+
+    @property
+    def name(self) -> str:
+        names = self.names
+        return names[0] if names else self.upstreams[0].url
+
+    def answers(self, key: str) -> bool:
+        return any(normalize_model_name(n) == key for n in self.names)
+
+    @property
+    def ready(self) -> bool:
+        return all(u.ready for u in self.upstreams)
+
+    @property
+    def max_model_len(self) -> int | None:
+        if self._max_model_len:
+            return self._max_model_len
+        return next((u.max_model_len for u in self.upstreams if u.max_model_len), None)
+
+    def pick(self, key: str | None, exclude: set[str] = frozenset()) -> tuple[Replica, Upstream] | None:
+        ready = {u.url for u in self.upstreams if u.ready and u.url not in exclude}
+        replica = self.balancer.pick(key, ready)
+        return None if replica is None else (replica, self._by_url[replica.url])
+
+    def state(self) -> str:
+        states = [u.state for u in self.upstreams]
+        if all(s is State.READY for s in states):
+            return "ready"
+        if any(s is State.READY for s in states):
+            return "degraded"
+        return next(s for s in _SEVERITY if s in states).value
+
+    def unavailable(self) -> APIError:
+        """The 503 for a request that finds no ready replica."""
+        if all(u.state is State.FAILED for u in self.upstreams):
+            # No Retry-After: retrying cannot help until an operator fixes the engine.
+            detail = "; ".join(u.detail for u in self.upstreams)
+            return APIError(503, f"The engine serving `{self.name}` failed and was not restarted: {detail}",
+                            type="service_unavailable_error", code="upstream_failed")
+        detail = "; ".join(f"{u.state.value}: {u.detail}" if u.detail else u.state.value for u in self.upstreams)
+        return upstream_unavailable(self.name, detail, RETRY_AFTER_S)
+
+    def status(self) -> dict[str, Any]:
+        replicas = []
+        for u in self.upstreams:
+            r = next(r for r in self.balancer.replicas if r.url == u.url)
+            replicas.append(u.status() | {"outstanding": r.outstanding, "served": r.served})
+        return {"state": self.state(), "engine": self.engine, "replicas": replicas}
+
+    async def start(self, proxy: Proxy) -> None:
+        for upstream in self.upstreams:
+            await upstream.start(proxy.client)
+
+    async def stop(self) -> None:
+        for upstream in self.upstreams:
+            await upstream.stop()
+
+
+# ---- the wrapper ---------------------------------------------------------------------------------
+
+
+class Gateway:
+    """The ASGI app: routes each request to an upstream pool or to the builtin app (`inner`)."""
+
+    def __init__(self, pools: list[ModelPool], inner: ASGIApp | None = None, api_key: str | None = None,
+                 timeouts: Timeouts | None = None):
+        self.pools = pools
+        self.inner = inner
+        self.api_key = api_key
+        self.timeouts = timeouts or Timeouts()
+        self.proxy: Proxy | None = None
+        self.created = now()
+        self._inner_lifespan: Any = None
+
+    # ---- lifespan ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.proxy = Proxy(self.timeouts)
+        for pool in self.pools:
+            await pool.start(self.proxy)
+
+    async def stop(self) -> None:
+        for pool in self.pools:
+            await pool.stop()
+        if self.proxy is not None:
+            await self.proxy.aclose()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        await receive()  # lifespan.startup
+        try:
+            if self.inner is not None and hasattr(self.inner, "router"):
+                self._inner_lifespan = self.inner.router.lifespan_context(self.inner)
+                await self._inner_lifespan.__aenter__()
+            await self.start()
+        except Exception as exc:  # noqa: BLE001 - reported to the server, which stops
+            log.exception("gateway startup failed")
+            await send({"type": "lifespan.startup.failed", "message": str(exc)})
+            return
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        try:
+            await self.stop()
+            if self._inner_lifespan is not None:
+                await self._inner_lifespan.__aexit__(None, None, None)
+        finally:
+            await send({"type": "lifespan.shutdown.complete"})
+
+    # ---- routing -----------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            if self.inner is not None:
+                await self.inner(scope, receive, send)
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/health":
+            await _send_json(send, 200, {"status": "ok"})
+        elif path == "/ready":
+            await self._ready(send)
+        elif path == "/v1/models" and method == "GET":
+            if await self._authorized(scope, send, path):
+                await _send_json(send, 200, self._models().model_dump())
+        elif method == "POST" and path in PROXIED + TRANSLATED + BUILTIN_ONLY:
+            await self._model_route(scope, receive, send, path)
+        elif path == "/metrics":
+            await self._metrics(scope, receive, send)
+        elif self.inner is not None:
+            await self.inner(scope, receive, send)
+        elif path == "/" and method in ("GET", "HEAD"):
+            await _send_json(send, 200, {"status": "ok", "service": "flagdeploy"})
+        else:
+            await _send_error(send, APIError(404, f"Invalid URL ({method} {path})"))
+
+    async def _model_route(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        raw = await _read_body(receive)
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            body = None
+        name = body.get("model") if isinstance(body, dict) else None
+        pool = self._pool_for(name if isinstance(name, str) else None)
+        if pool is None:
+            if self.inner is not None:  # the builtin app answers its models, and every error about the body
+                await self._replay(scope, raw, receive, send)
+            elif not await self._authorized(scope, send, path):
+                return
+            elif not isinstance(body, dict):
+                await self._error(send, path, errors.bad_json() if body is None
+                                  else APIError(400, "The request body must be a JSON object."))
+            else:
+                await self._error(send, path, errors.model_not_found(name if isinstance(name, str) else ""))
+            return
+        if not await self._authorized(scope, send, path):
+            return
+        if path in BUILTIN_ONLY:
+            await self._error(send, path, APIError(
+                400, f"{path} is served for builtin models only: `{pool.name}` runs on an external engine "
+                     f"({pool.engine}), which cannot count tokens for us.", param="model"))
+            return
+        dialect = dialect_for(path, strip_context_suffix(name) if isinstance(name, str) and name.strip() else pool.name)
+        try:
+            body = dialect.chat_request(body) if isinstance(body, dict) else body
+        except APIError as exc:
+            await self._error(send, path, exc)
+            return
+        if (problem := _check_body(dialect.upstream_path or path, body)) is not None:
+            await self._error(send, path, problem)
+            return
+        assert self.proxy is not None, "the gateway was not started (its ASGI lifespan did not run)"
+        await self.proxy.handle(pool, path, body, receive, send, dialect)
+
+    def _pool_for(self, name: str | None) -> ModelPool | None:
+        if name is None or not name.strip():
+            # A bare request means the one model served: the builtin one if any, else a lone pool.
+            return self.pools[0] if self.inner is None and len(self.pools) == 1 else None
+        key = normalize_model_name(name)
+        return next((p for p in self.pools if p.answers(key)), None)
+
+    async def _replay(self, scope: Scope, raw: bytes, receive: Receive, send: Send) -> None:
+        """Hand the request to the builtin app with the body already read; later receives (the
+        disconnect) come from the client as usual."""
+        replayed = False
+
+        async def again() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            return await receive()
+
+        assert self.inner is not None
+        await self.inner(scope, again, send)
+
+    async def _authorized(self, scope: Scope, send: Send, path: str) -> bool:
+        if self.api_key is None:
+            return True
+        given = _presented_key(Request(scope))
+        if given and hmac.compare_digest(given.encode(), self.api_key.encode()):
+            return True
+        await self._error(send, path, errors.invalid_api_key(given))
+        return False
+
+    async def _error(self, send: Send, path: str, error: APIError) -> None:
+        """An error in the route's protocol: Anthropic's shape on /v1/messages*, OpenAI's elsewhere."""
+        if path.startswith("/v1/messages"):
+            from flagdeploy.server.anthropic import error_response
+
+            response = error_response(error)
+            await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+            await send({"type": "http.response.body", "body": response.body, "more_body": False})
+        else:
+            await _send_error(send, error)
+
+    # ---- state -------------------------------------------------------------------------------------
+
+    def _builtin(self) -> tuple[list[str], Any] | None:
+        """(names, engine slot) of the builtin model, if there is one."""
+        state = getattr(self.inner, "state", None)
+        names = getattr(state, "model_names", None)
+        slot = getattr(state, "engine_slot", None)
+        return (names.names, slot) if names is not None and slot is not None else None
+
+    def _models(self) -> ModelList:
+        cards = []
+        builtin = self._builtin()
+        if builtin is not None:
+            names, slot = builtin
+            max_len = slot.engine.max_model_len if slot.engine is not None else None
+            cards += [ModelCard(id=n, created=self.created, max_model_len=max_len) for n in names]
+        for pool in self.pools:
+            cards += [ModelCard(id=n, created=self.created, max_model_len=pool.max_model_len) for n in pool.names]
+        return ModelList(data=cards)
+
+    def readiness(self) -> tuple[bool, bool, dict[str, Any]]:
+        """(all ready, worth retrying, each model's state)."""
+        models: dict[str, Any] = {}
+        ready, retry = True, False
+        builtin = self._builtin()
+        if builtin is not None:
+            names, slot = builtin
+            state = "ready" if slot.engine is not None else "failed" if slot.error is not None else "loading"
+            models[names[0]] = {"state": state, "engine": "builtin"} | ({"error": slot.error} if slot.error else {})
+            ready &= state == "ready"
+            retry |= state == "loading"
+        for pool in self.pools:
+            models[pool.name] = pool.status()
+            ready &= pool.ready
+            retry |= any(u.state is not State.FAILED and not u.ready for u in pool.upstreams)
+        return ready, retry, models
+
+    async def _ready(self, send: Send) -> None:
+        ready, retry, models = self.readiness()
+        if ready:
+            await _send_json(send, 200, {"status": "ready", "models": models})
+            return
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
+        await _send_json(send, 503, {"status": "not_ready" if retry else "failed", "models": models}, headers)
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The builtin app's metrics (if any) followed by one line per upstream replica."""
+        text = ""
+        if self.inner is not None:
+            captured: list[bytes] = []
+
+            async def keep(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.body":
+                    captured.append(message.get("body", b""))
+
+            await self.inner(scope, receive, keep)
+            text = b"".join(captured).decode()
+        lines = []
+        for pool in self.pools:
+            for u in pool.upstreams:
+                r = next(r for r in pool.balancer.replicas if r.url == u.url)
+                labels = f'model="{pool.name}",url="{u.url}"'
+                lines += [f"flagdeploy_upstream_ready{{{labels}}} {int(u.ready)}",
+                          f"flagdeploy_upstream_outstanding{{{labels}}} {r.outstanding}",
+                          f"flagdeploy_upstream_requests_total{{{labels}}} {r.served}"]
+        body = (text + "\n".join(lines) + ("\n" if lines else "")).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _check_body(path: str, body: Any) -> APIError | None:
+    """Check the body against the same lenient request models the builtin app uses, before it goes
+    upstream: a malformed request gets our 400 naming the field, whatever the engine would have said
+    (llama-cpp-python answers 500 to a bad max_tokens, and the SDKs retry a 500). The body is
+    forwarded as the client sent it; unknown fields pass through to the engine."""
+    from pydantic import ValidationError
+
+    from flagdeploy.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    model = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
+    try:
+        model.model_validate(body)
+    except ValidationError as exc:
+        return errors.from_validation(exc.errors(include_url=False))
+    return None
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+# ---- building it from a config -------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def build_gateway(config: ServeConfig, inner: ASGIApp | None = None,
+                  supervisor_options: dict[str, Any] | None = None) -> Gateway:
+    """The gateway for `config`. The builtin model (if any) becomes `inner` unless one is given;
+    launched engines get a Supervisor per replica, attached ones an AttachedUpstream per URL."""
+    pools = []
+    for entry in config.models:
+        if entry.engine == "builtin":
+            inner = inner or builtin_app(entry, config.api_key)
+            continue
+        # An attached engine without names answers to the ids it serves (learned from its /v1/models).
+        names = entry.names if entry.engine == "upstream" else (entry.names or [_default_name(entry)])
+        pools.append(ModelPool(names, _upstreams(entry, config, supervisor_options or {}), engine=entry.engine,
+                               max_model_len=entry.max_model_len))
+    return Gateway(pools, inner, config.api_key, Timeouts(config.connect_timeout, config.read_timeout))
+
+
+def _default_name(entry: ModelConfig) -> str:
+    if entry.engine == "llama.cpp":
+        from flagdeploy.loaders.source import resolve
+
+        return resolve(entry.model).name
+    return Path(entry.model or entry.engine).name or entry.engine
+
+
+def _upstreams(entry: ModelConfig, config: ServeConfig, options: dict[str, Any]) -> list[Upstream]:
+    if entry.engine == "upstream":
+        return [AttachedUpstream(u, entry.upstream_api_key, entry.upstream_model) for u in entry.upstreams]
+    label = (entry.names[0] if entry.names else _default_name(entry)).replace("/", "_")
+    out: list[Upstream] = []
+    for i in range(entry.replicas):
+        port = entry.port + i if entry.port else free_port()
+        plan = launch_plan(entry, port, i)
+        for warning in plan.warnings:
+            log.warning("%s replica %d: %s", label, i, warning)
+        name = f"{label}-{i}"
+        out.append(Supervisor(name, f"http://127.0.0.1:{port}", plan.argv, env=plan.env, setup=plan.setup,
+                              files=plan.files, workdir=config.logs() / name, log_path=config.logs() / f"{name}.log",
+                              startup_timeout=entry.startup_timeout or config.startup_timeout,
+                              api_key=entry.upstream_api_key, upstream_model=entry.upstream_model, **options))
+    return out
+
+
+def builtin_app(entry: ModelConfig, api_key: str | None) -> ASGIApp:
+    """The builtin app for a serve.yaml `engine: builtin` entry; `args` are EngineConfig fields plus
+    default_temperature, reasoning_parser and max_waiting."""
+    import dataclasses
+
+    from flagdeploy.engine import AsyncEngine, EngineConfig
+    from flagdeploy.engine.loader import build_llm_engine, check_source
+    from flagdeploy.loaders.source import resolve
+    from flagdeploy.server import create_app
+
+    args = dict(entry.args)
+    serve = {k: args.pop(k) for k in ("default_temperature", "reasoning_parser", "max_waiting") if k in args}
+    if entry.max_model_len:
+        args.setdefault("max_model_len", entry.max_model_len)
+    if isinstance(args.get("kv_cache_memory"), str):
+        args["kv_cache_memory"] = _parse_bytes(args["kv_cache_memory"])
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype", "device"}
+    if unknown := sorted(set(args) - fields):
+        raise ConfigError(f"builtin model {entry.names[:1] or entry.model}: unknown args {unknown}; builtin args "
+                          f"are {sorted(fields)} and default_temperature, reasoning_parser, max_waiting")
+    try:
+        src = resolve(entry.model, weights=args.get("load_format", "auto") != "dummy")
+        check_source(src.path, src.format, args.get("load_format", "auto") != "dummy")
+        config = EngineConfig(**args)
+    except (FlagdeployError, TypeError, ValueError) as exc:
+        raise ConfigError(f"builtin model {entry.model or '(default)'}: {exc}") from None
+    names = entry.names or [src.name]
+    chip = entry.chip
+
+    def load() -> AsyncEngine:
+        return AsyncEngine(build_llm_engine(src.path, src.format, config, chip=chip, progress=False))
+
+    max_waiting = serve.get("max_waiting", 64)
+    return create_app(load, names, api_key=api_key, default_temperature=serve.get("default_temperature", 0.0),
+                      reasoning_parser=serve.get("reasoning_parser"),
+                      max_waiting=None if max_waiting is None or max_waiting < 0 else max_waiting)
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    s = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        return int(float(s[:-1]) * units[s[-1]]) if s and s[-1] in units else int(s)
+    except (ValueError, IndexError):
+        raise ConfigError(f"{text!r} is not a size; write e.g. 2GiB, 512MiB or a byte count") from None

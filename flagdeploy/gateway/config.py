@@ -1,0 +1,256 @@
+"""`serve.yaml`: several models behind one endpoint, each on its own engine.
+
+    host: 0.0.0.0
+    port: 8000
+    models:
+      - names: [smollm2, smollm2-135m-instruct]   # a small builtin model on the CPU
+        engine: builtin
+        args: {max_model_len: 2048, kv_cache_memory: 1GiB}
+      - names: [glm-5.3-flash]                   # a large one on vLLM, launched and supervised here
+        engine: vllm
+        model: zai-org/GLM-5.3-Flash
+        chip: h200
+        replicas: 2
+        args: {tp: 4, max_model_len: 65536, reasoning_parser: glm45}
+      - names: [qwen3-8b]                        # engines that already run elsewhere
+        engine: upstream
+        upstreams: [http://10.0.0.5:8000, http://10.0.0.6:8000]
+
+`args` are the neutral profile fields (flagdeploy/planner/profile.py) for vllm, vllm-ascend, sglang and
+mindie (the planner's emitter turns them into each engine's flags), the EngineConfig fields for
+builtin, and llama_cpp.server options (n_ctx, n_threads, chat_format, ...) for llama.cpp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from flagdeploy.errors import FlagdeployError
+
+Engine = Literal["builtin", "vllm", "vllm-ascend", "sglang", "mindie", "llama.cpp", "upstream"]
+PLANNER_ENGINES = ("vllm", "vllm-ascend", "sglang", "mindie")  # launched from flagdeploy.planner.emit
+LAUNCHED_ENGINES = PLANNER_ENGINES + ("llama.cpp",)
+DEFAULT_STARTUP_TIMEOUT = 1800.0  # a 700B checkpoint on a cold disk takes tens of minutes to load
+
+
+class ConfigError(FlagdeployError, ValueError):
+    """serve.yaml (or the equivalent serve options) cannot be used; the message says what to change."""
+
+
+class ModelConfig(BaseModel):
+    """One model behind the endpoint: the names it answers to, and what serves it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    names: list[str] = Field(default_factory=list, description="the first is the id responses show; "
+                             "empty: the model's own name (builtin, launched) or the upstream's (upstream)")
+    engine: Engine = "builtin"
+    model: str | None = Field(None, description="GGUF file, model directory, hub id or bundled name")
+    upstreams: list[str] = Field(default_factory=list, description="base URLs of running engines (engine: upstream)")
+    replicas: int = Field(1, ge=1, description="engine processes to launch and balance (launched engines)")
+    chip: str | None = Field(None, description="chip catalog id for the planner's flags (vllm, sglang, ...); "
+                             "backend for builtin")
+    port: int | None = Field(None, description="first port of launched replicas (default: free ports)")
+    upstream_model: str | None = Field(None, description="the name the engine serves (default: the first id "
+                                       "of its /v1/models)")
+    upstream_api_key: str | None = None
+    max_model_len: int | None = None
+    startup_timeout: float | None = Field(None, gt=0, description="seconds a launched engine may take to "
+                                          "become ready (default: the server's)")
+    args: dict[str, Any] = Field(default_factory=dict)
+    extra_args: list[str] = Field(default_factory=list, description="appended to a launched engine's argv")
+    env: dict[str, str] = Field(default_factory=dict, description="added to a launched engine's environment")
+    command: list[str] | None = Field(None, description="run exactly this argv instead ('{port}' and "
+                                      "'{model}' are filled); for an engine version the emitter does not know")
+
+    @field_validator("upstreams")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"upstream {url!r} is not a URL; write it as http://HOST:PORT (without /v1)")
+        return [u.rstrip("/").removesuffix("/v1") for u in urls]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ModelConfig":
+        label = self.names[0] if self.names else (self.model or self.engine)
+        if self.engine == "upstream" and not self.upstreams:
+            raise ValueError(f"model {label!r}: engine 'upstream' needs `upstreams: [http://HOST:PORT, ...]` "
+                             "(the engines already running)")
+        if self.engine != "upstream" and self.upstreams:
+            raise ValueError(f"model {label!r}: `upstreams` is only for engine 'upstream'; engine {self.engine!r} "
+                             "is launched here. Use engine: upstream to attach running engines.")
+        if self.engine in PLANNER_ENGINES and not self.model and not self.command:
+            raise ValueError(f"model {label!r}: engine {self.engine!r} needs `model` (a hub id or a directory)")
+        if self.engine in PLANNER_ENGINES and not self.chip and not self.command:
+            raise ValueError(f"model {label!r}: engine {self.engine!r} needs `chip` (a chip catalog id such as "
+                             "h200 or ascend910b) so that its flags fit the chip; `flagdeploy ops list` and "
+                             "profiles/chips.yaml list them")
+        if self.engine == "builtin" and self.replicas != 1:
+            raise ValueError(f"model {label!r}: the builtin engine runs one replica in this process; remove "
+                             "`replicas` or launch an external engine")
+        return self
+
+
+class ServeConfig(BaseModel):
+    """The whole endpoint: where it listens, its key, and its models."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str | None = None
+    port: int | None = None
+    api_key: str | None = None
+    startup_timeout: float = Field(DEFAULT_STARTUP_TIMEOUT, gt=0)
+    connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to an engine before a 503")
+    read_timeout: float = Field(600.0, gt=0, description="seconds an engine may stay silent (before its "
+                                "answer, or between two streamed chunks) before a 503 / an error event")
+    log_dir: str | None = Field(None, description="where launched engines write their logs "
+                                "(default: ~/.cache/flagdeploy/logs)")
+    models: list[ModelConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "ServeConfig":
+        builtin = [m for m in self.models if m.engine == "builtin"]
+        if len(builtin) > 1:
+            raise ValueError("at most one model may use engine 'builtin' (it runs in this process); serve the "
+                             "others with a launched engine or `engine: upstream`")
+        from flagdeploy.server.app import normalize_model_name
+
+        seen: dict[str, int] = {}
+        for i, m in enumerate(self.models):
+            for name in m.names:
+                key = normalize_model_name(name)
+                if key in seen and seen[key] != i:
+                    raise ValueError(f"the name {name!r} is given to two models; each name must pick one model")
+                seen[key] = i
+        return self
+
+    def logs(self) -> Path:
+        return Path(self.log_dir).expanduser() if self.log_dir else Path.home() / ".cache" / "flagdeploy" / "logs"
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    """Read and check serve.yaml; every problem is a ConfigError naming the file and the field."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must be a mapping with a `models:` list (see docs/gateway.md)")
+    return parse_config(data, str(path))
+
+
+def parse_config(data: dict[str, Any], where: str = "serve.yaml") -> ServeConfig:
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors(include_url=False):
+            loc = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{loc}: {msg}" if loc else msg)
+        raise ConfigError(f"{where}: " + "; ".join(problems)) from None
+
+
+# ---- what to launch -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LaunchPlan:
+    """One engine process: exact argv, extra environment, shell setup lines, files to write first."""
+
+    argv: list[str]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    setup: list[str] = dataclasses.field(default_factory=list)
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+def launch_plan(entry: ModelConfig, port: int, replica: int = 0) -> LaunchPlan:
+    """How to start replica `replica` of a launched model so that it listens on `port`."""
+    if entry.command:
+        fill = {"port": str(port), "model": entry.model or ""}
+        return LaunchPlan([a.format(**fill) for a in entry.command] + entry.extra_args, dict(entry.env))
+    if entry.engine == "llama.cpp":
+        return _llama_cpp(entry, port)
+    if entry.engine in PLANNER_ENGINES:
+        return _planned(entry, port, replica)
+    raise ConfigError(f"engine {entry.engine!r} is not launched by the gateway")
+
+
+def _llama_cpp(entry: ModelConfig, port: int) -> LaunchPlan:
+    """llama-cpp-python's OpenAI server (`pip install 'llama-cpp-python[server]'`) on a GGUF file."""
+    from flagdeploy.loaders.source import resolve
+
+    try:
+        src = resolve(entry.model)
+    except FlagdeployError as exc:
+        raise ConfigError(f"llama.cpp model {entry.model!r}: {exc}") from None
+    if src.format != "gguf":
+        raise ConfigError(f"llama.cpp runs GGUF files; {entry.model!r} resolved to a {src.format} model at "
+                          f"{src.path}. Give a .gguf file, or serve it with another engine.")
+    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(src.path), "--host", "127.0.0.1",
+            "--port", str(port)]
+    args = dict(entry.args)
+    # Its default cuts a running stream short whenever another request waits; behind the gateway,
+    # requests queue for the model instead.
+    args.setdefault("interrupt_requests", False)
+    if entry.max_model_len and "n_ctx" not in args:
+        args["n_ctx"] = entry.max_model_len
+    for key, value in args.items():
+        argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return LaunchPlan(argv + entry.extra_args, dict(entry.env))
+
+
+def _planned(entry: ModelConfig, port: int, replica: int) -> LaunchPlan:
+    """vLLM / SGLang / MindIE through the planner's emitter, so the flags are the ones `flagdeploy plan
+    --emit` prints for the same profile."""
+    from flagdeploy.chips import get_chip
+    from flagdeploy.planner.emit import emit
+    from flagdeploy.planner.profile import Profile
+
+    known = {f.name for f in dataclasses.fields(Profile)}
+    args = dict(entry.args)
+    if unknown := sorted(set(args) - known):
+        raise ConfigError(f"model {entry.names[:1] or entry.model}: unknown args {unknown} for {entry.engine}; "
+                          f"args are profile fields: {sorted(known - {'model', 'chip', 'port'})}. Pass engine "
+                          f"flags the profile lacks through `extra_args`.")
+    if entry.max_model_len:
+        args.setdefault("max_model_len", entry.max_model_len)
+    if entry.names:
+        args.setdefault("served_model_name", entry.names[0])
+    try:
+        profile = Profile(model=entry.model or "", chip=entry.chip or "", port=port,
+                          **{k: v for k, v in args.items() if k not in ("model", "chip", "port")})
+        launch = emit(profile, entry.engine)
+        backend = get_chip(profile.chip).backend
+    except (FlagdeployError, ValueError, TypeError) as exc:
+        raise ConfigError(f"cannot launch {entry.engine} for {entry.model}: {exc}") from None
+    env = dict(launch.env)
+    if entry.replicas > 1:  # replica i takes the next `devices` devices
+        devices = ",".join(str(replica * profile.devices + d) for d in range(profile.devices))
+        var = {"cuda": "CUDA_VISIBLE_DEVICES", "ascend": "ASCEND_RT_VISIBLE_DEVICES"}.get(backend)
+        if var:
+            env[var] = devices
+        else:
+            launch.warnings.append(f"replica {replica}: no device-visibility variable known for backend "
+                                   f"{backend}; all replicas see every device")
+    env.update(entry.env)
+    return LaunchPlan(launch.argv + entry.extra_args, env, list(launch.setup), dict(launch.files),
+                      list(launch.warnings))

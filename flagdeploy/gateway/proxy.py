@@ -1,0 +1,261 @@
+"""Forward one OpenAI request to a replica of an upstream model, and its answer back, normalised.
+
+What a client can rely on, whichever engine answers:
+- never a hang: connecting has `connect_timeout`, waiting for the answer (or for the next chunk of a
+  stream) has `read_timeout`; a replica that cannot be reached is reported to its supervisor and the
+  next ready replica is tried; when none is left the answer is 503 with Retry-After, at once.
+- streams pass through chunk by chunk (no buffering), rewritten by `normalize.StreamNormalizer`.
+- a client that disconnects (mid-stream, or while waiting for a non-streamed answer) closes the
+  upstream request at once, so the engine aborts the generation instead of finishing it for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import httpx
+from starlette.responses import JSONResponse
+from starlette.types import Receive, Send
+
+from flagdeploy.server.errors import APIError
+
+from .balancer import affinity_key
+from .normalize import (
+    StreamNormalizer,
+    normalize_response,
+    parse_body,
+    prepare_request,
+    upstream_error,
+    upstream_unavailable,
+)
+from .translate import PASSTHROUGH, Dialect
+
+if TYPE_CHECKING:
+    from .app import ModelPool
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+@dataclass
+class Timeouts:
+    connect: float = 5.0
+    read: float = 600.0
+
+    def httpx(self) -> httpx.Timeout:
+        return httpx.Timeout(connect=self.connect, read=self.read, write=self.read, pool=self.connect)
+
+
+class ClientGone(Exception):
+    """The client disconnected; nothing is left to answer."""
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work` unless the client disconnects first (then ClientGone, and `work` is cancelled).
+    The request body was read already, so `receive()` only returns when the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # let it unwind (close what it holds) first
+    raise ClientGone()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class Proxy:
+    """Holds the one HTTP client (and its connection pool) every upstream request goes through."""
+
+    def __init__(self, timeouts: Timeouts | None = None):
+        self.timeouts = timeouts or Timeouts()
+        self.client = httpx.AsyncClient(timeout=self.timeouts.httpx(),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def handle(self, pool: "ModelPool", path: str, body: dict[str, Any], receive: Receive, send: Send,
+                     dialect: Dialect = PASSTHROUGH) -> None:
+        """Answer the request (already authenticated, body parsed and, for another protocol, turned
+        into a chat request by `dialect`) from one of `pool`'s replicas."""
+        model = pool.name
+        path = dialect.upstream_path or path
+        send_error = dialect.send_error
+        key = affinity_key(body)
+        tried: set[str] = set()
+        while True:
+            picked = pool.pick(key, exclude=tried)
+            if picked is None:
+                error = pool.unavailable() if not tried else upstream_unavailable(model, "no replica could be reached")
+                await send_error(send, error)
+                return
+            replica, upstream = picked
+            up_body, wants_usage = prepare_request(body, upstream.model_id)
+            headers = {"Authorization": f"Bearer {upstream.api_key}"} if upstream.api_key else {}
+            pool.balancer.acquire(replica)
+            released = False
+
+            def release() -> None:
+                """Once the engine is done with the request, before the client has the last byte: the
+                client's next request must see this replica idle again."""
+                nonlocal released
+                if not released:
+                    released = True
+                    pool.balancer.release(replica)
+
+            try:
+                request = self.client.build_request("POST", f"{upstream.url}{path}", json=up_body, headers=headers)
+                try:
+                    response = await until_disconnect(receive, self.client.send(request, stream=True))
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    log.warning("%s: cannot reach %s (%s); trying another replica", model, upstream.url, exc)
+                    upstream.report_failure(f"connection failed: {exc}")
+                    tried.add(upstream.url)
+                    continue
+                except httpx.TimeoutException:
+                    await send_error(send, upstream_unavailable(
+                        model, f"no answer within the read timeout of {self.timeouts.read:.0f} s"))
+                    return
+                except httpx.HTTPError as exc:
+                    upstream.report_failure(str(exc))
+                    await send_error(send, upstream_unavailable(model, f"{type(exc).__name__}: {exc}"))
+                    return
+                try:
+                    await self._answer(response, model, path, bool(body.get("stream")), wants_usage, upstream,
+                                       receive, send, release, dialect)
+                finally:
+                    await _close(response)
+                return
+            except ClientGone:
+                log.info("%s: client disconnected; upstream request to %s closed", model, upstream.url)
+                return
+            finally:
+                release()
+
+    async def _answer(self, response: httpx.Response, model: str, path: str, stream: bool, wants_usage: bool,
+                      upstream: Any, receive: Receive, send: Send, release: Callable[[], None],
+                      dialect: Dialect) -> None:
+        _send_error = dialect.send_error
+        if response.status_code >= 400:
+            raw = await until_disconnect(receive, response.aread())
+            release()
+            error = upstream_error(response.status_code, parse_body(raw))
+            if response.status_code >= 500:
+                log.warning("%s: %s answered %d: %s", model, upstream.url, response.status_code, raw[:300])
+            await _send_error(send, error)
+            return
+        is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
+        if not stream or not is_sse:
+            try:
+                raw = await until_disconnect(receive, response.aread())
+            except httpx.TimeoutException:
+                await _send_error(send, upstream_unavailable(model, "the answer did not come within the read timeout"))
+                return
+            except httpx.HTTPError as exc:
+                upstream.report_failure(str(exc))
+                await _send_error(send, upstream_unavailable(model, f"the engine broke off its answer ({exc})"))
+                return
+            release()
+            body = parse_body(raw)
+            if not isinstance(body, dict):
+                await _send_error(send, upstream_unavailable(model, "the engine answered something that is not JSON"))
+                return
+            await _send_json(send, 200, dialect.answer(normalize_response(body, model)))
+            return
+        kind = "chat" if path.endswith("/chat/completions") else "text"
+        normalizer = StreamNormalizer(model, wants_usage, kind)
+        await stream_to_client(dialect.frames(_events(response, normalizer, model, upstream, release)), receive, send)
+
+
+async def _events(response: httpx.Response, normalizer: StreamNormalizer, model: str, upstream: Any,
+                  release: Callable[[], None]) -> AsyncIterator[str]:
+    """The normalised SSE payloads (JSON text, `[DONE]`), chunk by chunk as the upstream sends them."""
+    data: list[str] = []
+    try:
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+                continue
+            if line.strip() or not data:  # comments (`: ping`), event:/id: lines, stray blank lines
+                continue
+            events = normalizer.event("\n".join(data))
+            data = []
+            if normalizer.done:
+                release()
+            for out in events:
+                yield out
+            if normalizer.done:
+                return
+        if data:  # the last event had no blank line after it
+            for out in normalizer.event("\n".join(data)):
+                yield out
+        release()
+        for out in normalizer.end():
+            yield out
+    except httpx.TimeoutException:
+        yield _error_event(f"The engine serving `{model}` sent nothing for the read timeout; the answer is cut short.")
+    except httpx.HTTPError as exc:
+        upstream.report_failure(str(exc))
+        yield _error_event(f"The engine serving `{model}` broke off the stream ({type(exc).__name__}). "
+                           "Retry the request.")
+
+
+def _error_event(message: str) -> str:
+    body = {"error": {"message": message, "type": "service_unavailable_error", "param": None,
+                      "code": "upstream_error"}}
+    return json.dumps(body, separators=(",", ":"))
+
+
+async def stream_to_client(events: AsyncIterator[bytes], receive: Receive, send: Send) -> None:
+    """Send `events` as a 200 SSE response, stopping the moment the client disconnects (not at the
+    next chunk: during a long prefill there is none)."""
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+    async def pump() -> None:
+        async for chunk in events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    try:
+        await until_disconnect(receive, pump())
+    except OSError:  # the connection broke while sending
+        raise ClientGone() from None
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await asyncio.shield(aclose())
+
+
+async def _close(response: httpx.Response) -> None:
+    try:
+        await asyncio.shield(response.aclose())
+    except Exception:  # noqa: BLE001 - closing a broken connection may fail; it is closed either way
+        pass
+
+
+async def _send_json(send: Send, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+    response = JSONResponse(body, status_code=status, headers=headers)
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+
+async def _send_error(send: Send, error: APIError) -> None:
+    await _send_json(send, error.status, error.body(), error.headers)

@@ -1,0 +1,266 @@
+"""Protocols an upstream engine does not speak, served through its chat completions.
+
+Claude Code (Anthropic Messages) and Codex (OpenAI Responses) must reach a model on vLLM-Ascend,
+SGLang or llama.cpp just as they reach a builtin one. Each Dialect turns its protocol's request into
+a chat-completions request (the same conversion the builtin routes use: messages, tools,
+tool_choice, thinking switch, output format) and the engine's answer (already normalised: usage
+chunk, reasoning_content, tool-call deltas with index) back into its protocol, streamed or not,
+with the same event builders as the builtin routes so that both look identical to a client.
+
+OpenAI chat and completions pass through unchanged (`PASSTHROUGH`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from pydantic import ValidationError
+from starlette.types import Send
+
+from flagdeploy.server import errors
+from flagdeploy.server.anthropic import (
+    MessagesRequest,
+    _Blocks,
+    _event,
+    _input,
+    _message,
+    _signature,
+    _tool_use_id,
+    error_response,
+)
+from flagdeploy.server.errors import APIError
+from flagdeploy.server.protocol import now
+from flagdeploy.server.responses import (
+    ResponsesRequest,
+    _call_item,
+    _Events,
+    _id,
+    _message_item,
+    _reasoning_item,
+    _response,
+)
+
+_ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
+
+
+class Dialect:
+    """OpenAI itself: bodies and frames pass through."""
+
+    upstream_path: str | None = None  # None: the client's path
+
+    def chat_request(self, body: dict[str, Any]) -> dict[str, Any]:
+        return body
+
+    def answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        return body
+
+    async def frames(self, payloads: AsyncIterator[str]) -> AsyncIterator[bytes]:
+        async for payload in payloads:
+            yield f"data: {payload}\n\n".encode()
+
+    async def send_error(self, send: Send, error: APIError) -> None:
+        from .proxy import _send_error
+
+        await _send_error(send, error)
+
+
+PASSTHROUGH = Dialect()
+
+
+def _validated(model: type, body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise errors.from_validation(exc.errors(include_url=False)) from None
+
+
+def _chunks(payload: str) -> dict[str, Any] | None:
+    """One normalised chat chunk (None for `[DONE]`)."""
+    return None if payload == "[DONE]" else json.loads(payload)
+
+
+def _delta_parts(chunk: dict[str, Any]) -> tuple[str, str, list[dict[str, Any]], str | None]:
+    """(thinking, text, tool-call deltas, finish_reason) of one normalised chat chunk."""
+    choice = (chunk.get("choices") or [{}])[0]
+    delta = choice.get("delta") or {}
+    thought = delta.get("reasoning_content") or ""
+    return thought, delta.get("content") or "", delta.get("tool_calls") or [], choice.get("finish_reason")
+
+
+class AnthropicDialect(Dialect):
+    """/v1/messages over an upstream's /v1/chat/completions."""
+
+    upstream_path = "/v1/chat/completions"
+
+    def __init__(self, model: str):
+        self.model = model
+        self.mid = _id("msg")
+
+    def chat_request(self, body: dict[str, Any]) -> dict[str, Any]:
+        req: MessagesRequest = _validated(MessagesRequest, body)
+        tools = req.function_tools()
+        out: dict[str, Any] = {"model": req.model, "messages": req.template_messages(structured=bool(tools)),
+                               "stream": bool(req.stream)}
+        for key, value in (("max_tokens", req.max_tokens), ("temperature", req.temperature), ("top_p", req.top_p),
+                           ("top_k", req.top_k), ("stop", req.stop_sequences)):
+            if value is not None:
+                out[key] = value
+        if tools:
+            out["tools"] = tools
+            choice = req.choice()
+            if choice is not None:
+                out["tool_choice"] = choice if choice in ("auto", "none", "required") else {
+                    "type": "function", "function": {"name": choice}}
+        if req.template_kwargs():
+            out["chat_template_kwargs"] = req.template_kwargs()
+        if out["stream"]:
+            out["stream_options"] = {"include_usage": True}
+        return out
+
+    def answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        choice = (body.get("choices") or [{}])[0]
+        message = choice.get("message") or {}
+        thought = message.get("reasoning_content")
+        calls = message.get("tool_calls") or []
+        blocks = [{"type": "thinking", "thinking": thought, "signature": _signature(thought)}] if thought else []
+        if message.get("content") or not calls:
+            blocks.append({"type": "text", "text": message.get("content") or ""})
+        blocks += [{"type": "tool_use", "id": _tool_use_id(c.get("id") or _id("call")), "name": c["function"]["name"],
+                    "input": _input(c["function"].get("arguments") or "")} for c in calls]
+        usage = body.get("usage") or {}
+        stop = _ANTHROPIC_STOP.get(choice.get("finish_reason"), "end_turn")
+        return _message(self.mid, self.model, blocks, (stop, None), usage.get("prompt_tokens", 0),
+                        usage.get("completion_tokens", 0))
+
+    async def frames(self, payloads: AsyncIterator[str]) -> AsyncIterator[bytes]:
+        blocks = _Blocks()
+        usage: dict[str, Any] = {}
+        finish: str | None = None
+        called = False
+        yield _event("message_start", {"message": _message(self.mid, self.model, [], (None, None), 0, 0)}).encode()
+        yield _event("ping", {}).encode()
+        async for payload in payloads:
+            chunk = _chunks(payload)
+            if chunk is None:
+                break
+            if "error" in chunk:
+                yield _event("error", {"error": {"type": "api_error", "message": chunk["error"].get("message")}}).encode()
+                return
+            usage = chunk.get("usage") or usage
+            if not chunk.get("choices"):
+                continue
+            thought, text, tool_deltas, reason = _delta_parts(chunk)
+            called = called or bool(tool_deltas)
+            finish = reason or finish
+            for event in blocks.add(thought, text) + blocks.tool_calls(tool_deltas):
+                yield event.encode()
+        for event in blocks.finish(called):
+            yield event.encode()
+        stop = "tool_use" if called else _ANTHROPIC_STOP.get(finish, "end_turn")
+        yield _event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None},
+                                       "usage": {"input_tokens": usage.get("prompt_tokens", 0),
+                                                 "output_tokens": usage.get("completion_tokens", 0)}}).encode()
+        yield _event("message_stop", {}).encode()
+
+    async def send_error(self, send: Send, error: APIError) -> None:
+        response = error_response(error)
+        await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+
+class ResponsesDialect(Dialect):
+    """/v1/responses (stateless) over an upstream's /v1/chat/completions."""
+
+    upstream_path = "/v1/chat/completions"
+
+    def __init__(self, model: str):
+        self.model = model
+        self.rid = _id("resp")
+        self.req: ResponsesRequest | None = None
+
+    def chat_request(self, body: dict[str, Any]) -> dict[str, Any]:
+        req: ResponsesRequest = _validated(ResponsesRequest, body)
+        if req.previous_response_id:
+            raise APIError(400, "previous_response_id is not supported: this server keeps no response state. "
+                                "Send the whole conversation as `input`.", param="previous_response_id")
+        self.req = req
+        out: dict[str, Any] = {"model": req.model, "messages": req.messages(), "stream": bool(req.stream)}
+        for key, value in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
+                           ("top_p", req.top_p)):
+            if value is not None:
+                out[key] = value
+        tools = req.function_tools()
+        if tools:
+            out["tools"] = tools
+            choice = req.choice()
+            if choice is not None:
+                out["tool_choice"] = choice if choice in ("auto", "none", "required") else {
+                    "type": "function", "function": {"name": choice}}
+        grammar = req.grammar()
+        if grammar is not None:
+            out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": grammar.value}}
+        if req.template_kwargs():
+            out["chat_template_kwargs"] = req.template_kwargs()
+        if out["stream"]:
+            out["stream_options"] = {"include_usage": True}
+        return out
+
+    def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached or 0},
+                "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + completion}
+
+    def answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        assert self.req is not None
+        choice = (body.get("choices") or [{}])[0]
+        message = choice.get("message") or {}
+        calls = message.get("tool_calls") or []
+        items = [_reasoning_item(_id("rs"), message["reasoning_content"])] if message.get("reasoning_content") else []
+        if message.get("content") or not calls:
+            items.append(_message_item(_id("msg"), message.get("content") or ""))
+        items += [_call_item(_id("fc"), c.get("id") or _id("call"), c["function"]["name"],
+                             c["function"].get("arguments") or "") for c in calls]
+        status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+        return _response(self.rid, now(), self.model, self.req, items, status, self._usage(body.get("usage") or {}))
+
+    async def frames(self, payloads: AsyncIterator[str]) -> AsyncIterator[bytes]:
+        assert self.req is not None
+        created, ev = now(), _Events()
+        usage: dict[str, Any] = {}
+        finish: str | None = None
+        yield ev.event("response.created", response=_response(self.rid, created, self.model, self.req, [],
+                                                              "in_progress", None)).encode()
+        yield ev.event("response.in_progress", response=_response(self.rid, created, self.model, self.req, [],
+                                                                  "in_progress", None)).encode()
+        async for payload in payloads:
+            chunk = _chunks(payload)
+            if chunk is None:
+                break
+            if "error" in chunk:
+                yield ev.event("error", code=chunk["error"].get("code"), message=chunk["error"].get("message"),
+                               param=None).encode()
+                return
+            usage = chunk.get("usage") or usage
+            if not chunk.get("choices"):
+                continue
+            thought, text, tool_deltas, reason = _delta_parts(chunk)
+            finish = reason or finish
+            for event in ev.thought(thought) + ev.content(text) + ev.tool_calls(tool_deltas):
+                yield event.encode()
+        for event in ev.close() + ([] if ev.output else ev.empty_message() + ev.close()):
+            yield event.encode()
+        status = "incomplete" if finish == "length" else "completed"
+        done = _response(self.rid, created, self.model, self.req, ev.output, status, self._usage(usage))
+        yield ev.event("response.completed" if status == "completed" else "response.incomplete", response=done).encode()
+
+
+def dialect_for(path: str, model: str) -> Dialect:
+    """The dialect of a client route; `model` is the name the answer shows."""
+    if path == "/v1/messages":
+        return AnthropicDialect(model)
+    if path == "/v1/responses":
+        return ResponsesDialect(model)
+    return PASSTHROUGH

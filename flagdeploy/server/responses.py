@@ -1,0 +1,347 @@
+"""The OpenAI Responses API, stateless: `POST /v1/responses`, streamed or not.
+
+Codex speaks only this protocol (and LangChain switches to it for models named "*codex*"). Codex
+sends `store: false` and the whole conversation as `input` items every turn, so no server-side state
+is needed: `previous_response_id` is refused with a 400 that says so.
+
+A request is turned into the chat path's pieces (template messages, tool plan, grammar, the same
+generation and answer parsing), and the answer into Responses output items: a `reasoning` item
+when the model thought, a `message` with `output_text`, and one `function_call` per tool call.
+Streams are `event:`-framed and numbered (`sequence_number`), from `response.created` to exactly
+one `response.completed` (or `response.incomplete` when max_output_tokens cut it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flagdeploy.engine.grammar import GrammarSpec
+from flagdeploy.engine.sampling import RequestOutput
+
+from . import errors
+from .answer import AnswerParser, parse_answer
+from .app import EngineSlot, ModelNames, ServerSettings, _chat_prompt, _first_output, _grammar, _jobs, _tool_plan
+from .errors import APIError
+from .generation import ClientDisconnected, EventStream, Generation, collect
+from .protocol import SamplingFields, now
+from .reasoning import RequestReasoning
+from .tools import ToolPlan
+
+if TYPE_CHECKING:
+    from flagdeploy.engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ---- request -------------------------------------------------------------------------------------
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class TextOptions(_Lenient):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Lenient):
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool | None = False
+    text: TextOptions | None = None
+    reasoning: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    parallel_tool_calls: bool | None = None
+
+    def function_tools(self) -> list[dict[str, Any]]:
+        """Function tools in the chat shape; built-in tools (web_search, ...) cannot run here."""
+        return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+                for t in self.tools or [] if t.get("type") == "function" and isinstance(t.get("name"), str)]
+
+    def choice(self) -> str | None:
+        if isinstance(self.tool_choice, dict):
+            return str(self.tool_choice.get("name"))
+        return self.tool_choice
+
+    def grammar(self) -> GrammarSpec | None:
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        return GrammarSpec("json_schema", fmt.schema_ if fmt.type == "json_schema" and fmt.schema_ else {"type": "object"})
+
+    def template_kwargs(self) -> dict[str, Any]:
+        effort = (self.reasoning or {}).get("effort")
+        return {"reasoning_effort": effort} if isinstance(effort, str) else {}
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The input items as chat turns: messages by role (developer is system), function calls as
+        the assistant's tool calls (consecutive ones in one turn), their outputs as tool turns;
+        reasoning items are dropped (earlier thinking does not go back into prompts)."""
+        turns: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            return turns + [{"role": "user", "content": self.input}]
+        for item in self.input:
+            kind = item.get("type", "message")
+            if kind == "message":
+                role = item.get("role", "user")
+                turns.append({"role": "system" if role == "developer" else role, "content": _item_text(item.get("content"))})
+            elif kind == "function_call":
+                call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+                if turns and turns[-1]["role"] == "assistant" and "tool_calls" in turns[-1]:
+                    turns[-1]["tool_calls"].append(call)
+                elif turns and turns[-1]["role"] == "assistant":
+                    turns[-1]["tool_calls"] = [call]
+                else:
+                    turns.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                output = item.get("output")
+                turns.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                              "content": output if isinstance(output, str) else _item_text(output)})
+        # system turns anywhere merge into one leading system prompt, as on /v1/messages
+        system = "\n\n".join(t["content"] for t in turns if t["role"] == "system" and t["content"])
+        rest = [t for t in turns if t["role"] != "system"]
+        return ([{"role": "system", "content": system}] if system else []) + rest
+
+
+def _item_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("text"))
+
+
+async def _parse(request: Request) -> ResponsesRequest:
+    body = errors.parse_json_body(await request.body())
+    try:
+        return ResponsesRequest.model_validate(body)
+    except ValidationError as exc:
+        raise errors.from_validation(exc.errors(include_url=False)) from None
+
+
+# ---- output items --------------------------------------------------------------------------------
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _reasoning_item(item_id: str, thought: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [],
+            "content": [{"type": "reasoning_text", "text": thought}]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def _response(rid: str, created: int, model: str, req: ResponsesRequest, output: list[dict[str, Any]],
+              status: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
+            "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+            "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
+            "temperature": req.temperature, "top_p": req.top_p, "text": {"format": {"type": "text"}},
+            "reasoning": req.reasoning, "store": False, "metadata": {}}
+
+
+def _usage(gen: Generation) -> dict[str, Any]:
+    prompt, cached = gen.prompt_usage()
+    completion = gen.completion_tokens()
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+def _status(final: RequestOutput) -> str:
+    return "incomplete" if final.finish_reason == "length" else "completed"
+
+
+# ---- stream --------------------------------------------------------------------------------------
+
+
+class _Events:
+    """Numbered, `event:`-framed Responses events, and the output items as they open and close."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item being streamed
+        self.text = ""
+
+    def event(self, kind: str, **data: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+    def close(self) -> list[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = len(self.output)
+        events = []
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": self.text, "annotations": []}
+            events += [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                                  text=self.text, logprobs=[]),
+                       self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=part)]
+            item = _message_item(item["id"], self.text)
+        elif item["type"] == "reasoning":
+            events.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                     content_index=0, text=self.text))
+            item = _reasoning_item(item["id"], self.text)
+        else:
+            events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                     name=item["name"], arguments=item["arguments"]))
+            item = {**item, "status": "completed"}
+        self.output.append(item)
+        return events + [self.event("response.output_item.done", output_index=index, item=item)]
+
+    def _start(self, item: dict[str, Any]) -> list[str]:
+        events = self.close()
+        self.open, self.text = item, ""
+        index = len(self.output)
+        events.append(self.event("response.output_item.added", output_index=index, item=item))
+        if item["type"] == "message":
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        return events
+
+    def empty_message(self) -> list[str]:
+        return self._start({"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant", "content": []})
+
+    def thought(self, delta: str) -> list[str]:
+        if not delta:
+            return []
+        events = [] if self.open and self.open["type"] == "reasoning" else self._start(
+            {"type": "reasoning", "id": _id("rs"), "summary": [], "content": []})
+        self.text += delta
+        return events + [self.event("response.reasoning_text.delta", item_id=self.open["id"],
+                                    output_index=len(self.output), content_index=0, delta=delta)]
+
+    def content(self, delta: str) -> list[str]:
+        if not delta:
+            return []
+        events = [] if self.open and self.open["type"] == "message" else self.empty_message()
+        self.text += delta
+        return events + [self.event("response.output_text.delta", item_id=self.open["id"],
+                                    output_index=len(self.output), content_index=0, delta=delta, logprobs=[])]
+
+    def tool_calls(self, deltas: list[dict[str, Any]]) -> list[str]:
+        events = []
+        for d in deltas:
+            if "id" in d:
+                events += self._start(_call_item(_id("fc"), d["id"], d["function"]["name"], "", "in_progress"))
+            fragment = d["function"].get("arguments")
+            if fragment and self.open is not None:
+                self.open["arguments"] += fragment
+                events.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                         output_index=len(self.output), delta=fragment))
+        return events
+
+
+async def _stream(gen: Generation, first: tuple[int, RequestOutput], rid: str, model: str, req: ResponsesRequest,
+                  reasoning: RequestReasoning | None, tools: ToolPlan | None) -> AsyncIterator[str]:
+    created = now()
+    ev = _Events()
+    parser = AnswerParser(reasoning, tools)
+    try:
+        yield ev.event("response.created", response=_response(rid, created, model, req, [], "in_progress", None))
+        yield ev.event("response.in_progress", response=_response(rid, created, model, req, [], "in_progress", None))
+        item: tuple[int, RequestOutput] | None = first
+        while item is not None:
+            out = item[1]
+            d = parser.feed(out.text, finished=out.finished)
+            for event in ev.thought(d.thought) + ev.content(d.content) + ev.tool_calls(d.tool_calls):
+                yield event
+            item = await gen.next() if not gen.done else None
+        for event in ev.close():
+            yield event
+        if not ev.output:  # an empty answer is still one (empty) message
+            for event in ev.empty_message() + ev.close():
+                yield event
+        status = _status(gen.finals[0])
+        done = _response(rid, created, model, req, ev.output, status, _usage(gen))
+        yield ev.event("response.completed" if status == "completed" else "response.incomplete", response=done)
+    except asyncio.CancelledError:
+        log.info("%s: client disconnected mid-stream, aborted", rid)
+        raise
+    except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
+        err = errors.from_generation(exc, "input")
+        yield ev.event("error", code=err.code, message=err.message, param=err.param)
+    finally:
+        gen.close()
+
+
+# ---- route ---------------------------------------------------------------------------------------
+
+
+def responses_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Request], Any],
+                     settings: ServerSettings) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
+
+    @router.post("/responses")
+    async def create_response(request: Request) -> Response:
+        req = await _parse(request)
+        if req.previous_response_id:
+            raise APIError(400, "previous_response_id is not supported: this server keeps no response state. "
+                                "Send the whole conversation as `input` (what Codex does with store=false).",
+                           param="previous_response_id")
+        model = names.resolve(req.model)
+        engine: "AsyncEngine" = slot.get()
+        rid = _id("resp")
+        tools = _tool_plan(engine, req.function_tools(), req.choice(), settings.tool_call_parser)
+        prompt, prompt_text = _chat_prompt(engine, req.messages(), req.template_kwargs(), tools)
+        reasoning = RequestReasoning.for_prompt(settings.style, prompt_text)
+        grammar, param = (tools.grammar(engine.tokenizer), "tool_choice") if tools and tools.forced else (req.grammar(), "text.format")
+        sampling = SamplingFields(temperature=req.temperature, top_p=req.top_p)
+        gen = settings.generation(engine, _jobs(engine, sampling, req.max_output_tokens, [prompt], rid,
+                                                settings.default_temperature, grammar=_grammar(engine, grammar, param)))
+        if req.stream:
+            first = await _first_output(request, gen, "input")
+            if first is None:
+                return Response(status_code=499)
+            return EventStream(_stream(gen, first, rid, model, req, reasoning, tools), gen.close)
+        try:
+            outputs = await collect(request, gen)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except Exception as exc:
+            raise errors.from_generation(exc, "input") from None
+        thought, text, calls = parse_answer("".join(o.text for o in outputs[0]), reasoning, tools)
+        items = [_reasoning_item(_id("rs"), thought)] if thought else []
+        if text or not calls:
+            items.append(_message_item(_id("msg"), text))
+        items += [_call_item(_id("fc"), c.id, c.name, c.arguments) for c in calls]
+        return JSONResponse(_response(rid, now(), model, req, items, _status(gen.finals[0]), _usage(gen)))
+
+    return router

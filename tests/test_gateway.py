@@ -1,0 +1,655 @@
+"""The gateway: external engines behind our endpoint.
+
+Unit tests run the normaliser on chunk shapes recorded from real engines, the balancer and the
+serve.yaml parser. The integration tests put the real third-party engine, llama-cpp-python's OpenAI
+server on the default GGUF model, behind a real uvicorn running the gateway on loopback, and drive
+it with the `openai` SDK and raw httpx: attached upstreams, two replicas balanced, a supervised engine
+killed and restarted, a builtin model and an upstream one on one port.
+
+llama-cpp-python is the `gateway` extra. Without it the integration tests skip locally, and fail
+when FLAGDEPLOY_REQUIRE_LLAMA_CPP=1 (CI sets it, so a broken install cannot pass as a skip).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from flagdeploy.gateway import ConfigError, ModelPool, build_gateway, parse_config
+from flagdeploy.gateway.app import Gateway
+from flagdeploy.gateway.balancer import Balancer, affinity_key
+from flagdeploy.gateway.config import launch_plan
+from flagdeploy.gateway.normalize import (
+    StreamNormalizer,
+    normalize_response,
+    prepare_request,
+    upstream_error,
+)
+from flagdeploy.gateway.proxy import Timeouts
+from flagdeploy.gateway.supervisor import AttachedUpstream, Backoff, Supervisor
+from flagdeploy.server import make_server
+
+API_KEY = "sk-gateway-test"
+
+
+# ---- normalisation on recorded chunk shapes --------------------------------------------------------
+
+# vLLM >= 0.12 with --reasoning-parser: `reasoning` (not reasoning_content), `usage: null` on every chunk
+# once include_usage is asked, then a `choices: []` usage chunk.
+VLLM_STREAM = [
+    {"id": "chatcmpl-9f", "object": "chat.completion.chunk", "created": 1761000000, "model": "zai-org/GLM-5.3-Flash",
+     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+     "usage": None},
+    {"id": "chatcmpl-9f", "object": "chat.completion.chunk", "created": 1761000000, "model": "zai-org/GLM-5.3-Flash",
+     "choices": [{"index": 0, "delta": {"reasoning": "The user greets."}, "logprobs": None, "finish_reason": None}],
+     "usage": None},
+    {"id": "chatcmpl-9f", "object": "chat.completion.chunk", "created": 1761000000, "model": "zai-org/GLM-5.3-Flash",
+     "choices": [{"index": 0, "delta": {"content": "Hello!"}, "logprobs": None, "finish_reason": "stop"}],
+     "usage": None},
+    {"id": "chatcmpl-9f", "object": "chat.completion.chunk", "created": 1761000000, "model": "zai-org/GLM-5.3-Flash",
+     "choices": [], "usage": {"prompt_tokens": 9, "total_tokens": 14, "completion_tokens": 5}},
+]
+
+
+def _run(normalizer: StreamNormalizer, chunks: list, done: bool = True) -> list:
+    out = []
+    for chunk in chunks:
+        out += normalizer.event(json.dumps(chunk))
+    out += normalizer.event("[DONE]") if done else normalizer.end()
+    return [o if o == "[DONE]" else json.loads(o) for o in out]
+
+
+def test_vllm_reasoning_is_mirrored_and_model_renamed():
+    out = _run(StreamNormalizer("glm", wants_usage=True), VLLM_STREAM)
+    assert out[-1] == "[DONE]"
+    deltas = [c["choices"][0]["delta"] for c in out[:-2]]
+    assert deltas[1] == {"reasoning": "The user greets.", "reasoning_content": "The user greets."}
+    assert {c["model"] for c in out[:-1]} == {"glm"}
+    assert all(c["usage"] is None for c in out[:-2])
+    assert out[-2]["choices"] == [] and out[-2]["usage"]["completion_tokens"] == 5
+
+
+def test_usage_chunk_dropped_when_not_asked():
+    out = _run(StreamNormalizer("glm", wants_usage=False), VLLM_STREAM)
+    assert out[-1] == "[DONE]" and len(out) == 4
+    assert all(c["choices"] and "usage" not in c for c in out[:-1])
+
+
+def test_usage_counted_when_upstream_sends_none():
+    """llama-cpp-python ignores stream_options: the client that asked still gets one usage chunk."""
+    chunks = [{**c, "usage": None} for c in VLLM_STREAM[:3]]
+    out = _run(StreamNormalizer("glm", wants_usage=True), chunks, done=False)
+    usage = out[-2]["usage"]
+    assert out[-2]["choices"] == [] and usage["completion_tokens"] == 2 and usage["estimated"] is True
+
+
+def test_request_always_asks_usage_in_streams():
+    body, wants = prepare_request({"model": "ours", "stream": True, "messages": []}, "theirs")
+    assert body["model"] == "theirs" and body["stream_options"] == {"include_usage": True} and not wants
+    body, wants = prepare_request({"model": "ours", "stream": True, "stream_options": {"include_usage": True}}, None)
+    assert wants and body["model"] == "ours"
+    body, _ = prepare_request({"model": "m", "stream": False, "stream_options": {"include_usage": True}}, None)
+    assert "stream_options" not in body
+
+
+def _tool_chunk(calls: list) -> dict:
+    return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}]}
+
+
+def test_tool_calls_without_index_get_one():
+    """An engine that omits `index` (LangChain would drop the call): the id opens a call, fragments continue it."""
+    chunks = [_tool_chunk([{"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]),
+              _tool_chunk([{"function": {"arguments": '{"city": '}}]),
+              _tool_chunk([{"function": {"arguments": '"Paris"}'}}]),
+              _tool_chunk([{"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}])]
+    out = _run(StreamNormalizer("m", False), chunks)
+    calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in out[:-1]]
+    assert [c["index"] for c in calls] == [0, 0, 0, 1]
+    assert calls[0] == {"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    assert calls[1] == {"index": 0, "function": {"arguments": '{"city": '}}
+    assert calls[3]["id"] == "call_b" and calls[3]["function"]["name"] == "get_time"
+
+
+def test_repeated_tool_names_sent_once():
+    """An engine that repeats id and name in every delta (LangChain would concatenate the names)."""
+    first = {"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"ci'}}
+    again = {"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": 'ty": 1}'}}
+    out = _run(StreamNormalizer("m", False), [_tool_chunk([first]), _tool_chunk([again])])
+    calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in out[:-1]]
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
+    assert calls[1] == {"index": 0, "function": {"arguments": 'ty": 1}'}}
+    args = "".join(c["function"]["arguments"] for c in calls)
+    assert json.loads(args) == {"city": 1}
+
+
+def test_non_stream_response_normalised():
+    body = {"id": "x", "object": "chat.completion", "model": "/models/glm", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi", "reasoning_content": "think"},
+         "finish_reason": "stop"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    out = normalize_response(body, "glm")
+    assert out["model"] == "glm" and out["choices"][0]["message"]["reasoning"] == "think"
+
+
+@pytest.mark.parametrize("status, body, want_status, want_code", [
+    # vLLM >= 0.9: OpenAI envelope, HTTP status number in `code`
+    (400, {"error": {"message": "This model's maximum context length is 4096 tokens. However, you requested "
+                                "5000 tokens.", "type": "BadRequestError", "param": None, "code": 400}},
+     400, "context_length_exceeded"),
+    # vLLM < 0.9 / SGLang: ErrorResponse at the top level
+    (404, {"object": "error", "message": "The model `x` does not exist.", "type": "NotFoundError", "param": None,
+           "code": 404}, 404, None),
+    # FastAPI request validation (llama-cpp-python, SGLang): 422 {"detail": [...]}
+    (422, {"detail": [{"loc": ["body", "max_tokens"], "msg": "Input should be a valid integer", "type": "int_parsing"}]},
+     400, None),
+    # an engine crash: plain text 500
+    (500, "Internal Server Error", 503, "upstream_error"),
+])
+def test_upstream_error_bodies(status, body, want_status, want_code):
+    err = upstream_error(status, body)
+    assert err.status == want_status and err.code == want_code
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+    if status == 422:
+        assert err.param == "max_tokens" and "valid integer" in err.message
+    if want_status == 503:
+        assert err.headers == {"Retry-After": "5"}
+
+
+def test_midstream_error_event_kept_in_envelope():
+    out = StreamNormalizer("m", True).event(json.dumps({"object": "error", "message": "boom", "type": "InternalError"}))
+    assert json.loads(out[0]) == {"error": {"message": "boom", "type": "InternalError", "param": None, "code": None}}
+
+
+# ---- balancer ----------------------------------------------------------------------------------------
+
+
+def test_least_outstanding_among_ready():
+    b = Balancer(["http://a", "http://b", "http://c"], slack=0)
+    b.replicas[0].outstanding, b.replicas[1].outstanding, b.replicas[2].outstanding = 3, 1, 0
+    assert b.pick(None).url == "http://c"
+    assert b.pick(None, ready={"http://a", "http://b"}).url == "http://b"
+    assert b.pick(None, ready=set()) is None
+
+
+def test_prefix_affinity_within_slack():
+    b = Balancer(["http://a", "http://b", "http://c"], slack=2)
+    key = affinity_key({"messages": [{"role": "system", "content": "You are terse." * 10},
+                                     {"role": "user", "content": "hi"}]})
+    preferred = b.pick(key)
+    assert all(b.pick(key) is preferred for _ in range(5))  # same prefix, same replica
+    preferred.outstanding = 2
+    assert b.pick(key) is preferred  # 2 above the minimum: still within the slack
+    preferred.outstanding = 3
+    assert b.pick(key) is not preferred  # too busy: load wins
+    keys = {b.pick(affinity_key({"prompt": f"document {i}: ..."})).url for i in range(30) if not
+            setattr(preferred, "outstanding", 0)}
+    assert len(keys) == 3  # different prefixes spread
+
+
+def test_affinity_key_reads_the_opening():
+    long = {"messages": [{"role": "system", "content": "x" * 2000}, {"role": "user", "content": "a"}]}
+    other = {"messages": [{"role": "system", "content": "x" * 2000}, {"role": "user", "content": "b"}]}
+    assert affinity_key(long) == affinity_key(other)  # the shared long prefix decides
+    assert affinity_key({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}) == "user:hi\x00"
+    assert affinity_key({}) is None
+
+
+# ---- serve.yaml ----------------------------------------------------------------------------------------
+
+
+def test_serve_yaml_parses(tmp_path):
+    from flagdeploy.gateway import load_config
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("""
+port: 9000
+api_key: sk-x
+models:
+  - names: [smollm2, SmolLM2-135M]
+    engine: builtin
+    args: {max_model_len: 1024, kv_cache_memory: 256MiB}
+  - names: [glm-5.3-flash]
+    engine: vllm
+    model: zai-org/GLM-5.3-Flash
+    chip: h200
+    replicas: 2
+    args: {tp: 4, devices: 4, max_model_len: 65536}
+  - names: [qwen]
+    engine: upstream
+    upstreams: [http://10.0.0.5:8000/v1, "http://10.0.0.6:8000/"]
+""")
+    cfg = load_config(path)
+    assert cfg.port == 9000 and [m.engine for m in cfg.models] == ["builtin", "vllm", "upstream"]
+    assert cfg.models[2].upstreams == ["http://10.0.0.5:8000", "http://10.0.0.6:8000"]
+    first, second = (launch_plan(cfg.models[1], 8100 + i, i) for i in range(2))
+    assert first.argv[:3] == ["vllm", "serve", "zai-org/GLM-5.3-Flash"]
+    assert "--tensor-parallel-size" in first.argv and first.argv[first.argv.index("--port") + 1] == "8100"
+    assert first.argv[first.argv.index("--served-model-name") + 1] == "glm-5.3-flash"
+    assert first.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and second.env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+
+
+@pytest.mark.parametrize("models, message", [
+    ([{"engine": "upstream"}], "needs `upstreams"),
+    ([{"engine": "vllm", "model": "m"}], "needs `chip`"),
+    ([{"engine": "builtin"}, {"engine": "builtin"}], "at most one model may use engine 'builtin'"),
+    ([{"names": ["a"], "engine": "upstream", "upstreams": ["http://x"]},
+      {"names": ["A[1m]"], "engine": "upstream", "upstreams": ["http://y"]}], "given to two models"),
+    ([{"engine": "upstream", "upstreams": ["10.0.0.5:8000"]}], "is not a URL"),
+    ([{"engine": "tgi"}], "models.0.engine"),
+    ([{"engine": "builtin", "tp": 2}], "Extra inputs"),
+])
+def test_serve_yaml_errors_say_what_to_fix(models, message):
+    with pytest.raises(ConfigError, match="serve.yaml") as exc:
+        parse_config({"models": models})
+    assert message in str(exc.value)
+
+
+def test_serve_cli_refuses_bad_gateway_options(tmp_path):
+    from click.testing import CliRunner
+
+    from flagdeploy.cli import main
+
+    out = CliRunner().invoke(main, ["serve", "--engine", "vllm", "--model", "org/m"])
+    assert out.exit_code == 1 and "needs `chip`" in out.output
+    out = CliRunner().invoke(main, ["serve", "--engine", "sglang", "--upstream", "http://h:1"])
+    assert out.exit_code == 1 and "use one of them" in out.output
+    bad = tmp_path / "serve.yaml"
+    bad.write_text("models:\n  - engine: upstream\n")
+    out = CliRunner().invoke(main, ["serve", "--config", str(bad)])
+    assert out.exit_code == 1 and "needs `upstreams" in out.output
+
+
+def test_llama_cpp_launch(default_model):
+    cfg = parse_config({"models": [{"names": ["tiny"], "engine": "llama.cpp", "max_model_len": 512,
+                                    "args": {"n_threads": 1}}]})
+    plan = launch_plan(cfg.models[0], 8123)
+    assert plan.argv[:3] == [sys.executable, "-m", "llama_cpp.server"]
+    assert plan.argv[plan.argv.index("--model") + 1] == str(default_model.path)
+    assert plan.argv[plan.argv.index("--n_ctx") + 1] == "512" and "--n_threads" in plan.argv
+    assert plan.argv[plan.argv.index("--interrupt_requests") + 1] == "false"  # queue, do not cut streams
+
+
+# ---- live servers ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Live:
+    url: str
+    server: object
+    thread: threading.Thread
+    app: object = None
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(app) -> Live:
+    port = _free_port()
+    server = make_server(app, "127.0.0.1", port, "warning")
+    thread = threading.Thread(target=server.run, name=f"gateway-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    return Live(f"http://127.0.0.1:{port}", server, thread, app)
+
+
+def _wait_ready(url: str, timeout: float = 120.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.get(f"{url}/ready", timeout=5)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            return r
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_available():
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("sse_starlette") is None:
+        why = ("llama-cpp-python[server] is not installed; install it with "
+               "`pip install 'llama-cpp-python[server]>=0.3'` (the `gateway` extra)")
+        if os.environ.get("FLAGDEPLOY_REQUIRE_LLAMA_CPP") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def _start_llama_cpp(model_path, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--host", "127.0.0.1",
+                             "--port", str(port), "--n_ctx", "512", "--n_threads", "1", "--verbose", "false",
+                             "--interrupt_requests", "false"],  # as the gateway launches it (docs/gateway.md)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def llama_servers(llama_cpp_available, default_model):
+    """Two llama-cpp-python OpenAI servers on the default GGUF: the engines attached with --upstream."""
+    ports = [_free_port(), _free_port()]
+    procs = [_start_llama_cpp(default_model.path, p) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for proc, url in zip(procs, urls):
+            deadline = time.monotonic() + 90
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"llama_cpp.server exited {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+                try:
+                    if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"llama_cpp.server on {url} did not answer in 90 s")
+                time.sleep(0.2)
+        yield urls
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _attached(urls: list[str], names: list[str], slack: int = 2) -> Gateway:
+    pool = ModelPool(names, [AttachedUpstream(u, interval=0.5) for u in urls], slack=slack)
+    return Gateway([pool], api_key=API_KEY, timeouts=Timeouts(connect=2.0, read=60.0))
+
+
+@pytest.fixture(scope="module")
+def attached(llama_servers):
+    """Gateway -> one attached llama.cpp server, served as `tiny-llama`."""
+    live = _serve(_attached(llama_servers[:1], ["tiny-llama", "TinyAlias"]))
+    assert _wait_ready(live.url).status_code == 200
+    yield live
+    live.stop()
+
+
+def _sdk(live: Live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_sdk_chat_through_llama_cpp(attached):
+    client = _sdk(attached)
+    msgs = [{"role": "user", "content": "Say hello."}]
+    out = client.chat.completions.create(model="tinyalias[1m]", messages=msgs, max_tokens=8)
+    assert out.model == "tiny-llama"  # ours, not the GGUF path llama.cpp reports
+    assert out.choices[0].message.content and out.usage.prompt_tokens > 0
+
+    chunks = list(client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=8, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert {c.model for c in chunks} == {"tiny-llama"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert text
+
+    plain = list(client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=4, stream=True))
+    assert all(c.choices for c in plain)  # not asked: no usage chunk
+
+
+def test_wire_framing_and_completions(attached):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{attached.url}/v1/completions", headers=auth, timeout=60,
+                      json={"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 6, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert "\r" not in raw and events[-2] == "data: [DONE]" and events[-1] == ""
+    first = json.loads(events[0].removeprefix("data: "))
+    assert first["object"] == "text_completion" and first["model"] == "tiny-llama"
+
+    models = httpx.get(f"{attached.url}/v1/models", headers=auth).json()
+    assert [m["id"] for m in models["data"]] == ["tiny-llama", "TinyAlias"]
+    assert httpx.get(f"{attached.url}/v1/models").status_code == 401
+    bad = httpx.post(f"{attached.url}/v1/chat/completions", headers={"Authorization": "Bearer nope"},
+                     json={"model": "tiny-llama", "messages": []})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_upstream_errors_reach_the_client_in_our_shape(attached):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{attached.url}/v1/chat/completions", headers=auth, timeout=60,
+                   json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"})
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    long = "the quick brown fox " * 400  # far past n_ctx 512
+    r = httpx.post(f"{attached.url}/v1/chat/completions", headers=auth, timeout=60,
+                   json={"model": "tiny-llama", "messages": [{"role": "user", "content": long}], "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(f"{attached.url}/v1/messages/count_tokens", headers=auth,
+                   json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "builtin models only" in r.json()["error"]["message"]
+    r = httpx.post(f"{attached.url}/v1/messages", headers=auth, json={"model": "tiny-llama", "messages": []})
+    assert r.status_code == 400 and r.json()["type"] == "error"  # Anthropic's shape on the Anthropic route
+    r = httpx.post(f"{attached.url}/v1/responses", headers=auth, json={"model": "tiny-llama", "input": "hi",
+                                                                       "previous_response_id": "resp_1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    r = httpx.post(f"{attached.url}/v1/chat/completions", headers=auth, json={"model": "nope", "messages": []})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_anthropic_and_responses_through_llama_cpp(attached):
+    """Claude Code's and Codex's protocols reach an engine that speaks neither, through its chat
+    completions: the SDKs parse the answers and streams as they would from the real APIs."""
+    claude = anthropic.Anthropic(base_url=attached.url, api_key=API_KEY, max_retries=0, timeout=60)
+    ask = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    msg = claude.messages.create(model="tiny-llama[1m]", max_tokens=8, messages=ask)
+    assert msg.model == "tiny-llama" and msg.content[0].type == "text" and msg.content[0].text
+    assert msg.stop_reason in ("end_turn", "max_tokens") and msg.usage.input_tokens > 0
+    with claude.messages.stream(model="tiny-llama", max_tokens=8, messages=ask) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].text and final.usage.output_tokens > 0
+
+    client = _sdk(attached)
+    r = client.responses.create(model="tiny-llama", instructions="Be brief.", input="Say hello.", max_output_tokens=8)
+    assert r.model == "tiny-llama" and r.output_text and r.usage.input_tokens > 0
+    events = list(client.responses.create(model="tiny-llama", input="Say hello.", max_output_tokens=8, stream=True))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        events[-1].response.output[0].content[0].text
+
+
+def test_client_disconnect_closes_the_upstream_stream(attached):
+    """EOS is banned, so the engine would generate 480 tokens (many seconds on one thread);
+    llama-cpp-python serves one request at a time, so a quick next answer proves the upstream
+    stream was closed when the client left."""
+    replica = attached.app.pools[0].balancer.replicas[0]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    served = replica.served
+    with httpx.stream("POST", f"{attached.url}/v1/chat/completions", headers=auth, timeout=60,
+                      json={"model": "tiny-llama", "stream": True, "max_tokens": 480, "temperature": 0,
+                            "logit_bias": {"0": -100, "2": -100},
+                            "messages": [{"role": "user", "content": "Tell a long story."}]}) as r:
+        assert r.status_code == 200 and next(r.iter_lines()).startswith("data: ")
+    assert replica.served == served + 1
+    deadline = time.monotonic() + 3
+    while replica.outstanding and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert replica.outstanding == 0
+    started = time.monotonic()
+    r = httpx.post(f"{attached.url}/v1/chat/completions", headers=auth, timeout=60,
+                   json={"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and time.monotonic() - started < 4
+
+
+def test_two_upstreams_balanced(llama_servers):
+    live = _serve(_attached(llama_servers, ["tiny-llama"], slack=0))
+    try:
+        assert _wait_ready(live.url).status_code == 200
+        client = _sdk(live)
+        msgs = [{"role": "user", "content": "Count to three."}]
+
+        def ask(_):
+            return client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=24).model
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(ask, range(4))) == ["tiny-llama"] * 4
+        served = [r.served for r in live.app.pools[0].balancer.replicas]
+        assert sum(served) == 4 and min(served) >= 1, served  # concurrent requests spread by load
+        before = list(served)
+        for _ in range(3):  # one at a time, same prefix: the same replica (its prefix cache is warm)
+            ask(None)
+        grown = [r.served - b for r, b in zip(live.app.pools[0].balancer.replicas, before)]
+        assert sorted(grown) == [0, 3], grown
+    finally:
+        live.stop()
+
+
+def test_unreachable_upstream_is_a_quick_503():
+    live = _serve(_attached([f"http://127.0.0.1:{_free_port()}"], ["ghost"]))
+    try:
+        r = httpx.get(f"{live.url}/ready")
+        assert r.status_code == 503 and r.headers["retry-after"]
+        started = time.monotonic()
+        r = httpx.post(f"{live.url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"model": "ghost", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] and time.monotonic() - started < 2
+        assert r.json()["error"]["code"] == "upstream_unavailable"
+        assert httpx.get(f"{live.url}/health").status_code == 200
+    finally:
+        live.stop()
+
+
+def test_supervised_llama_cpp_killed_and_restarted(llama_cpp_available, tmp_path):
+    cfg = parse_config({"api_key": API_KEY, "log_dir": str(tmp_path), "connect_timeout": 2,
+                        "models": [{"names": ["tiny-llama"], "engine": "llama.cpp", "max_model_len": 512,
+                                    "startup_timeout": 120, "args": {"n_threads": 1}}]})
+    gateway = build_gateway(cfg, supervisor_options={"poll_interval": 0.2, "health_interval": 0.5,
+                                                     "backoff": Backoff(initial=0.5)})
+    live = _serve(gateway)
+    sup: Supervisor = gateway.pools[0].upstreams[0]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    try:
+        assert _wait_ready(live.url).status_code == 200
+        first_pid = sup.pid
+        assert _sdk(live).chat.completions.create(**body).model == "tiny-llama"
+
+        os.kill(first_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while (r := httpx.get(f"{live.url}/ready")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.json()["models"]["tiny-llama"]["state"] == "restarting"
+
+        started = time.monotonic()
+        r = httpx.post(f"{live.url}/v1/chat/completions", headers=auth, json=body, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] and time.monotonic() - started < 2
+
+        assert _wait_ready(live.url, 90).status_code == 200
+        assert sup.restarts == 1 and sup.pid not in (None, first_pid)
+        assert _sdk(live).chat.completions.create(**body).choices[0].message.content is not None
+        assert "launch:" in (tmp_path / "tiny-llama-0.log").read_text()
+    finally:
+        pid = sup.pid
+        live.stop()
+    assert pid is not None
+    with pytest.raises(ProcessLookupError):  # stopping the server stopped the engine
+        os.kill(pid, 0)
+
+
+def test_builtin_and_upstream_on_one_port(llama_servers):
+    cfg = parse_config({"api_key": API_KEY, "models": [
+        {"names": ["smollm2"], "engine": "builtin", "args": {"max_model_len": 512, "kv_cache_memory": "64MiB"}},
+        {"names": ["tiny-llama"], "engine": "upstream", "upstreams": llama_servers[:1]}]})
+    live = _serve(build_gateway(cfg))
+    try:
+        r = _wait_ready(live.url)
+        assert r.status_code == 200, r.text
+        assert set(r.json()["models"]) == {"smollm2", "tiny-llama"}
+        client = _sdk(live)
+        msgs = [{"role": "user", "content": "Say hello."}]
+        for name in ("smollm2", "tiny-llama"):
+            out = client.chat.completions.create(model=name, messages=msgs, max_tokens=4)
+            assert out.model == name and out.choices[0].message.content
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"smollm2", "tiny-llama"} and cards["smollm2"].max_model_len == 512
+        auth = {"x-api-key": API_KEY}
+        r = httpx.post(f"{live.url}/v1/messages", headers=auth, timeout=60,
+                       json={"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["type"] == "message"  # replayed to the builtin app
+        r = httpx.post(f"{live.url}/v1/messages", json={"model": "smollm2", "max_tokens": 4, "messages": []})
+        assert r.status_code == 401 and r.json()["type"] == "error"
+    finally:
+        live.stop()
+
+
+# ---- protocol translation, on a recorded engine stream -----------------------------------------------
+
+TOOL_STREAM = [  # what the normaliser hands on for a vLLM stream that thinks, then calls a tool
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "Need the weather."}}]},
+    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                                        "function": {"name": "get_weather", "arguments": ""}}]}}]},
+    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}}]},
+    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+                  "finish_reason": "tool_calls"}]},
+    {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}},
+]
+
+
+def _replay_frames(dialect) -> list[dict]:
+    import asyncio
+
+    async def payloads():
+        for chunk in TOOL_STREAM:
+            yield json.dumps(chunk)
+        yield "[DONE]"
+
+    async def run():
+        return [frame async for frame in dialect.frames(payloads())]
+
+    out = []
+    for frame in asyncio.run(run()):
+        lines = dict(line.split(": ", 1) for line in frame.decode().strip().split("\n"))
+        out.append(json.loads(lines["data"]))
+    return out
+
+
+def test_anthropic_translation_of_a_tool_stream():
+    from flagdeploy.gateway.translate import AnthropicDialect
+
+    events = _replay_frames(AnthropicDialect("glm-5.3-flash"))
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [b["type"] for b in starts] == ["thinking", "tool_use"] and starts[1]["name"] == "get_weather"
+    partial = "".join(e["delta"]["partial_json"] for e in events
+                      if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta")
+    assert json.loads(partial) == {"city": "Paris"}
+    assert events[-2]["delta"]["stop_reason"] == "tool_use" and events[-2]["usage"]["output_tokens"] == 7
+
+
+def test_responses_translation_of_a_tool_stream():
+    from flagdeploy.gateway.translate import ResponsesDialect
+
+    dialect = ResponsesDialect("glm-5.3-flash")
+    dialect.chat_request({"input": "weather in Paris?", "stream": True})
+    events = _replay_frames(dialect)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]
+    assert final["type"] == "response.completed" and final["response"]["usage"]["output_tokens"] == 7
+    items = final["response"]["output"]
+    assert [i["type"] for i in items] == ["reasoning", "function_call"]
+    assert items[1]["call_id"] == "call_1" and json.loads(items[1]["arguments"]) == {"city": "Paris"}
