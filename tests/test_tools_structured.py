@@ -293,3 +293,43 @@ def test_responses_refuses_server_state(http):
     r = http.post("/v1/responses", json={"input": "hi", "previous_response_id": "resp_1"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
     assert http.post("/v1/responses", json={"input": []}).status_code == 400
+
+
+# ---- a template that renders tools itself ------------------------------------------------------------
+
+# The shape of GLM-4.7's template, reduced to what matters here: tools in the system turn, earlier calls
+# written back in the kv convention (which needs the arguments as a mapping), and a generation prompt.
+GLM_LIKE = (
+    "[gMASK]<sop>{% if tools %}<|system|>\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% for tc in m.tool_calls or [] %}"
+    "<tool_call>{{ tc.function.name }}{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>"
+    "<arg_value>{{ v }}</arg_value>{% endfor %}</tool_call>{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture()
+def glm_tokenizer(llm_engine):
+    tok = llm_engine.tokenizer
+    saved = tok.hf.chat_template
+    tok.hf.chat_template = GLM_LIKE
+    yield tok
+    tok.hf.chat_template = saved
+
+
+def test_a_tools_template_renders_them_and_a_forced_kv_call_parses(glm_tokenizer, llm_engine):
+    from flagdeploy.engine import SamplingParams
+    from flagdeploy.server.tools import plan_tools
+
+    plan = plan_tools(glm_tokenizer, [WEATHER], "get_weather")
+    assert plan.spec.name == "glm47" and not plan.fallback
+    history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Rain"}, {"role": "user", "content": "And Paris?"}]
+    text = glm_tokenizer.apply_chat_template(plan.messages(history), tools=plan.template_tools())
+    assert '"name": "get_weather"' in text  # the tools, rendered by the template
+    assert "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>" in text
+    params = SamplingParams(max_tokens=40, temperature=0, grammar=plan.grammar(glm_tokenizer))
+    out = glm_tokenizer.decode(llm_engine.generate([glm_tokenizer.encode(text)], params)[0])
+    content, calls = parse_tool_calls(plan.spec, plan.tools, out)
+    assert out.startswith("<tool_call>get_weather<arg_key>city</arg_key><arg_value>")
+    assert calls and calls[0].name == "get_weather" and isinstance(json.loads(calls[0].arguments)["city"], str)

@@ -19,27 +19,13 @@ from pydantic import ValidationError
 from starlette.types import Send
 
 from flagdeploy.server import errors
-from flagdeploy.server.anthropic import (
-    MessagesRequest,
-    _Blocks,
-    _event,
-    _input,
-    _message,
-    _signature,
-    _tool_use_id,
-    error_response,
-)
+from flagdeploy.server.answer import AnswerDelta
+from flagdeploy.server.anthropic import (MessagesRequest, StreamEnd, _input, _message, _signature, _tool_use_id,
+                                         error_response, message_events)
 from flagdeploy.server.errors import APIError
 from flagdeploy.server.protocol import now
-from flagdeploy.server.responses import (
-    ResponsesRequest,
-    _call_item,
-    _Events,
-    _id,
-    _message_item,
-    _reasoning_item,
-    _response,
-)
+from flagdeploy.server.responses import (ResponsesRequest, _call_item, _id, _message_item, _reasoning_item, _response,
+                                         response_events, usage_body)
 
 _ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 
@@ -75,17 +61,24 @@ def _validated(model: type, body: dict[str, Any]) -> Any:
         raise errors.from_validation(exc.errors(include_url=False)) from None
 
 
-def _chunks(payload: str) -> dict[str, Any] | None:
-    """One normalised chat chunk (None for `[DONE]`)."""
-    return None if payload == "[DONE]" else json.loads(payload)
-
-
-def _delta_parts(chunk: dict[str, Any]) -> tuple[str, str, list[dict[str, Any]], str | None]:
-    """(thinking, text, tool-call deltas, finish_reason) of one normalised chat chunk."""
-    choice = (chunk.get("choices") or [{}])[0]
-    delta = choice.get("delta") or {}
-    thought = delta.get("reasoning_content") or ""
-    return thought, delta.get("content") or "", delta.get("tool_calls") or [], choice.get("finish_reason")
+async def _answer_deltas(payloads: AsyncIterator[str], state: dict[str, Any]) -> AsyncIterator[AnswerDelta]:
+    """Normalised chat chunks as answer deltas; the usage and finish_reason seen go into `state`, an
+    error chunk is raised as an APIError (each protocol reports it in-band its own way)."""
+    async for payload in payloads:
+        if payload == "[DONE]":
+            return
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            err = chunk["error"]
+            raise APIError(503, err.get("message") or "The engine failed mid-stream.", type="api_error",
+                           code=err.get("code"))
+        state["usage"] = chunk.get("usage") or state["usage"]
+        if not chunk.get("choices"):
+            continue
+        choice = chunk["choices"][0]
+        delta = choice.get("delta") or {}
+        state["finish"] = choice.get("finish_reason") or state["finish"]
+        yield AnswerDelta(delta.get("reasoning_content") or "", delta.get("content") or "", delta.get("tool_calls") or [])
 
 
 class AnthropicDialect(Dialect):
@@ -134,34 +127,15 @@ class AnthropicDialect(Dialect):
                         usage.get("completion_tokens", 0))
 
     async def frames(self, payloads: AsyncIterator[str]) -> AsyncIterator[bytes]:
-        blocks = _Blocks()
-        usage: dict[str, Any] = {}
-        finish: str | None = None
-        called = False
-        yield _event("message_start", {"message": _message(self.mid, self.model, [], (None, None), 0, 0)}).encode()
-        yield _event("ping", {}).encode()
-        async for payload in payloads:
-            chunk = _chunks(payload)
-            if chunk is None:
-                break
-            if "error" in chunk:
-                yield _event("error", {"error": {"type": "api_error", "message": chunk["error"].get("message")}}).encode()
-                return
-            usage = chunk.get("usage") or usage
-            if not chunk.get("choices"):
-                continue
-            thought, text, tool_deltas, reason = _delta_parts(chunk)
-            called = called or bool(tool_deltas)
-            finish = reason or finish
-            for event in blocks.add(thought, text) + blocks.tool_calls(tool_deltas):
-                yield event.encode()
-        for event in blocks.finish(called):
+        state: dict[str, Any] = {"usage": {}, "finish": None}
+
+        def end(called: bool) -> StreamEnd:
+            usage = state["usage"]
+            stop = "tool_use" if called else _ANTHROPIC_STOP.get(state["finish"], "end_turn")
+            return StreamEnd(stop, None, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+
+        async for event in message_events(_answer_deltas(payloads, state), self.mid, self.model, 0, end):
             yield event.encode()
-        stop = "tool_use" if called else _ANTHROPIC_STOP.get(finish, "end_turn")
-        yield _event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None},
-                                       "usage": {"input_tokens": usage.get("prompt_tokens", 0),
-                                                 "output_tokens": usage.get("completion_tokens", 0)}}).encode()
-        yield _event("message_stop", {}).encode()
 
     async def send_error(self, send: Send, error: APIError) -> None:
         response = error_response(error)
@@ -207,11 +181,8 @@ class ResponsesDialect(Dialect):
         return out
 
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
-        prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached or 0},
-                "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": prompt + completion}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return usage_body(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), cached)
 
     def answer(self, body: dict[str, Any]) -> dict[str, Any]:
         assert self.req is not None
@@ -228,33 +199,13 @@ class ResponsesDialect(Dialect):
 
     async def frames(self, payloads: AsyncIterator[str]) -> AsyncIterator[bytes]:
         assert self.req is not None
-        created, ev = now(), _Events()
-        usage: dict[str, Any] = {}
-        finish: str | None = None
-        yield ev.event("response.created", response=_response(self.rid, created, self.model, self.req, [],
-                                                              "in_progress", None)).encode()
-        yield ev.event("response.in_progress", response=_response(self.rid, created, self.model, self.req, [],
-                                                                  "in_progress", None)).encode()
-        async for payload in payloads:
-            chunk = _chunks(payload)
-            if chunk is None:
-                break
-            if "error" in chunk:
-                yield ev.event("error", code=chunk["error"].get("code"), message=chunk["error"].get("message"),
-                               param=None).encode()
-                return
-            usage = chunk.get("usage") or usage
-            if not chunk.get("choices"):
-                continue
-            thought, text, tool_deltas, reason = _delta_parts(chunk)
-            finish = reason or finish
-            for event in ev.thought(thought) + ev.content(text) + ev.tool_calls(tool_deltas):
-                yield event.encode()
-        for event in ev.close() + ([] if ev.output else ev.empty_message() + ev.close()):
+        state: dict[str, Any] = {"usage": {}, "finish": None}
+
+        def end() -> tuple[str, dict[str, Any]]:
+            return "incomplete" if state["finish"] == "length" else "completed", self._usage(state["usage"])
+
+        async for event in response_events(_answer_deltas(payloads, state), self.rid, self.model, self.req, end):
             yield event.encode()
-        status = "incomplete" if finish == "length" else "completed"
-        done = _response(self.rid, created, self.model, self.req, ev.output, status, self._usage(usage))
-        yield ev.event("response.completed" if status == "completed" else "response.incomplete", response=done).encode()
 
 
 def dialect_for(path: str, model: str) -> Dialect:

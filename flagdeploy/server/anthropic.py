@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
@@ -38,9 +39,18 @@ from starlette.exceptions import HTTPException
 from flagdeploy.engine.sampling import RequestOutput
 
 from . import errors
-from .answer import AnswerParser, parse_answer
-from .app import (EngineSlot, ModelNames, ServerSettings, _chat_prompt, _first_output, _grammar, _jobs, _tool_plan,
-                  strip_context_suffix)
+from .answer import AnswerDelta, AnswerParser, parse_answer
+from .app import (
+    EngineSlot,
+    ModelNames,
+    ServerSettings,
+    _chat_prompt,
+    _first_output,
+    _grammar,
+    _jobs,
+    _tool_plan,
+    strip_context_suffix,
+)
 from .errors import APIError
 from .generation import ClientDisconnected, EventStream, Generation, unless_disconnected
 from .protocol import SamplingFields, thinking_switch, thinking_template_kwargs
@@ -340,46 +350,83 @@ class _Blocks:
         return (self._switch("text") if self.kind != "text" else []) + self.close()
 
 
-async def _events(engine: "AsyncEngine", gen: Generation, first: tuple[int, RequestOutput], mid: str, model: str,
-                  stops: list[str], reasoning: RequestReasoning | None = None,
-                  tools: ToolPlan | None = None) -> AsyncIterator[str]:
-    """The stream; a failure after the 200 is one `event: error` (which the SDK raises), and then
-    no message_delta / message_stop, as Anthropic does. With a reasoning parser the first block
-    opens only once the output shows whether it is thinking or text."""
-    input_tokens = len(gen.jobs[0].prompt_ids)
-    parser = AnswerParser(reasoning, tools)
+@dataclass
+class StreamEnd:
+    """How a streamed message ended: message_delta's fields."""
+
+    stop_reason: str
+    stop_sequence: str | None
+    input_tokens: int
+    output_tokens: int
+
+
+async def message_events(deltas: AsyncIterator[AnswerDelta], mid: str, model: str, input_tokens: int,
+                         end: Callable[[bool], StreamEnd], text_first: bool = False) -> AsyncIterator[str]:
+    """A Messages stream from answer deltas (thinking, text, OpenAI-style tool-call deltas): exactly one
+    message_start, message_delta and message_stop; `end(called)` gives the stop reason and usage once
+    the deltas are over. An APIError from `deltas` after the 200 is one `event: error` (which the SDK
+    raises), and then no message_delta / message_stop, as Anthropic does. `text_first`: open the text
+    block at once (nothing can come before it); otherwise the first block opens once the output shows
+    whether it is thinking, text or a call. Shared by the builtin route and the gateway's translation."""
     blocks = _Blocks()
+    called = False
     try:
         yield _event("message_start", {"message": _message(mid, model, [], (None, None), input_tokens, 0)})
-        if reasoning is None and tools is None:
+        if text_first:
             for event in blocks._switch("text"):
                 yield event
         yield _event("ping", {})
-        parts: list[str] = []
-        ids: list[int] = []
-        item: tuple[int, RequestOutput] | None = first
-        while item is not None:
-            out = item[1]
-            ids += out.token_ids
-            parts.append(out.text)
-            d = parser.feed(out.text, finished=out.finished)
+        async for d in deltas:
+            called = called or bool(d.tool_calls)
             for event in blocks.add(d.thought, d.content) + blocks.tool_calls(d.tool_calls):
                 yield event
-            item = await gen.next() if not gen.done else None
-        final = gen.finals[0]
-        reason, sequence = ("tool_use", None) if parser.calls else _stop_reason(engine, final, "".join(parts), ids, stops)
-        for event in blocks.finish(bool(parser.calls)):
+        result = end(called)
+        for event in blocks.finish(called):
             yield event
-        yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                       "usage": {"input_tokens": input_tokens,
-                                                 "output_tokens": final.num_output_tokens}})
+        yield _event("message_delta", {"delta": {"stop_reason": result.stop_reason, "stop_sequence": result.stop_sequence},
+                                       "usage": {"input_tokens": result.input_tokens,
+                                                 "output_tokens": result.output_tokens}})
         yield _event("message_stop", {})
+    except APIError as exc:
+        body = json.loads(error_response(exc).body)
+        yield _event("error", {"error": body["error"]})
+
+
+async def _events(engine: "AsyncEngine", gen: Generation, first: tuple[int, RequestOutput], mid: str, model: str,
+                  stops: list[str], reasoning: RequestReasoning | None = None,
+                  tools: ToolPlan | None = None) -> AsyncIterator[str]:
+    """The builtin route's stream: the engine's outputs through the answer parser."""
+    input_tokens = len(gen.jobs[0].prompt_ids)
+    parser = AnswerParser(reasoning, tools)
+    parts: list[str] = []
+    ids: list[int] = []
+
+    async def deltas() -> AsyncIterator[AnswerDelta]:
+        try:
+            item: tuple[int, RequestOutput] | None = first
+            while item is not None:
+                out = item[1]
+                ids.extend(out.token_ids)
+                parts.append(out.text)
+                yield parser.feed(out.text, finished=out.finished)
+                item = await gen.next() if not gen.done else None
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in-band by message_events
+            raise errors.from_generation(exc, "messages") from None
+
+    def end(called: bool) -> StreamEnd:
+        final = gen.finals[0]
+        reason, sequence = ("tool_use", None) if called else _stop_reason(engine, final, "".join(parts), ids, stops)
+        return StreamEnd(reason, sequence, input_tokens, final.num_output_tokens)
+
+    try:
+        async for event in message_events(deltas(), mid, model, input_tokens, end,
+                                          text_first=reasoning is None and tools is None):
+            yield event
     except asyncio.CancelledError:
         log.info("%s: client disconnected mid-stream, aborted", mid)
         raise
-    except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
-        body = json.loads(error_response(errors.from_generation(exc, "messages")).body)
-        yield _event("error", {"error": body["error"]})
     finally:
         gen.close()
 

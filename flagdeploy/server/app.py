@@ -18,12 +18,23 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from flagdeploy.engine.grammar import GrammarError, GrammarSpec, validate as validate_grammar
+from flagdeploy.engine.grammar import GrammarError, GrammarSpec
+from flagdeploy.engine.grammar import validate as validate_grammar
 from flagdeploy.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
 
 from . import errors
+from .answer import AnswerParser, parse_answer
 from .errors import APIError
-from .generation import SSE_DONE, ClientDisconnected, EventStream, Generation, Job, collect, sse, unless_disconnected
+from .generation import (
+    SSE_DONE,
+    ClientDisconnected,
+    EventStream,
+    Generation,
+    Job,
+    collect,
+    sse,
+    unless_disconnected,
+)
 from .metrics import HTTPMetricsMiddleware, ServerMetrics
 from .protocol import (
     AssistantMessage,
@@ -32,11 +43,11 @@ from .protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    FunctionCall,
     Completion,
     CompletionChoice,
     CompletionRequest,
     DeltaMessage,
+    FunctionCall,
     ModelCard,
     ModelList,
     NamedToolChoice,
@@ -46,7 +57,6 @@ from .protocol import (
     new_id,
     now,
 )
-from .answer import AnswerParser, parse_answer
 from .reasoning import ReasoningStyle, RequestReasoning, get_style
 from .tools import ToolPlan, get_parser, plan_tools
 

@@ -27,8 +27,17 @@ from flagdeploy.engine.grammar import GrammarSpec
 from flagdeploy.engine.sampling import RequestOutput
 
 from . import errors
-from .answer import AnswerParser, parse_answer
-from .app import EngineSlot, ModelNames, ServerSettings, _chat_prompt, _first_output, _grammar, _jobs, _tool_plan
+from .answer import AnswerDelta, AnswerParser, parse_answer
+from .app import (
+    EngineSlot,
+    ModelNames,
+    ServerSettings,
+    _chat_prompt,
+    _first_output,
+    _grammar,
+    _jobs,
+    _tool_plan,
+)
 from .errors import APIError
 from .generation import ClientDisconnected, EventStream, Generation, collect
 from .protocol import SamplingFields, now
@@ -175,10 +184,7 @@ def _response(rid: str, created: int, model: str, req: ResponsesRequest, output:
 
 def _usage(gen: Generation) -> dict[str, Any]:
     prompt, cached = gen.prompt_usage()
-    completion = gen.completion_tokens()
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion}
+    return usage_body(prompt, gen.completion_tokens(), cached)
 
 
 def _status(final: RequestOutput) -> str:
@@ -269,37 +275,61 @@ class _Events:
         return events
 
 
-async def _stream(gen: Generation, first: tuple[int, RequestOutput], rid: str, model: str, req: ResponsesRequest,
-                  reasoning: RequestReasoning | None, tools: ToolPlan | None) -> AsyncIterator[str]:
-    created = now()
-    ev = _Events()
-    parser = AnswerParser(reasoning, tools)
+async def response_events(deltas: AsyncIterator[AnswerDelta], rid: str, model: str, req: ResponsesRequest,
+                          end: Callable[[], tuple[str, dict[str, Any]]]) -> AsyncIterator[str]:
+    """A Responses stream from answer deltas: response.created and .in_progress, the items as they open
+    and close, then exactly one response.completed / .incomplete with `end()`'s (status, usage). An
+    APIError from `deltas` after the 200 is one `error` event. Shared by the builtin route and the
+    gateway's translation."""
+    created, ev = now(), _Events()
     try:
-        yield ev.event("response.created", response=_response(rid, created, model, req, [], "in_progress", None))
-        yield ev.event("response.in_progress", response=_response(rid, created, model, req, [], "in_progress", None))
-        item: tuple[int, RequestOutput] | None = first
-        while item is not None:
-            out = item[1]
-            d = parser.feed(out.text, finished=out.finished)
+        for kind in ("response.created", "response.in_progress"):
+            yield ev.event(kind, response=_response(rid, created, model, req, [], "in_progress", None))
+        async for d in deltas:
             for event in ev.thought(d.thought) + ev.content(d.content) + ev.tool_calls(d.tool_calls):
                 yield event
-            item = await gen.next() if not gen.done else None
         for event in ev.close():
             yield event
         if not ev.output:  # an empty answer is still one (empty) message
             for event in ev.empty_message() + ev.close():
                 yield event
-        status = _status(gen.finals[0])
-        done = _response(rid, created, model, req, ev.output, status, _usage(gen))
+        status, usage = end()
+        done = _response(rid, created, model, req, ev.output, status, usage)
         yield ev.event("response.completed" if status == "completed" else "response.incomplete", response=done)
+    except APIError as exc:
+        yield ev.event("error", code=exc.code, message=exc.message, param=exc.param)
+
+
+async def _stream(gen: Generation, first: tuple[int, RequestOutput], rid: str, model: str, req: ResponsesRequest,
+                  reasoning: RequestReasoning | None, tools: ToolPlan | None) -> AsyncIterator[str]:
+    """The builtin route's stream: the engine's outputs through the answer parser."""
+    parser = AnswerParser(reasoning, tools)
+
+    async def deltas() -> AsyncIterator[AnswerDelta]:
+        try:
+            item: tuple[int, RequestOutput] | None = first
+            while item is not None:
+                yield parser.feed(item[1].text, finished=item[1].finished)
+                item = await gen.next() if not gen.done else None
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in-band by response_events
+            raise errors.from_generation(exc, "input") from None
+
+    try:
+        async for event in response_events(deltas(), rid, model, req, lambda: (_status(gen.finals[0]), _usage(gen))):
+            yield event
     except asyncio.CancelledError:
         log.info("%s: client disconnected mid-stream, aborted", rid)
         raise
-    except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
-        err = errors.from_generation(exc, "input")
-        yield ev.event("error", code=err.code, message=err.message, param=err.param)
     finally:
         gen.close()
+
+
+def usage_body(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
 
 
 # ---- route ---------------------------------------------------------------------------------------
