@@ -36,19 +36,28 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
 
 
 def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
+    """Per sequence, one SDPA call in the shape the fast kernels take: [1, heads, T, D], on the GPU with
+    the kv heads repeated to the query heads (with 3-D inputs and `enable_gqa`, torch 2.11 on the H200
+    fell back to the math kernel, which materialises T x T scores: 8x slower than transformers at 8k)."""
     out = torch.empty_like(q)
     bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    group = q.shape[1] // k.shape[1]
     for i in range(len(bq) - 1):
-        qi = q[bq[i] : bq[i + 1]].transpose(0, 1)
-        ki = k[bk[i] : bk[i + 1]].transpose(0, 1)
-        vi = v[bk[i] : bk[i + 1]].transpose(0, 1)
-        tq, tk = qi.shape[1], ki.shape[1]
+        qi = q[bq[i] : bq[i + 1]].transpose(0, 1).unsqueeze(0)
+        ki = k[bk[i] : bk[i + 1]].transpose(0, 1).unsqueeze(0)
+        vi = v[bk[i] : bk[i + 1]].transpose(0, 1).unsqueeze(0)
+        gqa = {}
+        if group > 1 and q.is_cuda:
+            ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
+        elif group > 1:  # the CPU kernels take GQA as it is (repeating would only add copies)
+            gqa = {"enable_gqa": True}
+        tq, tk = qi.shape[2], ki.shape[2]
         if tq == tk:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, **gqa)
         else:  # queries are the last tq positions: causal mask aligned bottom-right
             mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[bq[i] : bq[i + 1]] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, **gqa)
+        out[bq[i] : bq[i + 1]] = o[0].transpose(0, 1)
     return out
 
 
