@@ -622,5 +622,11 @@ def selftest(chip, model_config, output) -> None:
 
 
 
+from flagdeploy.bench.cli import bench, eval_group  # noqa: E402 - click groups of their own module
+
+main.add_command(bench)
+main.add_command(eval_group)
+
+
 if __name__ == "__main__":
     main()
