@@ -12,7 +12,6 @@ anything is queued) and matched per sequence on the engine thread.
 
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -118,13 +117,3 @@ class Matcher:
     def stopped(self) -> bool:
         """Nothing but the end can follow: the request is complete."""
         return bool(self._m.is_stopped())
-
-
-def json_object_spec() -> GrammarSpec:
-    """`response_format: {"type": "json_object"}`: any JSON object."""
-    return GrammarSpec("json_schema", {"type": "object"})
-
-
-def lark_literal(text: str) -> str:
-    """A Lark string literal for `text`."""
-    return json.dumps(text)

@@ -406,7 +406,7 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.api_route("/", methods=["GET", "HEAD"])
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def root() -> dict[str, str]:
         """Claude Code probes `HEAD /` before its first request: answer it (no auth, like /health)."""
         return {"status": "ok", "service": "flagdeploy"}

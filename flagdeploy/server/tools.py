@@ -56,10 +56,6 @@ def _catalog() -> tuple[str, dict[str, ParserSpec]]:
     return data["default"], specs
 
 
-def parser_names() -> list[str]:
-    return list(_catalog()[1])
-
-
 def get_parser(name: str) -> ParserSpec:
     default, specs = _catalog()
     if name not in specs:
