@@ -15,7 +15,7 @@ import pytest
 import test_server
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from test_server import API_KEY, NAMES
 
 from flagdeploy.server.tools import (
@@ -31,7 +31,7 @@ live, http, client = test_server.live, test_server.http, test_server.client  # t
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -84,6 +84,15 @@ def test_glm_calls(name, text, step):
     names, args = calls[0]
     assert names == ["get_weather"]
     assert json.loads(args) == {"city": "Paris", "days": 3}  # typed by the schema: string stays text, integer is JSON
+
+
+def test_a_call_cut_short_stands_as_sent():
+    """max_tokens can end a forced call mid-arguments: the call stands with the arguments as sent
+    (what a stream already showed), not silently dropped."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    content, calls = parse_tool_calls(get_parser("hermes"), TOOLS, text)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Par')]
+    assert _stream(get_parser("hermes"), text, 4)[1][0] == (["get_weather"], '{"city": "Par')
 
 
 def test_not_a_call_stays_text():
@@ -148,8 +157,8 @@ def test_tool_choice_none_and_unknown_name(client, http):
 
 
 class City(BaseModel):
-    name: str
-    country: str
+    name: str = Field(max_length=40)
+    country: str = Field(max_length=40)
     is_capital: bool
 
 
@@ -205,7 +214,8 @@ def test_echo_logprobs_score_the_prompt_like_decoding(client):
 # ---- Anthropic SDK -------------------------------------------------------------------------------
 
 CLAUDE_TOOL = {"name": "get_weather", "description": "The current weather in a city.",
-               "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+               "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                                "required": ["city"]}}
 
 
 def test_anthropic_tool_use_round_trip(live):
@@ -231,7 +241,11 @@ def test_anthropic_tool_use_round_trip(live):
 # ---- LangChain -----------------------------------------------------------------------------------
 
 
-@tool
+class WeatherArgs(BaseModel):
+    city: str = Field(max_length=24)  # bounded: a forced call's string cannot run on to max_tokens
+
+
+@tool(args_schema=WeatherArgs)
 def get_weather(city: str) -> str:
     """The current weather in a city."""
     return "Sunny"

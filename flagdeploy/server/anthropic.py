@@ -417,7 +417,8 @@ async def _events(engine: "AsyncEngine", gen: Generation, first: tuple[int, Requ
 
     def end(called: bool) -> StreamEnd:
         final = gen.finals[0]
-        reason, sequence = ("tool_use", None) if called else _stop_reason(engine, final, "".join(parts), ids, stops)
+        cut = final.finish_reason == "length"
+        reason, sequence = ("tool_use", None) if called and not cut else _stop_reason(engine, final, "".join(parts), ids, stops)
         return StreamEnd(reason, sequence, input_tokens, final.num_output_tokens)
 
     try:
@@ -486,7 +487,8 @@ def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
             gen.close()
         final = gen.finals[0]
         content, called = _content(text, reasoning, tools)
-        stop = ("tool_use", None) if called else _stop_reason(engine, final, text, ids, stops)
+        cut = final.finish_reason == "length"
+        stop = ("tool_use", None) if called and not cut else _stop_reason(engine, final, text, ids, stops)
         return JSONResponse(_message(mid, model, content, stop, len(prompt), final.num_output_tokens))
 
     @router.post("/count_tokens")

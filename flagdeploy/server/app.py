@@ -240,7 +240,11 @@ def _jobs(engine: "AsyncEngine", req: SamplingFields, requested_max: int | None,
     return jobs
 
 
-def _finish_reason(out: RequestOutput) -> str:
+def _finish_reason(out: RequestOutput, called: bool = False) -> str:
+    """"tool_calls" when the answer calls tools, unless max_tokens cut it ("length", as OpenAI says
+    for a truncated call too)."""
+    if called and out.finish_reason == "stop":
+        return "tool_calls"
     if out.finish_reason in ("stop", "length"):
         return out.finish_reason
     # "abort" only reaches a client that is still connected when the engine gave up on it.
@@ -464,7 +468,7 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
             message, called = _assistant_message(text, reasoning, tools)
             lps = [lp for out in outputs[i] for lp in out.logprobs or []]
             choices.append(ChatChoice(index=i, message=message, logprobs=_chat_logprobs(engine, lps) if logprobs is not None else None,
-                                      finish_reason="tool_calls" if called else _finish_reason(gen.finals[i])))
+                                      finish_reason=_finish_reason(gen.finals[i], called)))
         return JSONResponse(ChatCompletion(id=cid, model=model, choices=choices, usage=_usage(gen)).model_dump())
 
     @v1.post("/completions")
@@ -636,7 +640,7 @@ def _chat_events(engine: "AsyncEngine", gen: Generation, first: tuple[int, Reque
         d = parser.feed(out.text, finished=out.finished)
         finish = None
         if out.finished:
-            finish = "tool_calls" if parser.calls else _finish_reason(out)
+            finish = _finish_reason(out, bool(parser.calls))
         if finish is None and not d:
             return None  # held back: maybe part of a tag
         thought = (d.thought or None) if reasoning is not None else None

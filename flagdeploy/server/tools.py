@@ -104,6 +104,13 @@ class ToolSet:
         params = self.functions[name].get("parameters")
         return params if isinstance(params, dict) and params else {"type": "object", "properties": {}}
 
+    def call_schema(self, name: str) -> dict[str, Any]:
+        """The arguments a forced call may write: the declared parameters and no others, unless the
+        schema says otherwise (what OpenAI's strict mode means; without it a small model invents
+        extra arguments until max_tokens)."""
+        schema = self.schema(name)
+        return schema if "additionalProperties" in schema else {**schema, "additionalProperties": False}
+
     def property_type(self, name: str, key: str) -> Any:
         fn = self.functions.get(name)
         if fn is None:
@@ -330,7 +337,14 @@ class ToolParser:
         return True
 
     def _give_up(self, call: _Call) -> bool:
-        return call.name is not None  # a header already went out: the call stands, as sent
+        """A call that does not parse (cut off by max_tokens, or malformed): text if nothing of it was
+        sent yet; otherwise the call stands with the arguments as sent (a client sees what a stream
+        showed, and LangChain files unparseable arguments under invalid_tool_calls)."""
+        if call.name is None:
+            return False
+        self.calls.append(ToolCall(call.id, call.name, call.args_sent))
+        self._after_call = True
+        return True
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -422,7 +436,7 @@ def forced_call_grammar(spec: ParserSpec, tools: ToolSet, names: list[str], toke
     """A grammar that admits exactly one call to one of `names`, in the model's convention."""
     start, end = _literal(tokenizer, spec.call_start), _literal(tokenizer, spec.call_end)
     if spec.body == "json":
-        variants = [{"type": "object", "properties": {"name": {"const": n}, "arguments": tools.schema(n)},
+        variants = [{"type": "object", "properties": {"name": {"const": n}, "arguments": tools.call_schema(n)},
                      "required": ["name", "arguments"], "additionalProperties": False} for n in names]
         schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
         body = f'"\\n" %json{json.dumps(schema)} "\\n"'
@@ -433,8 +447,11 @@ def forced_call_grammar(spec: ParserSpec, tools: ToolSet, names: list[str], toke
         props = schema.get("properties", {}) or {}
         parts = [json.dumps(n), json.dumps(spec.name_end)]
         for key in [k for k in schema.get("required", []) if k in props]:
-            value = ("/[^<]*/" if props[key].get("type") == "string"
-                     else f"%json{json.dumps(props[key])}")
+            if props[key].get("type") == "string":  # raw text up to the closing tag, as long as the schema allows
+                limit = props[key].get("maxLength")
+                value = f"/[^<]{{0,{int(limit)}}}/" if isinstance(limit, int) else "/[^<]*/"
+            else:
+                value = f"%json{json.dumps(props[key])}"
             parts += [json.dumps(f"<arg_key>{key}</arg_key>"), json.dumps(spec.pair_end), '"<arg_value>"', value,
                       '"</arg_value>"', json.dumps(spec.pair_end)]
         rules.append(f"call{i}: " + " ".join(p for p in parts if p != '""'))
