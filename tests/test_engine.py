@@ -123,3 +123,12 @@ def test_out_of_vocabulary_prompt_is_rejected_before_it_can_break_a_batch(llm_en
     with pytest.raises(ValueError, match="token ids"):
         llm_engine.add_request("oov", [1, 2, llm_engine.model.cfg.vocab_size], GREEDY)
     assert "oov" not in llm_engine.requests
+
+
+def test_tiny_temperatures_are_greedy(llm_engine):
+    """A temperature of 1e-300 would make logits infinite and the softmax NaN: it decodes greedily
+    (found by the schema fuzzer, where it took the whole batch's step down)."""
+    ids = llm_engine.tokenizer.encode("The capital of France is")
+    tiny = SamplingParams(max_tokens=6, temperature=1e-300, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert llm_engine.generate([ids], tiny) == llm_engine.generate([ids], greedy)

@@ -23,6 +23,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             sorted_p, idx = probs.sort(descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < p.top_p  # the token that crosses top_p stays
             probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-        # a sequence's generator lives on the CPU (seeded, device-independent draws): so does its draw
-        out[i] = int(torch.multinomial(probs.cpu(), 1, generator=seq.generator))
+        probs = probs.cpu()  # a sequence's generator lives on the CPU (seeded, device-independent draws)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            continue  # nothing to draw from (a row masked to nothing): keep the argmax, fail no one
+        out[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
     return out

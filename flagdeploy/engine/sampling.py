@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from .grammar import GrammarSpec
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -47,7 +48,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Temperatures below 1e-5 are greedy (vLLM's epsilon): dividing logits by a denormal makes
+        them infinite, and the softmax NaN (found by the schema fuzzer)."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 @dataclass
