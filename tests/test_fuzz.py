@@ -27,8 +27,10 @@ def test_no_server_errors_and_no_hangs(openapi, tiny_server):  # noqa: F811
     for op in ops:
         strategy = op.as_strategy()
 
+        # derandomize: the same examples every run, so that CI is reproducible; set it False locally
+        # to explore further.
         @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
+                  suppress_health_check=list(HealthCheck), derandomize=True)
         def run(case) -> None:
             try:
                 response = case.call(base_url=tiny_server.url, timeout=30)
