@@ -70,7 +70,7 @@ def main() -> None:
               help="A deployment profile (`flagdeploy plan --emit profile`); options given here override it.")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--engine", default="builtin", show_default=True,
-              type=click.Choice(["builtin", "vllm", "vllm-ascend", "sglang", "mindie", "llama.cpp"]),
+              type=click.Choice(["builtin", "vllm", "vllm-ascend", "sglang", "mindie", "llama.cpp", "onnxruntime"]),
               help="builtin: this process runs the model. Otherwise launch that engine (flags from the planner for "
                    "--chip/--profile; llama.cpp: llama-cpp-python's server on a GGUF), supervise it and serve it here.")
 @click.option("--upstream", "upstreams", multiple=True, metavar="URL",
@@ -88,6 +88,19 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     With --engine (not builtin), --upstream or --config, the model runs on external engines behind this
     endpoint instead (docs/gateway.md)."""
     _setup_logging(log_level)
+    if not (upstreams or config_file):
+        from flagdeploy.edge import implied_engine
+
+        engine = implied_engine(chip, engine)  # an edge chip (cpu-edge, ascend310b) means onnxruntime
+    if engine == "onnxruntime" and not (upstreams or config_file):  # in this process: flagdeploy/edge
+        from flagdeploy.edge.cli import serve_onnx
+
+        _check_port(host, port)
+        serve_onnx(model=model, host=host, port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                   kv_cache_memory=_parse_bytes(kv_cache_memory), served_names=served_names, api_key=api_key,
+                   default_temperature=default_temperature, reasoning_parser=reasoning_parser, max_waiting=max_waiting,
+                   tool_call_parser=tool_call_parser, request_timeout=request_timeout, log_level=log_level)
+        return
     if engine != "builtin" or upstreams or config_file:
         _serve_gateway(ctx, engine=engine, upstreams=upstreams, config_file=config_file, model=model, host=host,
                        port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -318,7 +331,8 @@ def models() -> None:
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> None:
     """Convert a checkpoint (FP8 or BF16) into the per-layer BF16/INT8 mix CHIP runs."""
-    from flagdeploy.quantize import format_table, quantize as run
+    from flagdeploy.quantize import format_table
+    from flagdeploy.quantize import quantize as run
 
     _setup_logging(log_level)
     try:
@@ -420,7 +434,8 @@ def ops_check(chip, model_config, dtypes, as_json) -> None:
     import json
 
     from flagdeploy import ops as fops
-    from flagdeploy.ops.check import as_json as to_json, format_results
+    from flagdeploy.ops.check import as_json as to_json
+    from flagdeploy.ops.check import format_results
 
     try:
         be = fops.get_backend(chip) if chip else fops.detect_backend()
@@ -465,7 +480,7 @@ def ops_tune(chip, output) -> None:
 @main.command()
 @click.option("--chip", required=True, help="Chip catalog id (ascend910c, h20, cpu, ...) or auto.")
 @click.option("--engine", default="builtin", show_default=True,
-              type=click.Choice(["builtin", "vllm-ascend", "vllm", "sglang", "mindie"]))
+              type=click.Choice(["builtin", "vllm-ascend", "vllm", "sglang", "mindie", "onnxruntime"]))
 @click.option("--dry-run", is_flag=True, help="Print the plan; install nothing (works for a chip not on this host).")
 @click.option("--yes", is_flag=True, help="Install without asking.")
 @click.option("--download-only", type=click.Path(file_okay=False), default=None,
@@ -584,7 +599,8 @@ def selftest(chip, model_config, output) -> None:
 
     from flagdeploy import ops as fops
     from flagdeploy.chips import get_chip
-    from flagdeploy.ops.check import as_json as to_json, format_results
+    from flagdeploy.ops.check import as_json as to_json
+    from flagdeploy.ops.check import format_results
 
     try:
         spec = get_chip(chip)
@@ -620,13 +636,13 @@ def selftest(chip, model_config, output) -> None:
         sys.exit(1)
 
 
-
-
 from flagdeploy.bench.cli import bench, eval_group  # noqa: E402 - click groups of their own module
 
 main.add_command(bench)
 main.add_command(eval_group)
+from flagdeploy.edge.cli import export_group  # noqa: E402 - `flagdeploy export onnx`
 
+main.add_command(export_group)
 
 if __name__ == "__main__":
     main()

@@ -312,8 +312,10 @@ def detect(root: Path = ROOT, disk_path: Path | None = None) -> SystemInfo:
 
 def chip_family(chip: str) -> str | None:
     """The stack family of a catalog id (ascend910c -> A3, h20 -> sm90, cpu -> cpu): what the matrix keys on."""
-    if chip == "cpu":
+    if chip in ("cpu", "cpu-edge"):
         return "cpu"
+    if chip == "ascend310b":  # the edge SoC: served through ONNX Runtime's CANN EP (flagdeploy/edge)
+        return "310B"
     return NVIDIA_SM.get(chip) or soc_family(chip)
 
 
@@ -332,7 +334,7 @@ def pick_chip(info: SystemInfo, requested: str, present_required: bool = True) -
         chip = get_chip(requested)
     except UnknownChipError as e:
         raise UnknownChipError(f"{e} Or pass --chip auto to use the detected device.") from None
-    if not present_required or chip.id == "cpu" or chip.id in info.chips:
+    if not present_required or chip.id in ("cpu", "cpu-edge") or chip.id in info.chips:
         return chip.id
     family = chip_family(chip.id)
     if chip.vendor == "huawei" and family and any(chip_family(c) == family for c in info.chips):

@@ -98,6 +98,10 @@ def _installed(name: str) -> str | None:
 
 def make_plan(info: SystemInfo, chip_id: str, engine: str = "builtin") -> InstallPlan:
     chip = get_chip(chip_id)
+    if engine == "builtin":  # an edge chip (cpu-edge, ascend310b) installs the ONNX Runtime path
+        from flagdeploy.edge import edge_info
+
+        engine = edge_info(chip.id).get("engine", engine)
     family = next((a.family for a in info.accelerators if a.chip == chip.id), None) or chip_family(chip.id)
     row = resolve(family, engine)
     present, todo = {}, []
@@ -206,6 +210,8 @@ def probe(plan: InstallPlan, env: dict | None = None) -> dict:
 def verify(plan: InstallPlan) -> dict:
     """Imports and device count in a fresh interpreter (with the env file's variables), then the op check."""
     env = {**os.environ, **plan.env}
+    if plan.row.engine == "onnxruntime":
+        return _verify_onnx(plan, env)
     facts = probe(plan)
     if not facts["detected"] or not facts["devices"]:
         raise InstallError(f"the {plan.backend} backend imports but sees no {plan.chip} device (devices: "
@@ -217,3 +223,27 @@ def verify(plan: InstallPlan) -> dict:
         raise InstallError(f"ops check failed on the device: {facts['ops_check']}. Attach the output of "
                            f"`flagdeploy selftest --chip {plan.chip}` to a bug report.")
     return facts
+
+
+_VERIFY_ONNX = """
+import json, onnxruntime as ort, onnxruntime_genai
+print(json.dumps({"onnxruntime": ort.__version__, "providers": ort.get_available_providers()}))
+"""
+
+
+def _verify_onnx(plan: InstallPlan, env: dict) -> dict:
+    """The ONNX Runtime path: the package imports and carries the chip's execution provider."""
+    from flagdeploy.edge import edge_info
+
+    out = subprocess.run([sys.executable, "-c", _VERIFY_ONNX], capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode != 0:
+        raise InstallError(f"onnxruntime does not import: {out.stderr.strip().splitlines()[-1:]}")
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    ep = edge_info(plan.chip).get("ort_ep", "CPUExecutionProvider")
+    if ep not in facts["providers"]:
+        pkg = edge_info(plan.chip).get("package", "the onnxruntime build with it")
+        raise InstallError(f"onnxruntime {facts['onnxruntime']} has no {ep} (it has {', '.join(facts['providers'])}); "
+                           f"install {pkg} instead of plain onnxruntime.")
+    return {"torch": facts["onnxruntime"] + " (onnxruntime)", "devices": 1, "backend": ep,
+            "ops_check": f"{ep} present"}
+

@@ -19,7 +19,7 @@ from flagdeploy.errors import FlagdeployError
 __all__ = ["ENGINES", "StackRow", "UnsupportedStackError", "all_rows", "engines_for", "families", "resolve"]
 
 MATRIX = Path(__file__).with_name("matrix.yaml")
-ENGINES = ("builtin", "vllm-ascend", "vllm", "sglang", "mindie")
+ENGINES = ("builtin", "vllm-ascend", "vllm", "sglang", "mindie", "onnxruntime")
 _FIELDS = ("python", "packages", "cann_min", "image")
 
 

@@ -166,6 +166,14 @@ def make_plan(req: PlanRequest) -> Plan:
     notes = []
     from .shapes import is_exact
 
+    from flagdeploy.edge import edge_info
+
+    edge = edge_info(chip.id)
+    if edge:  # an edge chip (profiles/chips.yaml `edge:`): what serves it there and in which weight formats
+        notes.append(f"{chip.id} is served by ONNX Runtime's {edge.get('ort_ep')} (pip install {edge.get('package')}; "
+                     f"`serve --engine onnxruntime`{' implied by --chip' if edge.get('engine') == 'onnxruntime' else ''}), "
+                     f"ONNX weights {'/'.join(edge.get('weights', []))} (`flagdeploy export onnx --weights ...`)"
+                     + ("" if edge.get("verified") else "; not yet run on this hardware"))
     if not is_exact(config):
         notes.append(f"model_type {config.get('model_type')!r} is estimated as a generic llama-like decoder "
                      f"(MoE where the config names experts): sizes are approximate")

@@ -1,0 +1,101 @@
+"""`flagdeploy export onnx` and the builtin-process ONNX path of `flagdeploy serve --engine onnxruntime`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from flagdeploy.errors import FlagdeployError
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(1)
+
+
+@click.group("export")
+def export_group() -> None:
+    """Export a model for another runtime."""
+
+
+@export_group.command("onnx")
+@click.argument("model", required=False)
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="Directory to write (atomically).")
+@click.option("--weights", default="int4", show_default=True, type=click.Choice(["int4", "int8", "fp16", "fp32"]),
+              help="int4/int8: weight-only MatMulNBits (ORT's own kernels); fp16/fp32: float weights.")
+@click.option("--target", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+              help="The execution provider the graph is laid out for (the model builder's -e).")
+@click.option("--block-size", default=32, show_default=True, type=click.Choice(["16", "32", "64", "128"]),
+              help="Quantization block size (int4/int8).")
+@click.option("--int4-from", "int4_method", default="auto", show_default=True, type=click.Choice(["auto", "gguf", "rtn"]),
+              help="int4: gguf carries a Q4_0/Q4_1 GGUF's own blocks into MatMulNBits (no second quantization); "
+                   "rtn re-quantizes with the model builder; auto: gguf where the source allows it.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+def export_onnx_cmd(model, output, weights, target, block_size, int4_method, overwrite) -> None:
+    """MODEL (default: the bundled SmolLM2-135M-Instruct) -> an ONNX decoder with KV-cache inputs/outputs
+    and a flagdeploy-onnx.json manifest. Serve it with `flagdeploy serve --engine onnxruntime --model DIR`."""
+    from pathlib import Path
+
+    from flagdeploy.loaders.source import resolve
+
+    from .export import ExportError, export_onnx
+
+    try:
+        src = resolve(model)
+        click.echo(f"exporting {src.path} ({weights}, {target}) ...", err=True)
+        out = export_onnx(src, Path(output), weights, target, int(block_size), overwrite, int4_method)
+    except (FlagdeployError, ExportError, ValueError) as exc:
+        _fail(str(exc))
+    click.echo(f"wrote {out}")
+
+
+def serve_onnx(*, model, host, port, chip, max_model_len, max_num_seqs, kv_cache_memory, served_names, api_key,
+               default_temperature, reasoning_parser, max_waiting, tool_call_parser, request_timeout, log_level,
+               weights: str = "int4") -> None:
+    """`serve --engine onnxruntime`: the same server as the builtin engine, with the ONNX engine in this process."""
+    from pathlib import Path
+
+    from flagdeploy.engine import AsyncEngine, EngineConfig
+    from flagdeploy.server import create_app, make_server
+
+    from .engine import EdgeError, build_onnx_engine, check_provider, provider_for_chip
+
+    try:
+        check_provider(provider_for_chip(chip))  # a missing EP fails now, naming its package
+    except (EdgeError, FlagdeployError) as exc:
+        _fail(str(exc))
+    config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory)
+    if model and (Path(model) / "flagdeploy-onnx.json").exists():
+        default_name = Path(model).name
+    else:
+        from flagdeploy.loaders.source import resolve
+
+        try:
+            default_name = resolve(model).name
+        except FlagdeployError as exc:
+            _fail(str(exc))
+    names = list(served_names) or [default_name]
+    failure: list[BaseException] = []
+
+    def load() -> AsyncEngine:
+        try:
+            engine = AsyncEngine(build_onnx_engine(model, config, chip=chip, weights=weights))
+        except BaseException as exc:
+            failure.append(exc)
+            server.should_exit = True
+            raise
+        click.echo(f"flagdeploy: serving {names[0]} (onnxruntime, {engine.engine.decoder.ep}) on "
+                   f"http://{host}:{port}/v1 (ready)", err=True)
+        return engine
+
+    app = create_app(load, names, api_key=api_key, default_temperature=default_temperature,
+                     reasoning_parser=reasoning_parser, max_waiting=None if max_waiting < 0 else max_waiting,
+                     tool_call_parser=tool_call_parser, request_timeout=request_timeout)
+    server = make_server(app, host, port, log_level)
+    click.echo(f"flagdeploy: loading {model or names[0]} with onnxruntime (exported on first use) ... "
+               f"(/ready answers 503 until done)", err=True)
+    server.run()
+    if failure:
+        exc = failure[0]
+        _fail(str(exc) if isinstance(exc, (FlagdeployError, ValueError)) else repr(exc))
