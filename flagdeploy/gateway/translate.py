@@ -81,6 +81,22 @@ async def _answer_deltas(payloads: AsyncIterator[str], state: dict[str, Any]) ->
         yield AnswerDelta(delta.get("reasoning_content") or "", delta.get("content") or "", delta.get("tool_calls") or [])
 
 
+def _with_tools_and_switches(out: dict[str, Any], tools: list[dict[str, Any]], choice: str | None,
+                             template_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a chat request both protocols fill the same way: function tools and tool_choice
+    (a function name becomes OpenAI's named choice), template switches, usage in streams."""
+    if tools:
+        out["tools"] = tools
+        if choice is not None:
+            out["tool_choice"] = choice if choice in ("auto", "none", "required") else {
+                "type": "function", "function": {"name": choice}}
+    if template_kwargs:
+        out["chat_template_kwargs"] = template_kwargs
+    if out["stream"]:
+        out["stream_options"] = {"include_usage": True}
+    return out
+
+
 class AnthropicDialect(Dialect):
     """/v1/messages over an upstream's /v1/chat/completions."""
 
@@ -99,17 +115,7 @@ class AnthropicDialect(Dialect):
                            ("top_k", req.top_k), ("stop", req.stop_sequences)):
             if value is not None:
                 out[key] = value
-        if tools:
-            out["tools"] = tools
-            choice = req.choice()
-            if choice is not None:
-                out["tool_choice"] = choice if choice in ("auto", "none", "required") else {
-                    "type": "function", "function": {"name": choice}}
-        if req.template_kwargs():
-            out["chat_template_kwargs"] = req.template_kwargs()
-        if out["stream"]:
-            out["stream_options"] = {"include_usage": True}
-        return out
+        return _with_tools_and_switches(out, tools, req.choice(), req.template_kwargs())
 
     def answer(self, body: dict[str, Any]) -> dict[str, Any]:
         choice = (body.get("choices") or [{}])[0]
@@ -164,21 +170,10 @@ class ResponsesDialect(Dialect):
                            ("top_p", req.top_p)):
             if value is not None:
                 out[key] = value
-        tools = req.function_tools()
-        if tools:
-            out["tools"] = tools
-            choice = req.choice()
-            if choice is not None:
-                out["tool_choice"] = choice if choice in ("auto", "none", "required") else {
-                    "type": "function", "function": {"name": choice}}
         grammar = req.grammar()
         if grammar is not None:
             out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": grammar.value}}
-        if req.template_kwargs():
-            out["chat_template_kwargs"] = req.template_kwargs()
-        if out["stream"]:
-            out["stream_options"] = {"include_usage": True}
-        return out
+        return _with_tools_and_switches(out, req.function_tools(), req.choice(), req.template_kwargs())
 
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
