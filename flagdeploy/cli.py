@@ -22,12 +22,12 @@ def _fail(message: str) -> None:
 
 
 def _parse_bytes(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    s = text.strip().lower().removesuffix("ib").removesuffix("b")
+    from flagdeploy.units import parse_bytes
+
     try:
-        return int(float(s[:-1]) * units[s[-1]]) if s and s[-1] in units else int(s)
-    except (ValueError, IndexError):
-        raise click.BadParameter(f"{text!r} is not a size; write e.g. 2GiB, 512MiB or a byte count")
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

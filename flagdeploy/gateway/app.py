@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flagdeploy.errors import FlagdeployError
+from flagdeploy.units import parse_bytes
 from flagdeploy.server import errors
 from flagdeploy.server.app import (
     _presented_key,
@@ -453,7 +454,10 @@ def builtin_app(entry: ModelConfig, api_key: str | None) -> ASGIApp:
     if entry.max_model_len:
         args.setdefault("max_model_len", entry.max_model_len)
     if isinstance(args.get("kv_cache_memory"), str):
-        args["kv_cache_memory"] = _parse_bytes(args["kv_cache_memory"])
+        try:
+            args["kv_cache_memory"] = parse_bytes(args["kv_cache_memory"])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype", "device"}
     if unknown := sorted(set(args) - fields):
         raise ConfigError(f"builtin model {entry.names[:1] or entry.model}: unknown args {unknown}; builtin args "
@@ -474,12 +478,3 @@ def builtin_app(entry: ModelConfig, api_key: str | None) -> ASGIApp:
     return create_app(load, names, api_key=api_key, default_temperature=serve.get("default_temperature", 0.0),
                       reasoning_parser=serve.get("reasoning_parser"),
                       max_waiting=None if max_waiting is None or max_waiting < 0 else max_waiting)
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    s = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        return int(float(s[:-1]) * units[s[-1]]) if s and s[-1] in units else int(s)
-    except (ValueError, IndexError):
-        raise ConfigError(f"{text!r} is not a size; write e.g. 2GiB, 512MiB or a byte count") from None
