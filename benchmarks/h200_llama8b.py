@@ -105,7 +105,7 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
             "up_proj": c["intermediate_size"]}
     sd = {}
     for name, slot in model.weight_slots().items():
-        if len(slot) == 1:
+        if len(slot) == 2:  # (parameter, its tensor-parallel shard)
             sd[name] = slot[0]
             continue
         lin, part, _ = slot

@@ -68,6 +68,12 @@ def main() -> None:
                    "529 (Anthropic) with Retry-After instead of queueing. -1: unbounded.")
 @click.option("--profile", "profile_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A deployment profile (`flagdeploy plan --emit profile`); options given here override it.")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Tensor-parallel ranks per replica (attention heads, MLPs and vocabulary split over devices).")
+@click.option("--ep", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Expert-parallel ranks per replica (MoE models: routed experts split over devices).")
+@click.option("--dp", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Data-parallel replicas behind one endpoint, each of tp x ep devices.")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--engine", default="builtin", show_default=True,
               type=click.Choice(["builtin", "vllm", "vllm-ascend", "sglang", "mindie", "llama.cpp", "onnxruntime"]),
@@ -82,12 +88,15 @@ def main() -> None:
 @click.pass_context
 def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
           weight_format, load_format, served_names, default_temperature, api_key, reasoning_parser, max_waiting,
-          tool_call_parser, request_timeout, profile_file, log_level, engine, upstreams, config_file, startup_timeout) -> None:
+          tool_call_parser, request_timeout, profile_file, tp, ep, dp, log_level, engine, upstreams, config_file,
+          startup_timeout) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     With --engine (not builtin), --upstream or --config, the model runs on external engines behind this
     endpoint instead (docs/gateway.md)."""
     _setup_logging(log_level)
+    if dp > 1:
+        _fail("--dp is not available yet in this build; run one replica per --port behind `--upstream`")
     if not (upstreams or config_file):
         from flagdeploy.edge import implied_engine
 
@@ -141,7 +150,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                           kv_cache_memory=_parse_bytes(kv_cache_memory), weight_format=weight_format,
-                          load_format=load_format)
+                          load_format=load_format, tp=tp, ep=ep)
     names = list(served_names) or [src.name]
     failure: list[BaseException] = []
 

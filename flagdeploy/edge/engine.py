@@ -208,6 +208,9 @@ class OnnxRunner:
             self.free.append(slot)
             self.free.sort()
 
+    def score(self, ids: list[int]) -> torch.Tensor:
+        return self.decoder.score(torch.tensor(ids))
+
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         dec = self.decoder
         decodes: dict[int, int] = {}  # slot → index in the batch

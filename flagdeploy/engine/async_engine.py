@@ -113,6 +113,7 @@ class AsyncEngine:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout=10)
+        self.engine.close()
 
     # ---- the engine thread -----------------------------------------------------------------------
 

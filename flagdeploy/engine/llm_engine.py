@@ -14,7 +14,8 @@ from flagdeploy.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .block_manager import BlockManager
 from .grammar import Matcher
-from .model_runner import PagedRunner, SequenceStateRunner
+from .lockstep import LockstepRunner, Workers
+from .model_runner import build_runner
 from .sampler import sample
 from .sampling import RequestOutput, SamplingParams, TokenLogprob
 from .scheduler import Scheduler
@@ -37,6 +38,8 @@ class EngineConfig:
     load_format: str = "auto"  # or "dummy": random weights from the config (benchmarks without a checkpoint)
     device: str = "cpu"
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs where the device is a GPU (paged models)
+    tp: int = 1  # tensor-parallel ranks of this replica (flagdeploy.parallel)
+    ep: int = 1  # expert-parallel ranks of this replica
 
 
 class _Request:
@@ -63,29 +66,17 @@ def _token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig):
+    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig, workers: Workers | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         stateful = has_sequence_state(model)
-        runner_cls = SequenceStateRunner if stateful else PagedRunner
-        per_block = runner_cls.bytes_per_block(model, config.block_size)
-        num_blocks = max(config.kv_cache_memory // per_block, 1)
-        min_blocks = -(-config.max_model_len // config.block_size)
-        if num_blocks < min_blocks:
-            raise ValueError(
-                f"A KV cache of {config.kv_cache_memory / 2**30:.2f} GiB holds {num_blocks * config.block_size} tokens, "
-                f"less than one sequence of --max-model-len {config.max_model_len}. Raise --kv-cache-memory or lower "
-                f"--max-model-len."
-            )
+        self.runner, num_blocks, per_block = build_runner(model, config)
+        if workers is not None:  # the other ranks of a tensor/expert-parallel replica run each step too
+            self.runner = LockstepRunner(self.runner, workers)
         # A sequence-state model cannot resume from shared blocks: its recurrent state is not in them.
         self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching=not stateful)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        if runner_cls is PagedRunner and config.cuda_graphs and config.device == "cuda":
-            graphs = {"max_batch": config.max_num_seqs, "max_model_len": config.max_model_len}
-            self.runner = PagedRunner(model, num_blocks, config.block_size, config.device, graphs)
-        else:
-            self.runner = runner_cls(model, num_blocks, config.block_size, config.device)
         self.requests: dict[str, _Request] = {}
         self.eos = tokenizer.eos_token_ids | set(model.cfg.eos_token_ids)
         self.num_steps = 0
@@ -122,7 +113,7 @@ class LLMEngine:
         """Each prompt token's logprob given the tokens before it, from one scratch forward pass
         (outside the paged cache: this is for scoring, e.g. perplexity through `echo`)."""
         with torch.inference_mode():
-            logits = self.model.score(torch.tensor(prompt_ids, device=self.config.device))
+            logits = self.runner.score(prompt_ids)
         rows = logits.float().log_softmax(-1).cpu()
         return [None] + [_token_logprob(rows[j - 1], prompt_ids[j], k) for j in range(1, len(prompt_ids))]
 
@@ -224,6 +215,12 @@ class LLMEngine:
                 if out.request_id in results:
                     results[out.request_id].extend(out.token_ids)
         return [results[r] for r in ids]
+
+    def close(self) -> None:
+        """Stop the other ranks of a parallel replica (nothing to do for one process)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def stats(self) -> dict[str, int]:
         return {

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from flagdeploy import ops
+from flagdeploy import ops, parallel
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.loaders import gguf_reader, safetensors_reader
 from flagdeploy.models import build_model, load_weights
@@ -16,6 +16,7 @@ from flagdeploy.models.linear import Linear
 from flagdeploy.ops.weights import to_device
 from flagdeploy.tokenizer import Tokenizer
 
+from . import lockstep
 from .llm_engine import EngineConfig, LLMEngine
 
 log = logging.getLogger(__name__)
@@ -40,22 +41,19 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     keep_int4 = weight_format == "auto" and "linear_w4a16" in be.overrides
     quantize_head = keep_int4 and fmt == "gguf" and "linear_w8a16" in be.overrides
     keep_fp8 = weight_format == "auto" and "linear_fp8_block" in be.overrides  # FP8 matmul units run FP8 as stored
-    if fmt == "gguf":
-        reader = gguf_reader.open_gguf(path)
-        cfg = gguf_reader.read_config(reader)
-    elif fmt == "safetensors":
-        cfg = safetensors_reader.read_config(path)
-    else:
-        raise ModelLoadError(f"unknown model format {fmt!r}; expected 'gguf' or 'safetensors'")
+    cfg = read_model_config(path, fmt)
     model = build_model(cfg, dtype, device)
     tokenizer = Tokenizer.from_source(path, fmt, extra_eos_ids=cfg.eos_token_ids)
     if load_format == "dummy":
         init_dummy_weights(model)
         return model, tokenizer
     if fmt == "gguf":
+        reader = gguf_reader.open_gguf(path)
         tensors, total = gguf_reader.iter_tensors(reader, cfg, dtype, keep_int4), len(reader.tensors)
     else:
-        tensors, total = safetensors_reader.iter_tensors(path, dtype), safetensors_reader.count_tensors(path)
+        # under TP/EP each rank reads only its slices (and skips experts it does not hold)
+        plan = getattr(model, "read_plan", None) if parallel.tp_size() * parallel.ep_size() > 1 else None
+        tensors, total = safetensors_reader.iter_tensors(path, dtype, plan), safetensors_reader.count_tensors(path)
     bar = tqdm(tensors, total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False)
     try:
         load_weights(model, ((n, to_device(t, device)) for n, t in bar), quantize_head, keep_fp8)
@@ -64,19 +62,52 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     return model, tokenizer
 
 
+def read_model_config(path: Path, fmt: str):
+    if fmt == "gguf":
+        return gguf_reader.read_config(gguf_reader.open_gguf(path))
+    if fmt == "safetensors":
+        return safetensors_reader.read_config(path)
+    raise ModelLoadError(f"unknown model format {fmt!r}; expected 'gguf' or 'safetensors'")
+
+
+def check_split(path: Path, fmt: str, config: EngineConfig) -> None:
+    """Refuse a tp / ep split the model cannot take before any worker starts: build the last rank's
+    shard on the meta device (no memory, same constructor checks as the real ranks)."""
+    cfg = read_model_config(path, fmt)
+    with parallel.simulated(parallel.ParallelConfig(config.tp, config.ep)):
+        try:
+            build_model(cfg, config.dtype, "meta")
+        except ValueError as exc:
+            raise ModelLoadError(f"{path.name} cannot be split with --tp {config.tp} --ep {config.ep}: {exc}") from None
+
+
 def build_llm_engine(path: Path, fmt: str, config: EngineConfig | None = None, chip: str | None = None,
                      progress: bool = True) -> LLMEngine:
+    """The engine of one replica; with config.tp * config.ep > 1 this process becomes rank 0 of it and
+    starts the other ranks (flagdeploy/engine/lockstep.py)."""
     config = config or EngineConfig()
     backend = ops.use_backend(chip)
     config.device = backend.device_type
-    model, tokenizer = load_model(path, fmt, config.dtype, config.device, progress, config.weight_format,
-                                  config.load_format)
+    workers = None
+    if config.tp * config.ep > 1:
+        check_split(path, fmt, config)
+        workers, _ = lockstep.start(path, fmt, config, chip)
+    try:
+        model, tokenizer = load_model(path, fmt, config.dtype, config.device, progress, config.weight_format,
+                                      config.load_format)
+        if workers is not None:
+            workers.wait("loaded")
+    except BaseException:
+        if workers is not None:
+            workers.close(force=True)
+            parallel.shutdown()
+        raise
     if config.max_model_len > model.cfg.max_position_embeddings:
         log.warning("--max-model-len %d exceeds the model's trained context %d; capping",
                     config.max_model_len, model.cfg.max_position_embeddings)
         config.max_model_len = model.cfg.max_position_embeddings
     model.prepare(config.max_model_len)
-    return LLMEngine(model, tokenizer, config)
+    return LLMEngine(model, tokenizer, config, workers)
 
 
 def check_source(path: Path, fmt: str, weights: bool = True) -> None:

@@ -2,9 +2,15 @@
 
 `PagedRunner` serves models whose per-token k/v live in the engine's block pool (llama);
 `SequenceStateRunner` serves models that carry one cache object per sequence (glm5_next).
+
+A step is two halves: `plan` (rank 0: the scheduled batch becomes a step of plain lists, picklable)
+and `execute` (every rank of a tensor/expert-parallel replica: the step becomes one forward pass).
+One process runs both; several run `execute` in lock-step (flagdeploy/engine/lockstep.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,7 +19,50 @@ from flagdeploy.models.attention import AttentionMetadata
 from .scheduler import ScheduledBatch
 
 
-class PagedRunner:
+@dataclass
+class PagedStep:
+    """One step of a paged model: prefill rows first, then one row per decoding sequence."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    num_prefill: int
+    cu_q: list[int]
+    cu_k: list[int]
+    kv_slots: list[int] | None  # set when a prefill reads keys already in the cache
+    tables: list[list[int]]
+    ctx_lens: list[int]
+    logits_rows: list[int]
+
+
+@dataclass
+class StateStep:
+    """One step of a sequence-state model: per sequence (id, block table, new tokens, first position)."""
+
+    seqs: list[tuple[int, list[int], list[int], int]]
+    rows: list[int]
+
+
+class _Runner:
+    """What the engine calls; subclasses provide `plan`, `execute` and `drop`."""
+
+    model: object
+    device: str
+
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Forward one step. Returns logits for the sequences that reach their end, and their indices."""
+        step, sampled = self.plan(batch)
+        return self.execute(step), sampled
+
+    def release(self, seq) -> None:
+        self.drop(seq.seq_id)
+
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one sequence (prompt logprobs), outside the engine's caches."""
+        return self.model.score(torch.tensor(ids, device=self.device))
+
+
+class PagedRunner(_Runner):
     def __init__(self, model, num_blocks: int, block_size: int, device: str, graphs: dict | None = None):
         """graphs: {"max_batch", "max_model_len"} to replay pure-decode steps as CUDA graphs (cuda only);
         the pool then gets one extra block, never handed out, for the graphs' padded rows."""
@@ -38,66 +87,64 @@ class PagedRunner:
         per_layer = sum(torch.Size(s).numel() for s in model.kv_cache_shape(1, block_size))
         return per_layer * model.cfg.num_layers * torch.empty((), dtype=model.kv_cache_dtype).element_size()
 
-    def release(self, seq) -> None:
+    def drop(self, seq_id: int) -> None:
         """The blocks are the block manager's; nothing is held here per sequence."""
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Forward one step. Returns logits for the sequences that reach their end, and their indices."""
+    def plan(self, batch: ScheduledBatch) -> tuple[PagedStep, list[int]]:
+        """The step's inputs as lists, and which of the batch's sequences get a token sampled."""
         # Prefill chunks (more than one new token) first, then single-token rows (decodes).
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1)
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        cu_q, cu_k, kv_slots = [0], [0], []
+        step = PagedStep([], [], [], 0, [0], [0], [], [], [], [])
         need_cache_read = False
-        tables: list[list[int]] = []
-        ctx_lens: list[int] = []
-        logits_rows: list[int] = []
         sampled: list[int] = []
-        num_prefill = 0
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start, end = seq.num_computed, seq.num_computed + n
-            ids.extend(seq.token_ids[start:end])
-            pos.extend(range(start, end))
-            slots.extend(self._slot(seq.block_table, p) for p in range(start, end))
+            step.ids.extend(seq.token_ids[start:end])
+            step.positions.extend(range(start, end))
+            step.slots.extend(self._slot(seq.block_table, p) for p in range(start, end))
             if n > 1:
-                num_prefill += n
-                cu_q.append(cu_q[-1] + n)
-                cu_k.append(cu_k[-1] + end)
-                kv_slots.extend(self._slot(seq.block_table, p) for p in range(end))
+                step.num_prefill += n
+                step.cu_q.append(step.cu_q[-1] + n)
+                step.cu_k.append(step.cu_k[-1] + end)
+                step.kv_slots.extend(self._slot(seq.block_table, p) for p in range(end))
                 need_cache_read |= start > 0
             else:
-                tables.append(seq.block_table)
-                ctx_lens.append(end)
+                step.tables.append(list(seq.block_table))
+                step.ctx_lens.append(end)
             if end == seq.num_tokens:
-                logits_rows.append(len(ids) - 1)
+                step.logits_rows.append(len(step.ids) - 1)
                 sampled.append(i)
-        if self.graphs is not None and not num_prefill and len(ids) <= self.graphs.max_batch:
-            logits = self.graphs.run(ids, pos, slots, tables, ctx_lens)
-            return logits[torch.tensor(logits_rows, device=logits.device)], sampled
+        if not need_cache_read:
+            step.kv_slots = None
+        return step, sampled
+
+    def execute(self, step: PagedStep) -> torch.Tensor:
+        """Logits of the step's `logits_rows`."""
+        if self.graphs is not None and not step.num_prefill and len(step.ids) <= self.graphs.max_batch:
+            logits = self.graphs.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens)
+            return logits[torch.tensor(step.logits_rows, device=logits.device)]
         dev = self.device
         t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
-        width = max((len(b) for b in tables), default=0)
+        width = max((len(b) for b in step.tables), default=0)
         meta = AttentionMetadata(
-            positions=t(pos),
-            slot_mapping=t(slots),
-            num_prefill_tokens=num_prefill,
-            cu_seqlens_q=t(cu_q, torch.int32) if num_prefill else None,
-            cu_seqlens_k=t(cu_k, torch.int32) if num_prefill else None,
-            prefill_kv_slots=t(kv_slots) if need_cache_read else None,
-            block_tables=t([b + [0] * (width - len(b)) for b in tables]) if tables else None,
-            context_lens=t(ctx_lens, torch.int32) if tables else None,
-            logits_indices=t(logits_rows),
+            positions=t(step.positions),
+            slot_mapping=t(step.slots),
+            num_prefill_tokens=step.num_prefill,
+            cu_seqlens_q=t(step.cu_q, torch.int32) if step.num_prefill else None,
+            cu_seqlens_k=t(step.cu_k, torch.int32) if step.num_prefill else None,
+            prefill_kv_slots=t(step.kv_slots) if step.kv_slots is not None else None,
+            block_tables=t([b + [0] * (width - len(b)) for b in step.tables]) if step.tables else None,
+            context_lens=t(step.ctx_lens, torch.int32) if step.tables else None,
+            logits_indices=t(step.logits_rows),
         )
-        logits = self.model(t(ids), meta, self.kv_caches)
-        return logits, sampled
+        return self.model(t(step.ids), meta, self.kv_caches)
 
 
-class SequenceStateRunner:
+class SequenceStateRunner(_Runner):
     """Runs models that carry state per sequence (glm5_next): their per-token rows (MLA latent,
     indexer keys) live in block pools addressed through each sequence's block table, like paged k/v;
     their fixed-size state (KDA conv + recurrent) lives in a cache object per running sequence.
@@ -112,29 +159,61 @@ class SequenceStateRunner:
         with torch.device(device):
             self.pools = model.cache_pools(num_blocks, block_size)
         self.caches: dict[int, object] = {}
+        self.tables: dict[int, list[int]] = {}
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
         return model.cache_bytes_per_token() * block_size
 
-    def release(self, seq) -> None:
-        self.caches.pop(seq.seq_id, None)
+    def drop(self, seq_id: int) -> None:
+        self.caches.pop(seq_id, None)
+        self.tables.pop(seq_id, None)
 
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+    def plan(self, batch: ScheduledBatch) -> tuple[StateStep, list[int]]:
+        seqs, rows, sampled, count = [], [], [], 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed, seq.num_computed + n
+            seqs.append((seq.seq_id, list(seq.block_table), seq.token_ids[start:end], start))
+            count += n
+            if end == seq.num_tokens:
+                rows.append(count - 1)
+                sampled.append(i)
+        return StateStep(seqs, rows), sampled
+
+    def execute(self, step: StateStep) -> torch.Tensor:
         ids: list[int] = []
         cu = [0]
         caches = []
-        rows: list[int] = []
-        sampled: list[int] = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start, end = seq.num_computed, seq.num_computed + n
+        for seq_id, table, new, start in step.seqs:
             if start == 0:
-                self.caches[seq.seq_id] = self.model.new_cache(self.pools, seq.block_table)
-            caches.append(self.caches[seq.seq_id])
-            ids.extend(seq.token_ids[start:end])
-            cu.append(cu[-1] + n)
-            if end == seq.num_tokens:
-                rows.append(cu[-1] - 1)
-                sampled.append(i)
+                self.tables[seq_id] = list(table)
+                self.caches[seq_id] = self.model.new_cache(self.pools, self.tables[seq_id])
+            else:  # the cache reads its blocks through this list: grow it in place
+                self.tables[seq_id][:] = table
+            caches.append(self.caches[seq_id])
+            ids.extend(new)
+            cu.append(cu[-1] + len(new))
         logits = self.model.forward_packed(torch.tensor(ids, device=self.device), torch.tensor(cu), caches)
-        return logits[rows], sampled
+        return logits[step.rows]
+
+
+def build_runner(model, config) -> tuple[_Runner, int, int]:
+    """The runner for `model` under an EngineConfig: (runner, number of cache blocks, bytes per block).
+    Every rank of a parallel replica calls this with the same config and gets the same block count."""
+    from flagdeploy.models import has_sequence_state
+
+    cls = SequenceStateRunner if has_sequence_state(model) else PagedRunner
+    per_block = cls.bytes_per_block(model, config.block_size)
+    num_blocks = max(config.kv_cache_memory // per_block, 1)
+    min_blocks = -(-config.max_model_len // config.block_size)
+    if num_blocks < min_blocks:
+        raise ValueError(
+            f"A KV cache of {config.kv_cache_memory / 2**30:.2f} GiB holds {num_blocks * config.block_size} tokens, "
+            f"less than one sequence of --max-model-len {config.max_model_len}. Raise --kv-cache-memory or lower "
+            f"--max-model-len."
+        )
+    # CUDA graphs replay one process's decode step; with collectives inside they are not captured (yet)
+    if cls is PagedRunner and config.cuda_graphs and config.device == "cuda" and config.tp * config.ep == 1:
+        graphs = {"max_batch": config.max_num_seqs, "max_model_len": config.max_model_len}
+        return PagedRunner(model, num_blocks, config.block_size, config.device, graphs), num_blocks, per_block
+    return cls(model, num_blocks, config.block_size, config.device), num_blocks, per_block

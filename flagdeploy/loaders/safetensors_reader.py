@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -12,6 +12,7 @@ from safetensors import safe_open
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.models import config_from_hf
 from flagdeploy.ops.weights import FP8_DTYPES, Int8Weight, W8A8Weight
+from flagdeploy.parallel import Shard
 
 
 def read_config(path: Path):
@@ -39,24 +40,39 @@ def shard_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(path: Path, dtype: torch.dtype, plan: Callable[[str], object] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors read lazily, one at a time, shard after shard (memory-mapped by safetensors).
+
+    `plan(name)` (a tensor-parallel rank's model) may answer "skip" (never read: an expert another
+    rank holds) or a `Shard` (read only that slice of a 16/32-bit tensor); None reads it whole.
 
     Cast to the run dtype, except what carries quantized values: FP8 weights and their block scales go
     on as stored, so that the model's loader can pair and dequantise them (a plain cast would drop the
     scales' meaning), and a `flagdeploy quantize` checkpoint's int8 weights come out as weight bundles
     (W8A8Weight / Int8Weight, per its `quantization_config.modules`) that run the int8 ops.
     """
-    raw = _raw_tensors(path, dtype)
+    raw = _raw_tensors(path, dtype, plan)
     schemes = _flagdeploy_schemes(path)
     return _int8_bundles(raw, schemes) if schemes else raw
 
 
-def _raw_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+_SLICEABLE = {"BF16", "F16", "F32", "F64"}
+
+
+def _raw_tensors(path: Path, dtype: torch.dtype, plan=None) -> Iterator[tuple[str, torch.Tensor]]:
     for f in shard_files(path):
         with safe_open(f, framework="pt") as sf:
             for name in sf.keys():
-                t = sf.get_tensor(name)
+                what = plan(name) if plan is not None else None
+                if what == "skip":
+                    continue
+                if isinstance(what, Shard) and (part := sf.get_slice(name)).get_dtype() in _SLICEABLE:
+                    index = [slice(None)] * len(part.get_shape())
+                    index[what.dim] = slice(what.start, what.start + what.length)
+                    t = part[tuple(index)]
+                else:
+                    t = sf.get_tensor(name)
                 as_stored = t.dtype in FP8_DTYPES or t.dtype == torch.int8 or name.endswith(("_scale_inv", ".weight_scale"))
                 yield name, t if as_stored else t.to(dtype)
 

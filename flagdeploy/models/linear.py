@@ -1,11 +1,13 @@
-"""A linear layer whose weight may be dense or a quantized bundle, possibly fused from several parts."""
+"""A linear layer whose weight may be dense or a quantized bundle, possibly fused from several parts,
+possibly one rank's slice of a tensor-parallel layer."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from flagdeploy import ops
+from flagdeploy import ops, parallel
+from flagdeploy.parallel import Shard
 from flagdeploy.ops.weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight
 
 # Which op runs a weight: by the bundle's type (a W8A8 bundle also quantises the activations).
@@ -18,10 +20,16 @@ class Linear(nn.Module):
 
     Parts arrive one by one from a loader (`load_part`); `finalize` joins them and hands quantized
     bundles to the active backend to lay out. Mixed dense/quantized parts are joined dense.
+
+    Under tensor parallelism `out_features` / `in_features` are this rank's, and `shards` says which
+    slice of each checkpoint part this rank keeps: rows (column-parallel: q/k/v heads, gate/up) or
+    columns (row-parallel: o_proj, down_proj; the partial outputs are then summed over the TP group by
+    `linear_all_reduce`, and the bias is added once, after the sum). `gather` concatenates the
+    column-parallel outputs of all ranks (the LM head's vocabulary shards).
     """
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, parts: tuple[str, ...],
-                 bias: bool = False):
+                 bias: bool = False, shards: dict[str, Shard | None] | None = None, gather: bool = False):
         super().__init__()
         self.out_features, self.in_features, self.dtype = out_features, in_features, dtype
         self.parts = parts
@@ -29,11 +37,20 @@ class Linear(nn.Module):
         self.qweight: Int4Weight | Int8Weight | W8A8Weight | Fp8BlockWeight | None = None
         self.bias: torch.Tensor | None = None
         self.has_bias = bias
+        self.shards = {p: s for p, s in (shards or {}).items() if s is not None}
+        self.reduce = any(s.dim == 1 for s in self.shards.values())
+        self.gather = gather and parallel.tp_size() > 1
         self._pending: dict[tuple[str, str], object] = {}
         self._op = "linear"
 
     def load_part(self, part: str, kind: str, value) -> None:
-        """kind is 'weight' or 'bias'; value a tensor or a quantized weight bundle."""
+        """kind is 'weight' or 'bias'; value a tensor or a quantized weight bundle (a full checkpoint
+        tensor, or already this rank's slice of it)."""
+        shard = self.shards.get(part)
+        if shard is not None and (kind == "weight" or shard.dim == 0):
+            if not isinstance(value, torch.Tensor):  # quantized bundles are split dense (documented)
+                value = value.dequantize(self.dtype)
+            value = shard.take(value) if kind == "weight" else Shard(0, shard.start, shard.length, shard.full).take(value)
         self._pending[(part, kind)] = value
 
     def finalize(self) -> None:
@@ -50,6 +67,9 @@ class Linear(nn.Module):
         if q is None:
             dense = [w.to(self.dtype) if isinstance(w, torch.Tensor) else w.dequantize(self.dtype) for w in ws]
             self.weight = dense[0] if len(dense) == 1 else torch.cat(dense)
+            short = self.out_features - self.weight.shape[0]
+            if self.gather and short > 0:  # the last vocabulary shard: zero rows up to the common width
+                self.weight = torch.cat([self.weight, self.weight.new_zeros(short, self.weight.shape[1])])
         else:
             self._op = _OP[type(q)]
             self.qweight = ops.prepare_weight(self._op, q)
@@ -59,8 +79,14 @@ class Linear(nn.Module):
             raise ValueError(f"fused weight {'+'.join(self.parts)} has shape {got}, the config implies {shape}")
 
     def part_shape(self, part: str) -> tuple[int, int] | None:
-        """A checkpoint part's [out, in], where it is known (one part; fused parts may differ in rows)."""
-        return (self.out_features, self.in_features) if len(self.parts) == 1 else None
+        """A checkpoint part's [out, in] (the whole tensor, not this rank's slice), where it is known
+        (one part; fused parts may differ in rows)."""
+        if len(self.parts) != 1:
+            return None
+        shard = self.shards.get(part)
+        if shard is None:
+            return self.out_features, self.in_features
+        return (shard.full, self.in_features) if shard.dim == 0 else (self.out_features, shard.full)
 
     def init_random(self, gen: torch.Generator, std: float = 0.02, device: torch.device | str = "cpu") -> None:
         """Random weights of the right shape instead of loaded parts (`--load-format dummy`); `gen` is a
@@ -77,6 +103,55 @@ class Linear(nn.Module):
         self.qweight = ops.prepare_weight(self._op, q)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce:
+            return self._row_parallel(x)
         if self.qweight is None:  # a dense layer after a 16-bit one gets its input in its own dtype
-            return ops.linear(x.to(self.weight.dtype), self.weight, self.bias)
-        return getattr(ops, self._op)(x, self.qweight, self.bias)
+            y = ops.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        else:
+            y = getattr(ops, self._op)(x, self.qweight, self.bias)
+        return parallel.all_gather(y, dim=-1, group=parallel.tp_group()) if self.gather else y
+
+    def _row_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        group = parallel.tp_group()
+        if self.qweight is None:
+            return ops.linear_all_reduce(x.to(self.weight.dtype), self.weight, self.bias, group)
+        y = ops.all_reduce(getattr(ops, self._op)(x, self.qweight, None), group)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+
+def column_parallel(parts: dict[str, int], in_features: int, dtype: torch.dtype, bias: bool = False,
+                    shards: dict[str, Shard | None] | None = None, what: str = "") -> Linear:
+    """Output rows split over the TP group, each part (q, k, v / gate, up) on its own: `parts` maps each
+    part to its full row count; `shards` overrides a part's slice (GQA key/value heads)."""
+    shards = dict(shards or {})
+    for p, rows in parts.items():
+        if p not in shards:
+            shards[p] = parallel.tp_shard(rows, 0, what or p)
+    out = sum(s.length if s is not None else parts[p] for p, s in ((p, shards[p]) for p in parts))
+    return Linear(out, in_features, dtype, tuple(parts), bias=bias, shards=shards)
+
+
+def row_parallel(out_features: int, in_features: int, dtype: torch.dtype, part: str, bias: bool = False,
+                 what: str = "") -> Linear:
+    """Input features split over the TP group; the outputs are summed by `linear_all_reduce`."""
+    shard = parallel.tp_shard(in_features, 1, what or part)
+    local = shard.length if shard is not None else in_features
+    return Linear(out_features, local, dtype, (part,), bias=bias, shards={part: shard})
+
+
+def vocab_parallel_head(vocab: int, hidden: int, dtype: torch.dtype, part: str = "lm_head") -> Linear:
+    """The LM head split by vocabulary rows; every rank ends with all logits (padded: trim to vocab)."""
+    return Linear(parallel.padded_vocab(vocab), hidden, dtype, (part,), shards={part: parallel.vocab_shard(vocab)},
+                  gather=True)
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, table: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Rows of the embedding for `ids` when each TP rank holds a slice of the vocabulary: every rank
+    looks up what it holds, zeros the rest, and the sum over the group is the full lookup."""
+    shard = parallel.vocab_shard(vocab)
+    if shard is None:
+        return ops.embedding(ids, table)
+    local = ids - shard.start
+    held = (local >= 0) & (local < shard.length)
+    x = ops.embedding(local.clamp(0, table.shape[0] - 1), table) * held.unsqueeze(-1).to(table.dtype)
+    return ops.all_reduce(x, parallel.tp_group())

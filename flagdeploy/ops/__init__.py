@@ -14,6 +14,8 @@ from .reference import a16_dtype, rope_tables
 from .weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight
 
 linear = dispatch("linear")
+linear_all_reduce = dispatch("linear_all_reduce")
+all_reduce = dispatch("all_reduce")
 linear_w4a16 = dispatch("linear_w4a16")
 linear_w8a16 = dispatch("linear_w8a16")
 linear_w8a8_dynamic = dispatch("linear_w8a8_dynamic")
@@ -29,7 +31,7 @@ write_kv_cache = dispatch("write_kv_cache")
 
 __all__ = [
     "OPS", "Backend", "OpSpec", "Tolerance", "active_backend", "backends", "detect_backend", "get_backend",
-    "use_backend", "prepare_weight", "a16_dtype", "rope_tables", "Fp8BlockWeight", "Int4Weight", "Int8Weight", "W8A8Weight", "linear",
+    "use_backend", "prepare_weight", "a16_dtype", "rope_tables", "Fp8BlockWeight", "Int4Weight", "Int8Weight", "W8A8Weight", "linear", "linear_all_reduce", "all_reduce",
     "linear_w4a16", "linear_w8a16", "linear_w8a8_dynamic", "linear_fp8_block", "embedding", "rms_norm", "add_rms_norm", "rope", "swiglu",
     "attention_prefill", "paged_attention_decode", "write_kv_cache",
 ]

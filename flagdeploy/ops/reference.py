@@ -94,6 +94,21 @@ def linear_fp8_block(x: torch.Tensor, weight: Fp8BlockWeight, bias: torch.Tensor
     return (y if bias is None else y + bias.to(acc)).to(a)
 
 
+def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum `x` over the ranks of `group` (the tensor-parallel group), in place; the identity on one rank."""
+    from flagdeploy import parallel  # the collectives need the op layer themselves: imported late
+
+    return parallel.all_reduce(x, group)
+
+
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None) -> torch.Tensor:
+    """A row-parallel linear: each rank holds a slice of the input features, so the partial products
+    are summed over `group` before the (full) bias is added once. One op so that a backend can run
+    the matmul and the all-reduce as one kernel (Ascend's npu_mm_all_reduce_base)."""
+    y = all_reduce(linear(x, weight), group)
+    return y + bias if bias is not None else y
+
+
 def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return table[ids]
 
@@ -233,6 +248,15 @@ def _linear_inputs(dtype, device, g):
             _randn(g, 48, dtype=dtype, device=device)), {}
 
 
+def _all_reduce_inputs(dtype, device, g):
+    return (_randn(g, 5, 48, dtype=dtype, device=device),), {"group": None}
+
+
+def _linear_all_reduce_inputs(dtype, device, g):
+    args, _ = _linear_inputs(dtype, device, g)
+    return args, {"group": None}
+
+
 def _w4_inputs(dtype, device, g):
     n, k, gs = 48, 64, 32
     w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8).to(device),
@@ -303,6 +327,8 @@ def _write_kv_inputs(dtype, device, g):
 
 for _spec in (
     OpSpec("linear", linear, _TOL, _linear_inputs, linear.__doc__),
+    OpSpec("all_reduce", all_reduce, _TOL, _all_reduce_inputs, all_reduce.__doc__),
+    OpSpec("linear_all_reduce", linear_all_reduce, _TOL, _linear_all_reduce_inputs, linear_all_reduce.__doc__),
     OpSpec("linear_w4a16", linear_w4a16, _TOL_A16, _w4_inputs, linear_w4a16.__doc__),
     OpSpec("linear_w8a16", linear_w8a16, _TOL_A16, _w8_inputs, linear_w8a16.__doc__),
     OpSpec("linear_w8a8_dynamic", linear_w8a8_dynamic, _TOL_A16, _w8a8_inputs, linear_w8a8_dynamic.__doc__),

@@ -1,0 +1,82 @@
+"""A llama-family replica split over two CPU processes (gloo) answers exactly as one process does.
+
+The split covers every sharded piece: query heads, key/value heads (an equal share, and a single KV
+head replicated on both ranks), qkv bias, the MLP, an odd vocabulary (padded on the last rank), tied
+and untied heads; and every engine path: batched prefill, chunked prefill, decode, prompt logprobs.
+transformers is the oracle for the split model's logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from flagdeploy import parallel
+from flagdeploy.engine import EngineConfig, SamplingParams
+from flagdeploy.engine.loader import build_llm_engine
+from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+
+PROMPTS = [[5, 17, 42, 99, 3, 150, 7, 8, 9, 11], [200, 1, 33], list(range(40, 75))]
+
+
+def _checkpoint(path, kv_heads: int, tied: bool):
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=kv_heads, attention_bias=True,
+                                   max_position_embeddings=256, tie_word_embeddings=tied)
+    torch.manual_seed(kv_heads)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # a visible qkv bias (qwen2-style): zeros would hide one added on the wrong rows
+        for name, p in ref.named_parameters():
+            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                p.normal_(0, 0.1)
+    ref.save_pretrained(path)
+    write_word_tokenizer(path, 211)
+    return ref
+
+
+def _engine(path, tp: int):
+    # 16 tokens per step: the 35-token prompt is prefilled in chunks that read the cache back
+    config = EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20,
+                          tp=tp)
+    return build_llm_engine(path, "safetensors", config, chip="cpu", progress=False)
+
+
+def _run(engine):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    tokens = engine.generate(PROMPTS, params)
+    logits = engine.runner.score(PROMPTS[0])
+    return tokens, logits
+
+
+@pytest.mark.parametrize("kv_heads,tied", [(2, False), (1, True)], ids=["kv-split", "kv-replicated-tied"])
+def test_two_ranks_match_one_and_transformers(tmp_path, kv_heads, tied):
+    ref = _checkpoint(tmp_path, kv_heads, tied)
+    one = _engine(tmp_path, 1)
+    want_tokens, want_logits = _run(one)
+    two = _engine(tmp_path, 2)
+    try:
+        assert parallel.tp_size() == 2
+        # this rank holds half the heads, half the MLP and 106 of the 211 vocabulary rows
+        layer = two.model.layers[0]
+        assert layer.heads == 2 and layer.kv_heads == max(kv_heads // 2, 1)
+        assert two.model.embed_tokens.shape[0] == 106
+        tokens, logits = _run(two)
+        stats = two.stats()
+    finally:
+        two.close()
+    assert parallel.tp_size() == 1  # the group is gone: later models in this process are whole again
+    assert not any(p.is_alive() for p in two.runner.workers.procs)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        oracle = ref(torch.tensor([PROMPTS[0]])).logits[0]
+    torch.testing.assert_close(logits, oracle, atol=1e-4, rtol=1e-4)
+    assert stats["preemptions"] == 0 and stats["generation_tokens"] == 36
+
+
+def test_a_split_that_does_not_divide_is_refused_before_workers_start(tmp_path):
+    _checkpoint(tmp_path, 2, False)
+    with pytest.raises(Exception, match="--tp 3"):
+        _engine(tmp_path, 3)
+    assert parallel.tp_size() == 1
