@@ -1,4 +1,5 @@
-"""A llama-family replica split over two CPU processes (gloo) answers exactly as one process does.
+"""A replica split over two CPU processes (gloo) answers exactly as one process does: the llama family
+under tensor parallelism, GLM-5.3-Flash (glm5_next) under tensor and expert parallelism.
 
 The split covers every sharded piece: query heads, key/value heads (an equal share, and a single KV
 head replicated on both ranks), qkv bias, the MLP, an odd vocabulary (padded on the last rank), tied
@@ -15,7 +16,7 @@ import transformers
 from flagdeploy import parallel
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine.loader import build_llm_engine
-from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next, write_word_tokenizer
 
 PROMPTS = [[5, 17, 42, 99, 3, 150, 7, 8, 9, 11], [200, 1, 33], list(range(40, 75))]
 
@@ -80,3 +81,26 @@ def test_a_split_that_does_not_divide_is_refused_before_workers_start(tmp_path):
     with pytest.raises(Exception, match="--tp 3"):
         _engine(tmp_path, 3)
     assert parallel.tp_size() == 1
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
+def test_glm5_next_split_engine_matches_one_process(tmp_path, tp, ep):
+    """KDA state, MLA latent pools and routed experts split; a 5-token step budget chunks the prefills
+    across the KDA state; every rank frees a finished sequence's state."""
+    path = write_tiny_glm5_next(tmp_path / "glm5")
+    prompts = [[5, 9, 13, 22, 7, 31, 40, 3, 11, 17, 19, 23], [12, 14, 16], [33, 35, 37, 39, 41, 43, 45]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def engine(tp: int, ep: int):
+        config = EngineConfig(max_model_len=40, max_num_batched_tokens=5, block_size=4, kv_cache_memory=1 << 20,
+                              tp=tp, ep=ep)
+        return build_llm_engine(path, "safetensors", config, chip="cpu", progress=False)
+
+    want = engine(1, 1).generate(prompts, params)
+    split = engine(tp, ep)
+    try:
+        got = split.generate(prompts, params)
+        assert split.runner.caches == {}
+    finally:
+        split.close()
+    assert got == want

@@ -96,7 +96,7 @@ class LockstepRunner:
         self.runner = runner
         self.workers = workers
         self.model = runner.model
-        self._dropped: list[int] = []  # sequences finished since the last step, forgotten with the next
+        self._dropped: list[int] = []  # sequences finished since the last step
 
     def __getattr__(self, name):  # kv_caches, pools, caches, ...: the local runner's
         return getattr(self.runner, name)
@@ -108,16 +108,12 @@ class LockstepRunner:
     def run(self, batch):
         step, sampled = self.runner.plan(batch)
         self._call("step", self._dropped, step)
-        self._apply(self._dropped)
+        self._dropped = []
         return self.runner.execute(step), sampled
 
-    def _apply(self, dropped: list[int]) -> None:
-        for seq_id in dropped:
-            self.runner.drop(seq_id)
-        dropped.clear()
-
     def release(self, seq) -> None:
-        self._dropped.append(seq.seq_id)
+        self.runner.drop(seq.seq_id)
+        self._dropped.append(seq.seq_id)  # the other ranks forget it with the next step
 
     def score(self, ids: list[int]) -> torch.Tensor:
         self._call("score", ids)

@@ -149,8 +149,9 @@ def _not_converted(text: dict) -> list[str]:
 
 def _text_shapes(model) -> Iterator[tuple[str, tuple[int, ...]]]:
     for name, slot in model.weight_slots().items():
-        if len(slot) == 1:
-            shape = tuple(slot[0].shape)
+        if len(slot) == 2:  # (parameter, shard): the shard's full length where the model is split
+            param, shard = slot
+            shape = tuple(shard.full if shard is not None and d == shard.dim else n for d, n in enumerate(param.shape))
         else:
             lin, part, kind = slot  # a Linear's fused parts are equal in this model
             rows, cols = lin.part_shape(part) or (lin.out_features // len(lin.parts), lin.in_features)

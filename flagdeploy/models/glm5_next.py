@@ -8,6 +8,13 @@ in one tensor when standalone or in the engine's block pools (`PagedTokenRows`);
 of sequences of any lengths (`forward_packed` / `forward_batch`), as flagdeploy's llama path does.
 The reference this is checked against is transformers 5.23's `Glm5NextForConditionalGeneration`
 (tests/test_glm5_next.py).
+
+Split over several processes (flagdeploy.parallel; tests/test_parallel_glm5.py): tensor parallelism
+(--tp) gives each rank whole attention heads (MLA and KDA), a share of every dense MLP / shared expert /
+routed expert's intermediate size, and a share of the vocabulary; expert parallelism (--ep) gives each
+rank a contiguous block of the routed experts, and tokens travel to them and back by all-to-all.
+Everything small or input-side is replicated (norms, mHC, router, the MLA latent projections and the
+DSA indexer), so every rank caches the full MLA latent and computes the same top-k selection.
 """
 
 from __future__ import annotations
@@ -21,12 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flagdeploy import ops
+from flagdeploy import ops, parallel
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.ops import glm as glm_ops
 from flagdeploy.ops.weights import FP8_DTYPES, Fp8BlockWeight, Int8Weight, W8A8Weight, fp8_block_dequantize
+from flagdeploy.parallel import Shard
 
-from .linear import Linear
+from .linear import Linear, column_parallel, row_parallel, vocab_parallel_embedding, vocab_parallel_head
+from .slots import copy_param
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +280,20 @@ def _lin(out_f: int, in_f: int, dtype: torch.dtype, name: str, bias: bool = Fals
     return Linear(out_f, in_f, dtype, (name,), bias=bias)
 
 
+def _local_heads(heads: int, what: str) -> int:
+    """How many of `heads` each TP rank holds (a ValueError naming --tp if they do not split evenly)."""
+    return parallel.split(heads, parallel.tp_size(), 0, what, "--tp")[1]
+
+
+def _head_shard(heads: int, per_head: int, what: str) -> Shard | None:
+    """This TP rank's whole heads of a tensor laid out head after head (`per_head` rows each, dim 0);
+    None without TP. Splitting by heads (not by rows) keeps a head's rows on one rank."""
+    if parallel.tp_size() == 1:
+        return None
+    start, length = parallel.split(heads, parallel.tp_size(), parallel.tp_rank(), what, "--tp")
+    return Shard(0, start * per_head, length * per_head, heads * per_head)
+
+
 class KdaAttention(nn.Module):
     """Kimi delta attention: short conv on q/k/v, per-channel forget gate, gated delta rule, gated norm."""
 
@@ -278,23 +301,32 @@ class KdaAttention(nn.Module):
         super().__init__()
         self.c = c
         h, d, width = c.linear_num_heads, c.linear_head_dim, c.linear_num_heads * c.linear_head_dim
-        self.qkv_proj = Linear(3 * width, c.hidden_size, dtype, ("q_proj", "k_proj", "v_proj"))
+        # Under TP each rank holds whole heads: every per-channel tensor (q/k/v and their convs, the
+        # gates' output rows, dt_bias) is cut by `channels`, the per-head ones (beta, A_log) by `heads`;
+        # the low-rank input sides (f_a, g_a) and o_norm (one weight shared by all heads) are replicated,
+        # and o_proj sums the heads' contributions over the group. The state then holds local heads only.
+        what = "linear attention heads (linear_num_heads)"
+        self.heads = _local_heads(h, what)
+        self.channels, self.head_rows = _head_shard(h, d, what), _head_shard(h, 1, what)
+        local = self.heads * d
+        self.qkv_proj = column_parallel({"q_proj": width, "k_proj": width, "v_proj": width}, c.hidden_size, dtype,
+                                        shards=dict.fromkeys(("q_proj", "k_proj", "v_proj"), self.channels))
         # float32 like transformers' _keep_in_fp32_modules: the conv, dt_bias and A_log stay exact
-        self.conv_weight = _param(3 * width, c.linear_conv_kernel_dim, dtype=torch.float32)
+        self.conv_weight = _param(3 * local, c.linear_conv_kernel_dim, dtype=torch.float32)
         self.f_a_proj = _lin(d, c.hidden_size, dtype, "f_a_proj")
-        self.f_b_proj = _lin(width, d, dtype, "f_b_proj")
-        self.dt_bias = _param(width, dtype=torch.float32)
-        self.A_log = _param(h, dtype=torch.float32)
-        self.b_proj = _lin(h, c.hidden_size, dtype, "b_proj")
+        self.f_b_proj = column_parallel({"f_b_proj": width}, d, dtype, shards={"f_b_proj": self.channels})
+        self.dt_bias = _param(local, dtype=torch.float32)
+        self.A_log = _param(self.heads, dtype=torch.float32)
+        self.b_proj = column_parallel({"b_proj": h}, c.hidden_size, dtype, shards={"b_proj": self.head_rows})
         self.g_a_proj = _lin(d, c.hidden_size, dtype, "g_a_proj")
-        self.g_b_proj = _lin(width, d, dtype, "g_b_proj")
+        self.g_b_proj = column_parallel({"g_b_proj": width}, d, dtype, shards={"g_b_proj": self.channels})
         self.o_norm = _param(d, dtype=dtype)
-        self.o_proj = _lin(c.hidden_size, width, dtype, "o_proj")
+        self.o_proj = row_parallel(c.hidden_size, width, dtype, "o_proj", what=what)
 
     def forget_gate(self, h: torch.Tensor) -> torch.Tensor:
         """Log-decay per head and key channel [T, H, D], in float32; bounded below when configured."""
         c = self.c
-        raw = (self.f_b_proj(self.f_a_proj(h)).float() + self.dt_bias.float()).view(h.shape[0], c.linear_num_heads, -1)
+        raw = (self.f_b_proj(self.f_a_proj(h)).float() + self.dt_bias.float()).view(h.shape[0], self.heads, -1)
         rate = self.A_log.float().exp().view(1, -1, 1)
         if c.linear_lower_bound is not None:
             return c.linear_lower_bound * torch.sigmoid(rate * raw)
@@ -303,7 +335,7 @@ class KdaAttention(nn.Module):
     def forward(self, h: torch.Tensor, states: list[KdaState], spans: list[Span]) -> torch.Tensor:
         """Projections run on the packed tokens; the conv and the recurrence per sequence."""
         c = self.c
-        t, shape = h.shape[0], (h.shape[0], c.linear_num_heads, c.linear_head_dim)
+        t, shape = h.shape[0], (h.shape[0], self.heads, c.linear_head_dim)
         mixed, g, beta = self.qkv_proj(h), self.forget_gate(h), torch.sigmoid(self.b_proj(h))
         out = h.new_empty(shape)
         stepping = [i for i, (a, b, _) in enumerate(spans) if b - a == 1 and states[i].recurrent is not None]
@@ -317,7 +349,7 @@ class KdaAttention(nn.Module):
             q, k, v = (x.reshape(b - a, *shape[1:]) for x in conv.chunk(3, dim=-1))
             kda = glm_ops.kda_recurrent if b - a == 1 and state.recurrent is not None else glm_ops.kda_chunk
             if state.recurrent is None:
-                state.recurrent = torch.zeros(c.linear_num_heads, c.linear_head_dim, c.linear_head_dim,
+                state.recurrent = torch.zeros(self.heads, c.linear_head_dim, c.linear_head_dim,
                                               dtype=torch.float32, device=h.device)
             out[a:b], state.recurrent = kda(q, k, v, g[a:b], beta[a:b], state.recurrent)
         gate = self.g_b_proj(self.g_a_proj(h)).view(shape)
@@ -327,7 +359,7 @@ class KdaAttention(nn.Module):
         """One decode step of B sequences as one op call each: both the conv and the delta rule act per
         channel / per head independently, so B sequences are B times the channels / heads of one."""
         c, n = self.c, len(rows)
-        heads, width = c.linear_num_heads, mixed.shape[1]
+        heads, width = self.heads, mixed.shape[1]
         x = mixed[rows].reshape(1, n * width)
         conv_state = torch.cat([s.conv for s in states], dim=1)
         conv, conv_state = glm_ops.causal_conv1d(x, self.conv_weight.repeat(n, 1), conv_state)
@@ -378,14 +410,21 @@ class MlaAttention(nn.Module):
     def __init__(self, c: Glm5Config, dtype: torch.dtype, full_indexer: bool):
         super().__init__()
         self.c = c
-        hq = c.num_heads
+        hq, dn, dv = c.num_heads, c.qk_nope_head_dim, c.v_head_dim
+        # Under TP each rank holds whole heads (q_b and kv_b rows, o_proj columns); the latent side
+        # (q_a, kv_a, their norms) is replicated, so every rank caches the full latent and the indexer
+        # (which reads q_a's output) picks the same keys on every rank.
+        what = "attention heads (num_attention_heads)"
+        self.heads = _local_heads(hq, what)
         self.q_a_proj = _lin(c.q_lora_rank, c.hidden_size, dtype, "q_a_proj", c.attention_bias)
         self.q_a_norm = _param(c.q_lora_rank, dtype=dtype)
-        self.q_b_proj = _lin(hq * c.qk_nope_head_dim, c.q_lora_rank, dtype, "q_b_proj")
+        self.q_b_proj = column_parallel({"q_b_proj": hq * dn}, c.q_lora_rank, dtype,
+                                        shards={"q_b_proj": _head_shard(hq, dn, what)})
         self.kv_a_proj = _lin(c.kv_lora_rank, c.hidden_size, dtype, "kv_a_proj_with_mqa", c.attention_bias)
         self.kv_a_norm = _param(c.kv_lora_rank, dtype=dtype)
-        self.kv_b_proj = _lin(hq * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, dtype, "kv_b_proj")
-        self.o_proj = _lin(c.hidden_size, hq * c.v_head_dim, dtype, "o_proj", c.attention_bias)
+        self.kv_b_proj = column_parallel({"kv_b_proj": hq * (dn + dv)}, c.kv_lora_rank, dtype,
+                                         shards={"kv_b_proj": _head_shard(hq, dn + dv, what)})
+        self.o_proj = row_parallel(c.hidden_size, hq * dv, dtype, "o_proj", c.attention_bias, what=what)
         self.indexer = DsaIndexer(c, dtype) if full_indexer else None
         self.scale = c.qk_nope_head_dim**-0.5
 
@@ -399,47 +438,55 @@ class MlaAttention(nn.Module):
         c = self.c
         t = h.shape[0]
         q_resid = ops.rms_norm(self.q_a_proj(h), self.q_a_norm, c.rms_norm_eps)
-        q = self.q_b_proj(q_resid).view(t, c.num_heads, c.qk_nope_head_dim)
+        q = self.q_b_proj(q_resid).view(t, self.heads, c.qk_nope_head_dim)
         latent = ops.rms_norm(self.kv_a_proj(h), self.kv_a_norm, c.rms_norm_eps)
         masks = self.indexer(h, q_resid, caches, spans) if self.indexer is not None else prev_masks
         if masks is None:
             raise RuntimeError("a shared DSA layer needs the top-k selection of the full layer before it")
-        out = q.new_empty(t, c.num_heads, c.v_head_dim)
+        out = q.new_empty(t, self.heads, c.v_head_dim)
         absorbed = self._absorbed_weights()
         for cache, (a, b, _), mask in zip(caches, spans, masks):
             cache.latent.append(latent[a:b])
             rows = cache.latent.all()
             if b - a == 1 and absorbed is not None:
                 w_uk, w_uv = absorbed
-                shared = rows.unsqueeze(1).expand(-1, c.num_heads, -1)  # one latent for all heads
+                shared = rows.unsqueeze(1).expand(-1, self.heads, -1)  # one latent for all heads
                 q_lat = torch.einsum("thd,hdr->thr", q[a:b], w_uk)
                 ctx = glm_ops.sparse_attention(q_lat, shared, shared, mask, self.scale)
                 out[a:b] = torch.einsum("thr,hvr->thv", ctx, w_uv)
                 continue
-            kv = self.kv_b_proj(rows).view(-1, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+            kv = self.kv_b_proj(rows).view(-1, self.heads, c.qk_nope_head_dim + c.v_head_dim)
             k, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
             out[a:b] = glm_ops.sparse_attention(q[a:b], k, v, mask, self.scale)
         return self.o_proj(out.reshape(t, -1)), masks
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """kv_b split per head into its key part [H, Dn, R] and value part [H, Dv, R]; None when kv_b
-        is held quantized (then decode expands like prefill)."""
+        """kv_b split per head into its key part [H, Dn, R] and value part [H, Dv, R] (this rank's
+        heads under TP); None when kv_b is held quantized (then decode expands like prefill)."""
         w = self.kv_b_proj.weight
         if w is None:
             return None
         c = self.c
-        w = w.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w = w.view(self.heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
 
 class DenseMlp(nn.Module):
-    """Clamped SwiGLU MLP (also the MoE's shared expert)."""
+    """Clamped SwiGLU MLP (also the MoE's shared expert).
 
-    def __init__(self, c: Glm5Config, inter: int, dtype: torch.dtype):
+    Under TP gate/up are column-parallel and down row-parallel (intermediate size split). `partial`
+    leaves down's output a partial sum (no all-reduce of its own): the MoE adds it to the routed
+    experts' partial sums and reduces both at once.
+    """
+
+    def __init__(self, c: Glm5Config, inter: int, dtype: torch.dtype, what: str = "intermediate_size",
+                 partial: bool = False):
         super().__init__()
         self.limit = c.swiglu_limit
-        self.gate_up_proj = Linear(2 * inter, c.hidden_size, dtype, ("gate_proj", "up_proj"))
-        self.down_proj = _lin(c.hidden_size, inter, dtype, "down_proj")
+        self.gate_up_proj = column_parallel({"gate_proj": inter, "up_proj": inter}, c.hidden_size, dtype, what=what)
+        self.down_proj = row_parallel(c.hidden_size, inter, dtype, "down_proj", what=what)
+        if partial:
+            self.down_proj.reduce = False
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.swiglu(self.gate_up_proj(h), self.limit))
@@ -458,21 +505,46 @@ class ExpertBank(nn.Module):
 
     def __init__(self, c: Glm5Config, dtype: torch.dtype):
         super().__init__()
-        self.n, self.inter, self.hidden = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+        self.n_total, self.full_inter, self.hidden = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+        # EP: experts [first, first + n) live here; TP: each of them keeps a share of its intermediate size
+        self.first, self.n = parallel.split(self.n_total, parallel.ep_size(), parallel.ep_rank(),
+                                            "routed experts (n_routed_experts)", "--ep")
+        self.rows = parallel.tp_shard(self.full_inter, 0, "moe_intermediate_size")  # gate/up rows
+        self.inter = self.rows.length if self.rows is not None else self.full_inter
         self.gate_up = _param(self.n, 2 * self.inter, self.hidden, dtype=dtype)
         self.down = _param(self.n, self.hidden, self.inter, dtype=dtype)
         self._pending: dict[tuple[int, str], Any] = {}
 
+    def holds(self, e: int) -> bool:
+        """Whether routed expert `e` (global id) lives on this rank."""
+        return self.first <= e < self.first + self.n
+
+    def shard(self, proj: str) -> Shard | None:
+        """This rank's slice of one expert's checkpoint tensor: gate/up rows, down columns (TP)."""
+        if self.rows is None:
+            return None
+        return self.rows if proj != "down_proj" else Shard(1, self.rows.start, self.rows.length, self.rows.full)
+
     def part_shape(self, part: tuple[int, str]) -> tuple[int, int]:
-        return (self.hidden, self.inter) if part[1] == "down_proj" else (self.inter, self.hidden)
+        """The whole checkpoint tensor's shape (a slice of it is accepted too)."""
+        return (self.hidden, self.full_inter) if part[1] == "down_proj" else (self.full_inter, self.hidden)
 
     def _view(self, e: int, name: str) -> torch.Tensor:
-        i = self.inter
+        i, e = self.inter, e - self.first
         return {"gate_proj": self.gate_up[e, :i], "up_proj": self.gate_up[e, i:], "down_proj": self.down[e]}[name]
 
     def load_part(self, part: tuple[int, str], kind: str, value) -> None:
+        """One expert's projection (global expert id), whole or already this rank's slice."""
+        shard = self.shard(part[1])
+        if shard is not None:
+            if not isinstance(value, torch.Tensor):  # quantized bundles are split dense, as Linear does
+                value = value.dequantize(self.gate_up.dtype)
+            value = shard.take(value)
         if isinstance(value, torch.Tensor):
-            self._view(*part).copy_(value)
+            dst = self._view(*part)
+            if tuple(dst.shape) != tuple(value.shape):
+                raise ValueError(f"has shape {tuple(value.shape)}, this rank's slot is {tuple(dst.shape)}")
+            dst.copy_(value)
         else:
             self._pending[part] = value
 
@@ -486,9 +558,10 @@ class ExpertBank(nn.Module):
         if (len(bundles) == 3 * self.n and kinds <= {Int8Weight, W8A8Weight}
                 and len(kinds) == len(gate_up_groups) == len(down_groups) == 1):
             get = lambda e, name: self._pending[(e, name)]  # noqa: E731
+            mine = range(self.first, self.first + self.n)
             gate_up = type(bundles[0]).stack([type(bundles[0]).cat([get(e, "gate_proj"), get(e, "up_proj")])
-                                              for e in range(self.n)])
-            down = type(bundles[0]).stack([get(e, "down_proj") for e in range(self.n)])
+                                              for e in mine])
+            down = type(bundles[0]).stack([get(e, "down_proj") for e in mine])
             del self.gate_up, self.down  # the dense parameters give way to the banks
             self.gate_up, self.down = gate_up, down
         else:
@@ -498,7 +571,12 @@ class ExpertBank(nn.Module):
 
 
 class MoE(nn.Module):
-    """Sigmoid-routed experts (group-limited top-k) plus the always-on shared expert."""
+    """Sigmoid-routed experts (group-limited top-k) plus the always-on shared expert.
+
+    The router is replicated: every rank routes every token identically. Under TP the routed and the
+    shared experts' outputs are partial sums over the intermediate shard, reduced by one all-reduce.
+    Under EP see `_expert_parallel`.
+    """
 
     def __init__(self, c: Glm5Config, dtype: torch.dtype):
         super().__init__()
@@ -506,14 +584,61 @@ class MoE(nn.Module):
         self.router = _param(c.n_routed_experts, c.hidden_size, dtype=dtype)
         self.correction_bias = _param(c.n_routed_experts, dtype=torch.float32)
         self.experts = ExpertBank(c, dtype)
-        self.shared = DenseMlp(c, c.moe_intermediate_size * c.n_shared_experts, dtype)
+        self.shared = DenseMlp(c, c.moe_intermediate_size * c.n_shared_experts, dtype, "moe_intermediate_size",
+                               partial=True)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         c = self.c
         routing = glm_ops.moe_router(h, self.router, self.correction_bias, c.num_experts_per_tok, c.n_group,
                                      c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        if parallel.ep_size() > 1:
+            return self._expert_parallel(h, routing)
         x = self.experts
-        return glm_ops.moe_experts(h, routing, x.gate_up, x.down, c.swiglu_limit) + self.shared(h)
+        return self._tp_sum(glm_ops.moe_experts(h, routing, x.gate_up, x.down, c.swiglu_limit) + self.shared(h))
+
+    @staticmethod
+    def _tp_sum(partial: torch.Tensor) -> torch.Tensor:
+        """The one all-reduce of the MoE over the TP group (routed + shared partial sums together)."""
+        return ops.all_reduce(partial, parallel.tp_group()) if parallel.tp_size() > 1 else partial
+
+    def _expert_parallel(self, h: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+        """The MoE with the routed experts spread over the EP group.
+
+        Every EP rank has all T tokens; EP rank r takes the r-th contiguous block of ceil(T / ep) of
+        them (the last blocks shorter or empty), so each token is dispatched exactly once. Each of
+        the block's (token, expert) choices travels to the rank holding the expert (counts first, then
+        the rows and the expert ids, all-to-all), that rank runs its local experts on what arrived,
+        the outputs travel back by the inverse all-to-all and are weighted and summed per token here.
+        The shared expert runs on the same block; with TP the block's partial sums are reduced once;
+        an all-gather over the EP group finally gives every rank all T rows again.
+        """
+        c, bank, group = self.c, self.experts, parallel.ep_group()
+        ep, t = parallel.ep_size(), h.shape[0]
+        per = -(-t // ep)
+        a, b = min(parallel.ep_rank() * per, t), min((parallel.ep_rank() + 1) * per, t)
+        x, mine = h[a:b], routing[a:b]
+        # dispatch: this block's choices grouped by owning rank (experts are laid out rank by rank)
+        token, expert = mine.nonzero(as_tuple=True)
+        order = torch.argsort(expert, stable=True)
+        token, expert = token[order], expert[order]
+        weight = mine[token, expert]
+        owner = expert // bank.n
+        send = torch.bincount(owner, minlength=ep)
+        recv = parallel.all_to_all(send, [1] * ep, [1] * ep, group)
+        send_n, recv_n = send.tolist(), recv.tolist()
+        rows = parallel.all_to_all(x[token], send_n, recv_n, group)
+        ids = parallel.all_to_all(expert, send_n, recv_n, group) - bank.first
+        # the owner: each received row goes to exactly one local expert, with weight 1 (weighted at home)
+        pick = torch.zeros(rows.shape[0], bank.n, dtype=rows.dtype, device=rows.device)
+        pick.scatter_(1, ids.unsqueeze(1), 1.0)
+        done = glm_ops.moe_experts(rows, pick, bank.gate_up, bank.down, c.swiglu_limit)
+        back = parallel.all_to_all(done, recv_n, send_n, group)
+        # combine: the block's weighted sums plus the shared expert, padded to `per` rows for the gather
+        out = h.new_zeros(per, h.shape[1])
+        out[: b - a].index_add_(0, token, (back * weight.unsqueeze(1)).to(out.dtype))
+        out[: b - a] += self.shared(x)
+        out = self._tp_sum(out)
+        return parallel.all_gather(out, dim=0, group=group)[:t]
 
 
 class HyperConnection(nn.Module):
@@ -567,10 +692,12 @@ class Glm5NextForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # vocabulary-parallel under TP (rows padded to one width per rank), as the llama family
+        self.embed_tokens = _param(parallel.padded_vocab(cfg.vocab_size), cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(Glm5Layer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype)
-        self.lm_head = _lin(cfg.vocab_size, cfg.hidden_size, dtype, "lm_head")
+        self.lm_head = vocab_parallel_head(cfg.vocab_size, cfg.hidden_size, dtype)
+        self._plan_slots: dict[str, tuple] | None = None  # `read_plan`'s view of weight_slots, built once
 
     def new_cache(self, pools: dict | None = None, block_table: list[int] | None = None) -> Glm5SequenceCache:
         """A standalone cache, or (with the engine's pools and the sequence's block table) a paged one."""
@@ -579,7 +706,9 @@ class Glm5NextForCausalLM(nn.Module):
         return Glm5SequenceCache.paged(self.cfg, pools, block_table)
 
     def cache_pools(self, num_blocks: int, block_size: int) -> dict[int, dict[str, torch.Tensor]]:
-        """The engine's block pools: per indexed layer, the latent, and the indexer key / pool gate rows."""
+        """The engine's block pools: per indexed layer, the latent, and the indexer key / pool gate rows.
+        Their widths do not depend on TP/EP: the latent and the indexer are replicated, every rank holds
+        them whole (the per-head KDA state, which TP does split, lives in the sequence caches)."""
         c = self.cfg
         pools = {}
         for i, (lt, kind) in enumerate(zip(c.layer_types, c.indexer_types)):
@@ -598,7 +727,8 @@ class Glm5NextForCausalLM(nn.Module):
     def cache_bytes_per_token(self) -> int:
         """What one more token adds to the block pools (`cache_pools`): the MLA latent on every indexed
         layer, the indexer key and pool gate on full-indexer ones. KDA layers add nothing per token
-        (their state is fixed-size per sequence)."""
+        (their state is fixed-size per sequence and holds this rank's heads only). The same on every
+        rank: the MLA latent and the indexer rows are replicated under TP/EP."""
         c = self.cfg
         values = sum(c.kv_lora_rank + c.index_head_dim * (2 if kind == "full" else 0)
                      for lt, kind in zip(c.layer_types, c.indexer_types) if lt == "indexed_attention")
@@ -633,7 +763,7 @@ class Glm5NextForCausalLM(nn.Module):
         """
         bounds = cu_seqlens.tolist()
         spans = [(a, b, cache.length) for a, b, cache in zip(bounds[:-1], bounds[1:], caches)]
-        x = ops.embedding(input_ids, self.embed_tokens)
+        x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.cfg.vocab_size)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         masks = None
         for i, layer in enumerate(self.layers):
@@ -641,18 +771,22 @@ class Glm5NextForCausalLM(nn.Module):
         for cache, (a, b, _) in zip(caches, spans):
             cache.length += b - a
         h = ops.rms_norm(streams.mean(1), self.norm, self.cfg.rms_norm_eps)
-        return self.lm_head(h).float()
+        return self.lm_head(h)[..., : self.cfg.vocab_size].float()
 
     # ---- weights --------------------------------------------------------------------------------------
 
     def weight_slots(self) -> dict[str, tuple]:
-        """Checkpoint name (prefix-free, real-checkpoint form) → (tensor view,) or (Linear, part, kind).
+        """Checkpoint name (prefix-free, real-checkpoint form) → (parameter view, shard or None) or
+        (Linear / ExpertBank, part, kind).
 
         Real-checkpoint form is what the published shards hold: experts one by one, q/k/v convs apart,
-        `hc_attn_fn`-style mHC names, the forget-gate projections directly under `self_attn`.
+        `hc_attn_fn`-style mHC names, the forget-gate projections directly under `self_attn`. The shard
+        is this rank's slice of the checkpoint tensor (None: the parameter holds it whole); under EP
+        only this rank's experts have slots.
         """
         c = self.cfg
-        slots: dict[str, tuple] = {"embed_tokens.weight": (self.embed_tokens,), "norm.weight": (self.norm,)}
+        slots: dict[str, tuple] = {"embed_tokens.weight": (self.embed_tokens, parallel.vocab_shard(c.vocab_size)),
+                                   "norm.weight": (self.norm, None)}
         slots["lm_head.weight"] = (self.lm_head, "lm_head", "weight")
 
         def lin(prefix: str, m: Linear) -> None:
@@ -662,39 +796,39 @@ class Glm5NextForCausalLM(nn.Module):
 
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
-            slots[p + "input_layernorm.weight"] = (layer.input_norm,)
-            slots[p + "post_attention_layernorm.weight"] = (layer.post_norm,)
+            slots[p + "input_layernorm.weight"] = (layer.input_norm, None)
+            slots[p + "post_attention_layernorm.weight"] = (layer.post_norm, None)
             for tag, hc in (("attn", layer.attn_hc), ("ffn", layer.ffn_hc)):
                 for field_ in ("fn", "base", "scale"):
-                    slots[f"{p}hc_{tag}_{field_}"] = (getattr(hc, field_),)
+                    slots[f"{p}hc_{tag}_{field_}"] = (getattr(hc, field_), None)
             a, sa = layer.attn, p + "self_attn."
             if isinstance(a, KdaAttention):
                 for m in (a.qkv_proj, a.f_a_proj, a.f_b_proj, a.b_proj, a.g_a_proj, a.g_b_proj, a.o_proj):
                     lin(sa, m)
                 conv = a.conv_weight.view(3, -1, 1, c.linear_conv_kernel_dim)
                 for j, name in enumerate(("q", "k", "v")):
-                    slots[f"{sa}{name}_conv1d.weight"] = (conv[j],)
-                slots[sa + "dt_bias"] = (a.dt_bias,)
-                slots[sa + "A_log"] = (a.A_log,)
-                slots[sa + "o_norm.weight"] = (a.o_norm,)
+                    slots[f"{sa}{name}_conv1d.weight"] = (conv[j], a.channels)
+                slots[sa + "dt_bias"] = (a.dt_bias, a.channels)
+                slots[sa + "A_log"] = (a.A_log, a.head_rows)
+                slots[sa + "o_norm.weight"] = (a.o_norm, None)
             else:
                 for m in (a.q_a_proj, a.q_b_proj, a.kv_a_proj, a.kv_b_proj, a.o_proj):
                     lin(sa, m)
-                slots[sa + "q_a_layernorm.weight"] = (a.q_a_norm,)
-                slots[sa + "kv_a_layernorm.weight"] = (a.kv_a_norm,)
+                slots[sa + "q_a_layernorm.weight"] = (a.q_a_norm, None)
+                slots[sa + "kv_a_layernorm.weight"] = (a.kv_a_norm, None)
                 if a.indexer is not None:
                     ix, si = a.indexer, sa + "indexer."
                     for m in (ix.wq_b, ix.wk, ix.weights_proj):
                         lin(si, m)
                     slots[si + "index_kpool_compress_gate"] = (ix.compress_gate, "index_kpool_compress_gate", "weight")
-                    slots[si + "index_kpool_compress_ape"] = (ix.compress_ape,)
-                    slots[si + "k_norm.weight"] = (ix.k_norm_weight,)
-                    slots[si + "k_norm.bias"] = (ix.k_norm_bias,)
+                    slots[si + "index_kpool_compress_ape"] = (ix.compress_ape, None)
+                    slots[si + "k_norm.weight"] = (ix.k_norm_weight, None)
+                    slots[si + "k_norm.bias"] = (ix.k_norm_bias, None)
             m, sm = layer.mlp, p + "mlp."
             if isinstance(m, MoE):
-                slots[sm + "gate.weight"] = (m.router,)
-                slots[sm + "gate.e_score_correction_bias"] = (m.correction_bias,)
-                for e in range(c.n_routed_experts):
+                slots[sm + "gate.weight"] = (m.router, None)
+                slots[sm + "gate.e_score_correction_bias"] = (m.correction_bias, None)
+                for e in range(m.experts.first, m.experts.first + m.experts.n):
                     for proj in ExpertBank._PARTS:
                         slots[f"{sm}experts.{e}.{proj}.weight"] = (m.experts, (e, proj), "weight")
                 lin(sm + "shared_experts.", m.shared.gate_up_proj)
@@ -706,7 +840,41 @@ class Glm5NextForCausalLM(nn.Module):
             del slots["lm_head.weight"]
         return slots
 
+    def read_plan(self, raw_name: str) -> str | Shard | None:
+        """How a checkpoint reader should read tensor `raw_name` (as stored, prefixes and all) for this rank.
+
+        "skip": this rank never uses it (a routed expert another EP rank holds, its scale included).
+        A Shard: the slice TP cuts (embedding and LM head rows, head-split projections, convs, per-head
+        vectors, expert intermediate slices); the reader takes it only from 16/32-bit tensors and reads
+        FP8 and int8 weights whole (their blocks must line up with their scales), sliced after dequantising.
+        None: read it whole; replicated tensors, quantization scales, transformers' fused
+        `mlp.experts.gate_up_proj` / `down_proj` / `conv1d.weight` (split by name after reading), and
+        names this model does not use. `load_hf_weights` takes the whole tensor or the slice alike.
+        """
+        scale = raw_name.endswith((".weight_scale_inv", ".weight_scale"))
+        name = _canonical(raw_name[: raw_name.rindex(".weight") + len(".weight")] if scale else raw_name)
+        if self._expert_elsewhere(name):
+            return "skip"
+        if scale:
+            return None
+        if self._plan_slots is None:
+            self._plan_slots = self.weight_slots()
+        slot = self._plan_slots.get(name)
+        if slot is None:
+            return None
+        return _slot_shard(slot)
+
+    def _expert_elsewhere(self, name: str) -> bool:
+        """Whether prefix-free `name` is a routed expert's tensor of one of our MoE layers that another
+        EP rank holds (its tensors are neither read, stored nor reported as missing)."""
+        m = _EXPERT_NAME.match(name)
+        if m is None or int(m.group(1)) >= len(self.layers):
+            return False
+        mlp = self.layers[int(m.group(1))].mlp
+        return isinstance(mlp, MoE) and not mlp.experts.holds(int(m.group(2)))
+
     def finalize(self) -> None:
+        self._plan_slots = None  # drop read_plan's references to parameters that finalize may replace
         tied_head = self.lm_head if self.cfg.tie_word_embeddings else None
         for m in self.modules():
             if isinstance(m, (ExpertBank, Linear)) and m is not tied_head:
@@ -725,19 +893,43 @@ _RENAMES = [
 ]
 
 
-def checkpoint_names(name: str, tensor) -> Iterable[tuple[str, Any]]:
-    """One incoming (name, tensor) in real-checkpoint form, prefix-free; transformers' fused tensors
-    (`experts.gate_up_proj`, `conv1d.weight`) are split into the per-expert / per-projection pieces.
-    Names of other parts (vision, MTP layer, scales) come back unchanged and are then ignored."""
+# a routed expert's tensor, prefix-free: layer index, expert index
+_EXPERT_NAME = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def _canonical(name: str) -> str:
+    """A checkpoint or transformers name in real-checkpoint form, prefix-free (tensor-independent part
+    of `checkpoint_names`)."""
     if name in ("lm_head.weight", "language_model.lm_head.weight"):
-        yield "lm_head.weight", tensor
-        return
+        return "lm_head.weight"
     for pre in _PREFIXES:
         if name.startswith(pre):
             name = name[len(pre):]
             break
     for pat, rep in _RENAMES:
         name = pat.sub(rep, name)
+    return name
+
+
+def _slot_shard(slot: tuple) -> Shard | None:
+    """This rank's slice of the checkpoint tensor a slot takes (None: whole)."""
+    if len(slot) == 2:
+        return slot[1]
+    owner, part, kind = slot
+    shard = owner.shards.get(part) if isinstance(owner, Linear) else owner.shard(part[1])
+    if kind == "bias" and shard is not None and shard.dim != 0:
+        return None  # a row-parallel layer's bias is whole (added once, after the sum)
+    return shard
+
+
+def checkpoint_names(name: str, tensor) -> Iterable[tuple[str, Any]]:
+    """One incoming (name, tensor) in real-checkpoint form, prefix-free; transformers' fused tensors
+    (`experts.gate_up_proj`, `conv1d.weight`) are split into the per-expert / per-projection pieces.
+    Names of other parts (vision, MTP layer, scales) come back unchanged and are then ignored."""
+    name = _canonical(name)
+    if name == "lm_head.weight":
+        yield name, tensor
+        return
     if name.endswith(".mlp.experts.gate_up_proj") and isinstance(tensor, torch.Tensor):
         base = name[: -len("gate_up_proj")]
         for e, w in enumerate(tensor):
@@ -803,32 +995,32 @@ def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any
     usual prefixes); FP8 block-scaled weights are dequantized to the model's dtype on the way in, or with
     keep_fp8 stay FP8 in the linears that take them (experts and other tensors are dequantized).
     A shape mismatch names the tensor and both shapes; missing tensors are named.
+
+    Under TP/EP (the model built with the current parallel layout) each tensor may arrive whole or
+    already as this rank's slice (a reader following `read_plan`); tensors of experts other ranks hold
+    are dropped unread by the FP8 pairing and unreported.
     """
     slots = model.weight_slots()
+    model._plan_slots = slots  # read_plan below looks names up in the same slots
     missing = set(slots)
     skipped: list[str] = []
+    mine = ((n, t) for n, t in tensors if model.read_plan(n) != "skip")
     with torch.no_grad():
-        for raw_name, raw in dequantize_fp8_blocks(tensors, model.cfg.fp8_block or (128, 128), keep_fp8):
+        for raw_name, raw in dequantize_fp8_blocks(mine, model.cfg.fp8_block or (128, 128), keep_fp8):
             for name, t in checkpoint_names(raw_name, raw):
                 slot = slots.get(name)
                 if slot is None:
-                    skipped.append(raw_name)
+                    if not model._expert_elsewhere(name):  # pieces of transformers' fused expert tensors
+                        skipped.append(raw_name)
                     continue
-                if len(slot) == 1:
-                    dst = slot[0]
-                    if not isinstance(t, torch.Tensor):
-                        t = t.dequantize(dst.dtype)
-                    if tuple(dst.shape) != tuple(t.shape):
-                        raise ModelLoadError(f"weight {raw_name} ({name}) has shape {tuple(t.shape)}, "
-                                             f"the config implies {tuple(dst.shape)}")
-                    dst.copy_(t)
-                else:
-                    lin, part, kind = slot
-                    want = lin.part_shape(part) if kind == "weight" else None
-                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else (t.out_features, t.in_features)
-                    if want is not None and got != want:
-                        raise ModelLoadError(f"weight {raw_name} ({name}) has shape {got}, the config implies {want}")
-                    lin.load_part(part, kind, t)
+                try:
+                    if len(slot) == 2:
+                        copy_param(f"{raw_name} ({name})", slot[0], t, slot[1])
+                    else:
+                        _load_part(raw_name, name, slot, t)
+                except ValueError as exc:  # a tensor that is neither the whole one nor this rank's slice
+                    msg = str(exc)
+                    raise ModelLoadError(msg if msg.startswith("weight ") else f"weight {raw_name} ({name}) {msg}") from exc
                 missing.discard(name)
     if missing:
         few = ", ".join(sorted(missing, key=_natural)[:5])
@@ -839,6 +1031,21 @@ def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any
     model.finalize()
     if quantize_head:
         model.lm_head.quantize_int8()
+
+
+def _load_part(raw_name: str, name: str, slot: tuple, t) -> None:
+    """A Linear's / the expert bank's part, whole or this rank's slice (either shape is accepted)."""
+    owner, part, kind = slot
+    full = owner.part_shape(part) if kind == "weight" else None
+    got = tuple(t.shape) if isinstance(t, torch.Tensor) else (t.out_features, t.in_features)
+    if full is not None:
+        ok = {tuple(full)}
+        shard = _slot_shard(slot)
+        if shard is not None:
+            ok.add(tuple(shard.length if d == shard.dim else n for d, n in enumerate(full)))
+        if got not in ok:
+            raise ModelLoadError(f"weight {raw_name} ({name}) has shape {got}, the config implies {tuple(full)}")
+    owner.load_part(part, kind, t)
 
 
 def _natural(name: str):
