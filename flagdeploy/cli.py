@@ -95,8 +95,33 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     With --engine (not builtin), --upstream or --config, the model runs on external engines behind this
     endpoint instead (docs/gateway.md)."""
     _setup_logging(log_level)
+    builtin = engine == "builtin" and not (upstreams or config_file)
+    if profile_file and builtin:
+        (model, chip, port, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, served_names, tp, ep,
+         dp) = _from_profile(ctx, profile_file, model=model, chip=chip, port=port, max_model_len=max_model_len,
+                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             block_size=block_size, served_names=served_names, tp=tp, ep=ep, dp=dp)
+    # ---- --dp: data-parallel replicas of the builtin engine behind the gateway (flagdeploy/gateway/replicas.py)
     if dp > 1:
-        _fail("--dp is not available yet in this build; run one replica per --port behind `--upstream`")
+        if not builtin:
+            _fail("--dp runs replicas of the builtin engine; for --engine/--upstream/--config give the replicas "
+                  "there instead (`replicas: N` in serve.yaml, or one --upstream per replica)")
+        from flagdeploy.gateway.replicas import builtin_replicas_entry
+
+        _parse_bytes(kv_cache_memory)  # a bad size fails here, not K times in the replicas
+        entry = builtin_replicas_entry(
+            model, dp, chip=chip, served_names=served_names, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, kv_cache_memory=kv_cache_memory,
+            weight_format=weight_format, load_format=load_format, default_temperature=default_temperature,
+            reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser, request_timeout=request_timeout,
+            max_waiting=max_waiting, tp=tp, ep=ep)
+        _serve_gateway(ctx, engine=engine, upstreams=upstreams, config_file=config_file, model=model, host=host,
+                       port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names,
+                       api_key=api_key, profile_file=None, startup_timeout=startup_timeout, log_level=log_level,
+                       entry=entry)
+        return
+    # ---- end of --dp
     if not (upstreams or config_file):
         from flagdeploy.edge import implied_engine
 
@@ -116,12 +141,8 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names,
                        api_key=api_key, profile_file=profile_file, startup_timeout=startup_timeout, log_level=log_level)
         return
-    if profile_file:
-        model, chip, port, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, served_names = _from_profile(
-            ctx, profile_file, model=model, chip=chip, port=port, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names)
     from flagdeploy.engine import AsyncEngine, EngineConfig
-    from flagdeploy.engine.loader import build_llm_engine, check_source
+    from flagdeploy.engine.loader import build_llm_engine, check_source, check_split
     from flagdeploy.loaders.source import resolve
     from flagdeploy.server import create_app, make_server
 
@@ -146,11 +167,16 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     except FlagdeployError as exc:
         _fail(str(exc))
     if not profile_file:
-        _print_plan(src, chip, max_model_len, max_num_seqs, _parse_bytes(kv_cache_memory))
+        _print_plan(src, chip, max_model_len, max_num_seqs, _parse_bytes(kv_cache_memory), tp, ep)
     config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                           kv_cache_memory=_parse_bytes(kv_cache_memory), weight_format=weight_format,
                           load_format=load_format, tp=tp, ep=ep)
+    if tp * ep > 1:
+        try:
+            check_split(src.path, src.format, config)  # before the server starts, not in its loader
+        except FlagdeployError as exc:
+            _fail(str(exc))
     names = list(served_names) or [src.name]
     failure: list[BaseException] = []
 
@@ -177,8 +203,9 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
 
 def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, chip, max_model_len, max_num_seqs,
                    max_num_batched_tokens, block_size, served_names, api_key, profile_file, startup_timeout,
-                   log_level) -> None:
-    """`serve` with external engines: the gateway (flagdeploy/gateway) from serve.yaml or from the options."""
+                   log_level, entry=None) -> None:
+    """`serve` with external engines: the gateway (flagdeploy/gateway) from serve.yaml or from the options.
+    `entry`: the one model entry already built by the caller (--dp's builtin replicas), used as given."""
     from click.core import ParameterSource
 
     from flagdeploy.gateway import build_gateway, load_config, parse_config
@@ -186,7 +213,10 @@ def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, ch
 
     explicit = lambda name: ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE  # noqa: E731
     try:
-        if config_file:
+        if entry is not None:
+            cfg = parse_config({"api_key": api_key, "startup_timeout": startup_timeout, "models": [entry]},
+                               "serve options")
+        elif config_file:
             if engine != "builtin" or upstreams:
                 _fail("--config describes every model; put the engine or upstreams in serve.yaml instead of "
                       "also passing --engine/--upstream")
@@ -252,24 +282,39 @@ def _from_profile(ctx, path: str, **given):
         backend = get_chip(prof.chip).backend
     except (FlagdeployError, ValueError, TypeError) as exc:
         _fail(f"{path}: {exc}")
-    if prof.tp * prof.dp * prof.pp * prof.nodes > 1:
-        _fail(f"{path} splits the model (tp={prof.tp}, dp={prof.dp}, pp={prof.pp}, nodes={prof.nodes}); the builtin engine "
-              f"runs one device so far. Launch an external engine with `flagdeploy plan ... --emit vllm|sglang|...`.")
+    if prof.pp * prof.nodes > 1:
+        _fail(f"{path} splits the model over pipeline stages or nodes (pp={prof.pp}, nodes={prof.nodes}); the builtin "
+              f"engine runs one node without pipeline stages. Launch an external engine with `flagdeploy plan ... "
+              f"--emit vllm|sglang|...`.")
     explicit = lambda name: ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE  # noqa: E731
     pick = lambda name, value: given[name] if explicit(name) else value  # noqa: E731
     names = given["served_names"] if explicit("served_names") else ((prof.served_model_name,) if prof.served_model_name else ())
+    tp, ep, dp = _engine_layout(prof.tp, prof.ep, prof.dp)
     return (pick("model", prof.model), pick("chip", backend), pick("port", prof.port), pick("max_model_len", prof.max_model_len),
             pick("max_num_seqs", prof.max_num_seqs), pick("max_num_batched_tokens", prof.max_num_batched_tokens),
-            pick("block_size", prof.block_size), names)
+            pick("block_size", prof.block_size), names, pick("tp", tp), pick("ep", ep), pick("dp", dp))
 
 
-def _print_plan(src, chip: str | None, max_model_len: int, max_num_seqs: int, kv_cache_memory: int) -> None:
-    """The planner's ledger line for what is about to load (one device of the chip the backend runs)."""
+def _engine_layout(tp: int, ep: int, dp: int) -> tuple[int, int, int]:
+    """The planner's layout in the builtin engine's terms. The planner counts expert parallelism as vLLM
+    does (ep = tp x dp: the experts spread over every device of the dp replicas); the builtin engine
+    gets the same devices and the same expert split as one replica of tp x dp ranks with ep = dp
+    (docs/parallel.md). ep = 1 keeps dp separate replicas."""
+    if ep > 1 and ep == tp * dp:
+        return tp, dp, 1
+    return tp, 1, dp
+
+
+def _print_plan(src, chip: str | None, max_model_len: int, max_num_seqs: int, kv_cache_memory: int, tp: int = 1,
+                ep: int = 1) -> None:
+    """The planner's ledger line for what is about to load: the replica's tp x ep devices of the chip the
+    backend runs, in the planner's terms (the inverse of `_engine_layout`)."""
     import json
 
     from flagdeploy import ops
     from flagdeploy.chips import all_chips
     from flagdeploy.planner import PlanRequest, make_plan
+    from flagdeploy.planner.cost import Layout
     from flagdeploy.planner.report import serve_line
 
     try:
@@ -285,8 +330,9 @@ def _print_plan(src, chip: str | None, max_model_len: int, max_num_seqs: int, kv
                       "attention_bias": c.attention_bias, "torch_dtype": "float32"}
         else:
             config = json.loads((src.path / "config.json").read_text())
-        plan = make_plan(PlanRequest(src.name, chip_id, 1, max_model_len=max_model_len, concurrency=max_num_seqs,
-                                     config=config))
+        layout = Layout(tp=tp, dp=ep, ep=tp * ep if ep > 1 else 1)
+        plan = make_plan(PlanRequest(src.name, chip_id, tp * ep, max_model_len=max_model_len, concurrency=max_num_seqs,
+                                     config=config, layout=layout))
         click.echo(f"flagdeploy: {serve_line(plan, kv_cache_memory)}", err=True)
     except (FlagdeployError, ValueError, KeyError, StopIteration, OSError) as exc:  # the plan is advice: never block serving
         logging.getLogger(__name__).info("no plan for %s: %s", src.name, exc)

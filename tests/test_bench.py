@@ -267,10 +267,14 @@ def test_ctrl_c_keeps_what_was_measured(live: LiveServer, tmp_path) -> None:
     served = _completions_served(live.url)  # cumulative over the module: wait for 3 more
     proc = subprocess.Popen([sys.executable, "-m", "flagdeploy.cli", "bench", "serve", "--base-url", live.url,
                              "--concurrency", "1", "--input-len", "16", "--output-len", "16", "--rounds", "3",
-                             "--num-prompts", "50", "--vocab-size", "49152", "--output-dir", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--num-prompts", "400", "--vocab-size", "49152", "--output-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a shell's background job (`cmd &`) starts with SIGINT ignored, and Python then never
+                            # raises KeyboardInterrupt: give the bench the default, as a terminal would
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        deadline = time.monotonic() + 60
+        # 3 x 400 requests cannot all finish before the interrupt, however slow or busy the machine
+        deadline = time.monotonic() + 120
         while _completions_served(live.url) < served + 3 and time.monotonic() < deadline:  # a few requests have finished
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)

@@ -187,7 +187,8 @@ def test_cli_json_and_emit():
 
 def test_serve_prints_the_plan_and_runs_a_profile(tmp_path, default_model):
     """No profile: serve prints the planner's ledger line. A profile from `plan --emit profile` sets the
-    serve options; a profile that splits the model is refused with what to do instead."""
+    serve options, its tensor-parallel split included (a worker process beside the server); a profile
+    with pipeline stages is refused with what to do instead."""
     from test_cli import _free_port, _serve, wait_ready
 
     import httpx
@@ -198,20 +199,23 @@ def test_serve_prints_the_plan_and_runs_a_profile(tmp_path, default_model):
     assert r.returncode == 0, r.stderr
     port = _free_port()
     profile = tmp_path / "p.yaml"
-    profile.write_text(r.stdout.replace("port: 8000", f"port: {port}"))
+    profile.write_text(r.stdout.replace("port: 8000", f"port: {port}").replace("tp: 1", "tp: 2"))
     proc = _serve("--profile", str(profile))
     try:
         url = wait_ready(proc, port)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]
         assert model["max_model_len"] == 512
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        ranks = [w for w in workers if "spawn_main" in Path(f"/proc/{w}/cmdline").read_text()]
+        assert len(ranks) == 1, "tp: 2 in the profile starts the second rank beside the server"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    split = tmp_path / "split.yaml"
-    split.write_text(r.stdout.replace("tp: 1", "tp: 2"))
-    out = subprocess.run([sys.executable, "-m", "flagdeploy.cli", "serve", "--profile", str(split)], capture_output=True,
+    staged = tmp_path / "staged.yaml"
+    staged.write_text(r.stdout.replace("pp: 1", "pp: 2"))
+    out = subprocess.run([sys.executable, "-m", "flagdeploy.cli", "serve", "--profile", str(staged)], capture_output=True,
                          text=True, timeout=60)
-    assert out.returncode == 1 and "tp=2" in out.stderr and "--emit" in out.stderr
+    assert out.returncode == 1 and "pp=2" in out.stderr and "--emit" in out.stderr
     port = _free_port()
     proc = _serve("--port", str(port), "--max-model-len", "1024")
     try:

@@ -57,6 +57,7 @@ backend = Backend(
         "moe_experts": ops.prepare_moe_bank,
     },
     priority=10,
+    visible_devices_env="ASCEND_RT_VISIBLE_DEVICES",
     description="Huawei Ascend 910B/910C/950 through torch_npu (FIA attention, W8A8 quant matmul, MoE GMM); "
                 "verified only on a CPU stand-in so far",
 )

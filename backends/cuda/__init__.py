@@ -5,7 +5,7 @@ import torch
 from flagdeploy.ops import fused
 from flagdeploy.ops.registry import Backend
 
-from . import ops
+from . import ops, triton_decode
 
 
 def _detect() -> bool:
@@ -20,19 +20,28 @@ backend = Backend(
     collective="nccl",
     detect=_detect,
     overrides={
-        "rms_norm": fused.rms_norm,
-        "add_rms_norm": fused.add_rms_norm,
-        "rope": fused.rope,
-        "write_kv_cache": fused.write_kv_cache,
+        # one Triton kernel each (backends/cuda/triton_decode.py), the fused ones as their fallback
+        "rms_norm": triton_decode.rms_norm,
+        "add_rms_norm": triton_decode.add_rms_norm,
+        "rope": triton_decode.rope,
+        "swiglu": triton_decode.swiglu,
+        "write_kv_cache": triton_decode.write_kv_cache,
         "attention_prefill": fused.attention_prefill,
-        "paged_attention_decode": fused.paged_attention_decode,
+        "paged_attention_decode": triton_decode.paged_attention_decode,
         "linear_w4a16": ops.linear_w4a16,
         "linear_w8a16": ops.linear_w8a16,
         "linear_w8a8_dynamic": ops.linear_w8a8_dynamic,
         "moe_experts": ops.moe_experts,
         "linear_fp8_block": ops.linear_fp8_block,
+        "hc_pre": ops.hc_pre,
+        "kda_recurrent": ops.kda_recurrent,
+        "sparse_attention": ops.sparse_attention,
+        "moe_router": ops.moe_router,
+        "dsa_indexer_topk": ops.dsa_indexer_topk,
+        "gated_rms_norm": ops.gated_rms_norm,
     },
     prepare={"linear_w4a16": ops.prepare_dense, "linear_w8a16": ops.prepare_dense},
     priority=20,
+    visible_devices_env="CUDA_VISIBLE_DEVICES",
     description="torch CUDA kernels (FlashAttention via SDPA, cuBLASLt int8, Hopper grouped GEMM for MoE, blockwise FP8 GEMM)",
 )

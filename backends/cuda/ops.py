@@ -1,5 +1,6 @@
-"""CUDA overrides. Norms, rope, KV writes and attention come from torch's fused kernels (SDPA picks
-FlashAttention for 16-bit inputs), shared with the cpu backend; here: int8 x int8 matmuls through cuBLASLt
+"""CUDA overrides. Norms, rope, SwiGLU, KV writes and decode attention are Triton kernels in
+`triton_decode.py` (one kernel per op, for the decode graphs); prefill attention is torch's SDPA (FlashAttention
+for 16-bit inputs), shared with the cpu backend (`flagdeploy/ops/fused.py`); here: int8 x int8 matmuls through cuBLASLt
 (`_int_mm`), weight-only linears on a dense 16-bit copy made once at load (cuBLAS beats dequantising per
 call), and MoE experts through one grouped GEMM on Hopper (`_grouped_mm`) instead of a loop per expert, and FP8 block-scaled linears on Hopper's FP8 tensor cores (cuBLASLt block scaling through
 `F.scaled_mm`: activations 1x128, weights 128x128, as DeepSeek/GLM checkpoints are quantised).
@@ -96,3 +97,196 @@ def linear_fp8_block(x, w: Fp8BlockWeight, bias=None):
         _FP8_NATIVE["ok"] = False
         return reference.linear_fp8_block(x, w, bias)
     return y + bias.to(y.dtype) if bias is not None else y
+
+
+# ---- mHC: the Sinkhorn of hc_pre in one kernel ----------------------------------------------------------
+# The reference runs 20 Sinkhorn iterations as ~60 tiny kernels per call (two per layer, so ~1,000 launches
+# per decode step of a 4-layer slice, more than half of all): here one Triton program per token does the
+# gates, the softmax and every iteration in registers. The projection stays a cuBLAS matmul in float32.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _hc_gates_kernel(proj, base, scale, pre_out, post_out, comb_out, hc_eps, iters,
+                         N: tl.constexpr, BN: tl.constexpr):
+        t = tl.program_id(0)
+        width = (2 + N) * N
+        row = proj + t * width
+        i = tl.arange(0, BN)
+        vi = i < N
+        s0 = tl.load(scale)
+        s1 = tl.load(scale + 1)
+        s2 = tl.load(scale + 2)
+        pre = tl.sigmoid(tl.load(row + i, mask=vi, other=0.0) * s0 + tl.load(base + i, mask=vi, other=0.0)) + hc_eps
+        post = 2.0 * tl.sigmoid(tl.load(row + N + i, mask=vi, other=0.0) * s1 + tl.load(base + N + i, mask=vi, other=0.0))
+        tl.store(pre_out + t * N + i, pre, mask=vi)
+        tl.store(post_out + t * N + i, post, mask=vi)
+        r = i[:, None]
+        c = i[None, :]
+        m = (r < N) & (c < N)
+        off = 2 * N + r * N + c
+        logits = tl.load(row + off, mask=m, other=0.0) * s2 + tl.load(base + off, mask=m, other=0.0)
+        logits = tl.where(m, logits, float("-inf"))
+        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        e = tl.where(m, e, 0.0)
+        comb = tl.where(m, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        for _ in range(iters - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        tl.store(comb_out + t * N * N + r * N + c, comb, mask=m)
+
+
+def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    """The reference's maths (float32), the per-token gates and Sinkhorn fused into one kernel."""
+    if triton is None or not streams.is_cuda or streams.dtype == torch.float64 or sinkhorn_iters < 1:
+        return OPS["hc_pre"].reference(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    t, n, _ = streams.shape
+    flat = streams.reshape(t, -1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    proj = (flat @ fn.float().t()).contiguous()
+    pre = torch.empty(t, n, dtype=torch.float32, device=streams.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=streams.device)
+    if t:
+        _hc_gates_kernel[(t,)](proj, base.float().contiguous(), scale.float().contiguous(), pre, post, comb,
+                               float(hc_eps), int(sinkhorn_iters), N=n, BN=triton.next_power_of_2(n))
+    collapsed = torch.einsum("tn,tnd->td", pre, streams.float())
+    return post.to(streams.dtype), comb.to(streams.dtype), collapsed.to(streams.dtype)
+
+
+# ---- KDA: the gated delta rule token by token, state kept in registers ----------------------------------
+# The reference's decode step is ~30 small kernels per layer (casts, the q/k L2 norms, the state update as
+# einsums); here one program per (head, block of value channels) reads its slice of the float32 state
+# once, runs every token, and writes it back.
+
+if triton is not None:
+
+    @triton.jit
+    def _kda_recurrent_kernel(q, k, v, g, beta, state_in, out, state_out, T, H,
+                              DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+        h = tl.program_id(0)
+        vb = tl.program_id(1)
+        dk = tl.arange(0, DK)
+        dv = vb * BV + tl.arange(0, BV)
+        vm = dv < DV
+        s_ptr = h * DK * DV + dk[:, None] * DV + dv[None, :]
+        s = tl.load(state_in + s_ptr, mask=vm[None, :], other=0.0).to(tl.float32)
+        for t in range(T):
+            row = t * H + h
+            qt = tl.load(q + row * DK + dk).to(tl.float32)
+            kt = tl.load(k + row * DK + dk).to(tl.float32)
+            qt = qt / tl.sqrt(tl.sum(qt * qt, axis=0) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
+            kt = kt / tl.sqrt(tl.sum(kt * kt, axis=0) + 1e-6)
+            vt = tl.load(v + row * DV + dv, mask=vm, other=0.0).to(tl.float32)
+            gt = tl.load(g + row * DK + dk).to(tl.float32)
+            bt = tl.load(beta + row).to(tl.float32)
+            s = s * tl.exp(gt)[:, None]
+            pred = tl.sum(kt[:, None] * s, axis=0)
+            s = s + kt[:, None] * ((vt - pred) * bt)[None, :]
+            o = tl.sum(qt[:, None] * s, axis=0)
+            tl.store(out + row * DV + dv, o.to(out.dtype.element_ty), mask=vm)
+        tl.store(state_out + s_ptr, s.to(state_out.dtype.element_ty), mask=vm[None, :])
+
+
+def kda_recurrent(q, k, v, g, beta, state):
+    """The reference's recurrence (float32 state and maths), one kernel for all heads and tokens."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    if (triton is None or not q.is_cuda or q.dtype == torch.float64 or dk & (dk - 1) or dk > 256
+            or (state is not None and state.dtype == torch.float64)):
+        return OPS["kda_recurrent"].reference(q, k, v, g, beta, state)
+    t, h = q.shape[0], q.shape[1]
+    if state is None:
+        state = torch.zeros(h, dk, dv, dtype=torch.float32, device=q.device)
+    q, k, v, g, beta, state = (x.contiguous() for x in (q, k, v, g, beta, state))
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    new_state = torch.empty(state.shape, dtype=state.dtype, device=state.device)
+    bv = min(triton.next_power_of_2(dv), 32)
+    _kda_recurrent_kernel[(h, triton.cdiv(dv, bv))](q, k, v, g, beta, state, out, new_state, t, h,
+                                                     DK=dk, DV=dv, BV=bv, num_warps=4)
+    return out, new_state
+
+
+# ---- sparse attention over one shared latent (absorbed MLA decode) -------------------------------------
+
+
+def sparse_attention(q, k, v, mask, scale):
+    """When keys and values are one latent broadcast over heads (MLA decode: `expand`, stride 0), attend
+    to it directly instead of materialising a float32 copy per head, as the reference would."""
+    shared = k.data_ptr() == v.data_ptr() and k.shape == v.shape and k.dim() == 3 and k.stride(1) == 0
+    if not (shared and q.is_cuda and q.dtype != torch.float64):
+        return OPS["sparse_attention"].reference(q, k, v, mask, scale)
+    lat = k[:, 0].float()  # [S, R]
+    scores = torch.einsum("thr,sr->hts", q.float(), lat) * scale
+    probs = scores.masked_fill((mask == 0).unsqueeze(0), float("-inf")).softmax(-1).nan_to_num(0.0)
+    return torch.einsum("hts,sr->thr", probs, lat).to(q.dtype)
+
+
+# ---- sigmoid router, one group (GLM-5.3-Flash: n_group = topk_group = 1) -------------------------------
+
+
+def moe_router(x, weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
+    """With one expert group the group ranking selects everything: skip it (fewer kernels, same result)."""
+    if n_group != 1 or not x.is_cuda or x.dtype == torch.float64:
+        return OPS["moe_router"].reference(x, weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob,
+                                           routed_scaling_factor)
+    scores = torch.mm(x.float(), weight.float().t()).sigmoid_()
+    chosen = (scores + correction_bias.float()).topk(top_k, dim=-1).indices
+    w = scores.gather(1, chosen)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return torch.zeros_like(scores).scatter_(1, chosen, w * routed_scaling_factor).to(x.dtype)
+
+
+# ---- DSA indexer: a context within the top-k budget selects everything --------------------------------
+
+
+def dsa_indexer_topk(q, head_weights, keys, gate, ape, q_start, index_topk, select_tail):
+    """While a sequence has no more complete pools than the top-k keeps (index_topk / kpool of them, e.g.
+    up to 2,048 tokens for GLM-5.3-Flash), every visible pool is selected whatever the scores: the mask
+    is then plain causal (with the tail) or the complete pools before the query (without), so the
+    scoring is skipped. Longer contexts run the reference."""
+    p = ape.shape[0]
+    s_len = keys.shape[0]
+    if not q.is_cuda or q.dtype == torch.float64 or index_topk // p < s_len // p:
+        return OPS["dsa_indexer_topk"].reference(q, head_weights, keys, gate, ape, q_start, index_topk, select_tail)
+    pos = torch.arange(q_start, q_start + q.shape[0], device=q.device)
+    cols = torch.arange(s_len, device=q.device)
+    end = pos + 1 if select_tail else (pos + 1) // p * p  # selected: columns [0, end)
+    return (cols[None, :] < end[:, None]).to(q.dtype)
+
+
+# ---- KDA's gated RMS norm in one kernel ----------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _gated_rms_norm_kernel(x, gate, weight, out, eps, D: tl.constexpr, BD: tl.constexpr):
+        r = tl.program_id(0)
+        d = tl.arange(0, BD)
+        m = d < D
+        xv = tl.load(x + r * D + d, mask=m, other=0.0).to(tl.float32)
+        gv = tl.load(gate + r * D + d, mask=m, other=0.0).to(tl.float32)
+        wv = tl.load(weight + d, mask=m, other=0.0).to(tl.float32)
+        y = xv * tl.rsqrt(tl.sum(xv * xv, axis=0) / D + eps) * wv * tl.sigmoid(gv)
+        tl.store(out + r * D + d, y.to(out.dtype.element_ty), mask=m)
+
+
+def gated_rms_norm(x, gate, weight, eps):
+    """The reference's float32 maths, one program per row."""
+    if triton is None or not x.is_cuda or x.dtype == torch.float64 or gate.shape != x.shape:
+        return OPS["gated_rms_norm"].reference(x, gate, weight, eps)
+    d = x.shape[-1]
+    xc, gc = x.contiguous(), gate.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x.numel() // d if d else 0
+    if rows:
+        _gated_rms_norm_kernel[(rows,)](xc, gc, weight.contiguous(), out, float(eps), D=d,
+                                        BD=triton.next_power_of_2(d))
+    return out

@@ -19,7 +19,7 @@ from flagdeploy.models.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (2, 4, 8, 16, 32, 64, 128)  # the one-sequence decode takes a host-synchronising shortcut: pad to 2
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # one sequence alone: cuBLAS's GEMV kernels, not a 2-row GEMM
 WIDTH_TOKENS = 256  # the narrowest block-table bucket, in tokens; each next one is 4x wider
 
 

@@ -91,7 +91,7 @@ def build_llm_engine(path: Path, fmt: str, config: EngineConfig | None = None, c
     workers = None
     if config.tp * config.ep > 1:
         check_split(path, fmt, config)
-        workers, _ = lockstep.start(path, fmt, config, chip)
+        workers = lockstep.start(path, fmt, config, chip)
     try:
         model, tokenizer = load_model(path, fmt, config.dtype, config.device, progress, config.weight_format,
                                       config.load_format)

@@ -19,7 +19,7 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -180,15 +180,13 @@ def _bind_device(device_type: str, rank: int, world: int) -> None:
         torch.accelerator.set_device_index(rank)
 
 
-def start(path: Path, fmt: str, config, chip: str | None) -> tuple[Workers, object]:
-    """Start ranks 1..n-1 and join the group as rank 0; returns the workers and rank 0's config."""
-    backend = ops.use_backend(chip)
-    config = replace(config, device=backend.device_type)
+def start(path: Path, fmt: str, config, chip: str | None) -> Workers:
+    """Start ranks 1..n-1 (config.device already names the backend's device) and join the group as rank 0."""
     workers = Workers(ReplicaSpec(path, fmt, config, chip, f"tcp://127.0.0.1:{_free_port()}"))
     workers.wait("started")
-    _bind_device(backend.device_type, 0, config.tp * config.ep)
+    _bind_device(config.device, 0, config.tp * config.ep)
     parallel.init_model_parallel(parallel.ParallelConfig(config.tp, config.ep), 0, workers.spec.init_method)
-    return workers, config
+    return workers
 
 
 def _free_port() -> int:

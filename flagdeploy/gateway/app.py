@@ -229,6 +229,9 @@ class Gateway:
             return
         if not await self._authorized(scope, send, path):
             return
+        if path in BUILTIN_ONLY and pool.engine == "builtin" and isinstance(body, dict):
+            await self._to_builtin_replica(pool, path, body, send)  # our engine counts tokens
+            return
         if path in BUILTIN_ONLY:
             await self._error(send, path, APIError(
                 400, f"{path} is served for builtin models only: `{pool.name}` runs on an external engine "
@@ -245,6 +248,25 @@ class Gateway:
             return
         assert self.proxy is not None, "the gateway was not started (its ASGI lifespan did not run)"
         await self.proxy.handle(pool, path, body, receive, send, dialect)
+
+    async def _to_builtin_replica(self, pool: ModelPool, path: str, body: dict[str, Any], send: Send) -> None:
+        """A builtin-only route (count_tokens) of a builtin model served by launched replicas (--dp):
+        any ready replica answers it, as the in-process builtin app would."""
+        assert self.proxy is not None, "the gateway was not started (its ASGI lifespan did not run)"
+        picked = pool.pick(None)
+        if picked is None:
+            await self._error(send, path, pool.unavailable())
+            return
+        _, upstream = picked
+        try:
+            r = await self.proxy.client.post(f"{upstream.url}{path}", json=body | {"model": upstream.model_id})
+        except Exception as exc:  # noqa: BLE001 - the replica is gone or stalled: a 503, as for chat
+            upstream.report_failure(str(exc))
+            await self._error(send, path, upstream_unavailable(pool.name, f"{type(exc).__name__}: {exc}", RETRY_AFTER_S))
+            return
+        await send({"type": "http.response.start", "status": r.status_code,
+                    "headers": [(b"content-type", r.headers.get("content-type", "application/json").encode())]})
+        await send({"type": "http.response.body", "body": r.content, "more_body": False})
 
     def _pool_for(self, name: str | None) -> ModelPool | None:
         if name is None or not name.strip():
@@ -334,7 +356,8 @@ class Gateway:
         await _send_json(send, 503, {"status": "not_ready" if retry else "failed", "models": models}, headers)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The builtin app's metrics (if any) followed by one line per upstream replica."""
+        """The builtin app's metrics (if any), one line per upstream replica, then the metrics of the
+        builtin engine's launched replicas (`--dp`), labelled by replica."""
         text = ""
         if self.inner is not None:
             captured: list[bytes] = []
@@ -353,7 +376,13 @@ class Gateway:
                 lines += [f"flagdeploy_upstream_ready{{{labels}}} {int(u.ready)}",
                           f"flagdeploy_upstream_outstanding{{{labels}}} {r.outstanding}",
                           f"flagdeploy_upstream_requests_total{{{labels}}} {r.served}"]
-        body = (text + "\n".join(lines) + ("\n" if lines else "")).encode()
+        text += "\n".join(lines) + ("\n" if lines else "")
+        for pool in self.pools:
+            if pool.engine == "builtin" and self.proxy is not None:  # our own engines: their metrics too
+                from .replicas import replica_metrics
+
+                text += await replica_metrics(self.proxy.client, pool.name, [u.url for u in pool.upstreams if u.ready])
+        body = text.encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -403,7 +432,7 @@ def build_gateway(config: ServeConfig, inner: ASGIApp | None = None,
     launched engines get a Supervisor per replica, attached ones an AttachedUpstream per URL."""
     pools = []
     for entry in config.models:
-        if entry.engine == "builtin":
+        if entry.engine == "builtin" and entry.replicas == 1:
             inner = inner or builtin_app(entry, config.api_key)
             continue
         # An attached engine without names answers to the ids it serves (learned from its /v1/models).
@@ -414,10 +443,10 @@ def build_gateway(config: ServeConfig, inner: ASGIApp | None = None,
 
 
 def _default_name(entry: ModelConfig) -> str:
-    if entry.engine == "llama.cpp":
+    if entry.engine in ("llama.cpp", "builtin"):
         from flagdeploy.loaders.source import resolve
 
-        return resolve(entry.model).name
+        return resolve(entry.model, weights=entry.args.get("load_format", "auto") != "dummy").name
     return Path(entry.model or entry.engine).name or entry.engine
 
 
@@ -426,6 +455,10 @@ def _upstreams(entry: ModelConfig, config: ServeConfig, options: dict[str, Any])
         return [AttachedUpstream(u, entry.upstream_api_key, entry.upstream_model) for u in entry.upstreams]
     label = (entry.names[0] if entry.names else _default_name(entry)).replace("/", "_")
     out: list[Upstream] = []
+    if entry.engine == "builtin":  # launched `flagdeploy serve` replicas (gateway/replicas.py)
+        from .replicas import READY_PATH
+
+        options = {"ready_path": READY_PATH} | options
     for i in range(entry.replicas):
         port = entry.port + i if entry.port else free_port()
         plan = launch_plan(entry, port, i)

@@ -60,7 +60,8 @@ class ModelConfig(BaseModel):
     engine: Engine = "builtin"
     model: str | None = Field(None, description="GGUF file, model directory, hub id or bundled name")
     upstreams: list[str] = Field(default_factory=list, description="base URLs of running engines (engine: upstream)")
-    replicas: int = Field(1, ge=1, description="engine processes to launch and balance (launched engines)")
+    replicas: int = Field(1, ge=1, description="engine processes to launch and balance (launched engines; "
+                          "builtin: 1 runs in this process, more are launched as `flagdeploy serve` replicas)")
     chip: str | None = Field(None, description="chip catalog id for the planner's flags (vllm, sglang, ...); "
                              "backend for builtin")
     port: int | None = Field(None, description="first port of launched replicas (default: free ports)")
@@ -99,9 +100,6 @@ class ModelConfig(BaseModel):
             raise ValueError(f"model {label!r}: engine {self.engine!r} needs `chip` (a chip catalog id such as "
                              "h200 or ascend910b) so that its flags fit the chip; `flagdeploy ops list` and "
                              "profiles/chips.yaml list them")
-        if self.engine == "builtin" and self.replicas != 1:
-            raise ValueError(f"model {label!r}: the builtin engine runs one replica in this process; remove "
-                             "`replicas` or launch an external engine")
         return self
 
 
@@ -123,10 +121,11 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _unique(self) -> "ServeConfig":
-        builtin = [m for m in self.models if m.engine == "builtin"]
+        builtin = [m for m in self.models if m.engine == "builtin" and m.replicas == 1]
         if len(builtin) > 1:
-            raise ValueError("at most one model may use engine 'builtin' (it runs in this process); serve the "
-                             "others with a launched engine or `engine: upstream`")
+            raise ValueError("at most one model may use engine 'builtin' with one replica (it runs in this process); "
+                             "give the others `replicas: 2` or more (launched as their own processes), or serve them "
+                             "with a launched engine or `engine: upstream`")
         from flagdeploy.server.app import normalize_model_name
 
         seen: dict[str, int] = {}
@@ -189,6 +188,10 @@ def launch_plan(entry: ModelConfig, port: int, replica: int = 0) -> LaunchPlan:
         return LaunchPlan([a.format(**fill) for a in entry.command] + entry.extra_args, dict(entry.env))
     if entry.engine == "llama.cpp":
         return _llama_cpp(entry, port)
+    if entry.engine == "builtin" and entry.replicas > 1:
+        from .replicas import builtin_launch_plan
+
+        return builtin_launch_plan(entry, port, replica)
     if entry.engine in PLANNER_ENGINES:
         return _planned(entry, port, replica)
     raise ConfigError(f"engine {entry.engine!r} is not launched by the gateway")

@@ -49,14 +49,17 @@ class Probe:
 
 
 async def probe(client: httpx.AsyncClient, url: str, api_key: str | None = None, timeout: float = 5.0,
-                full: bool = True) -> Probe:
+                full: bool = True, ready_path: str | None = None) -> Probe:
     """Is the engine at `url` serving? GET /health (engines without it answer 404: skipped), then
     GET /v1/models, which also tells the served model id and, on vLLM, max_model_len.
 
     `full=False` is the liveness check of an engine already ready: /health only. /v1/models is not
     polled then, because llama-cpp-python serves it under the model lock, so it waits behind every
     generation and, with its default `interrupt_requests`, a waiting request cuts the running
-    stream short."""
+    stream short.
+
+    `ready_path` (the builtin engine's /ready) must also answer 200 for a full probe: engines whose
+    /health and /v1/models answer while the weights still load say there when they are done."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         health = await client.get(f"{url}/health", headers=headers, timeout=timeout)
@@ -64,6 +67,10 @@ async def probe(client: httpx.AsyncClient, url: str, api_key: str | None = None,
             return Probe(False, f"/health answered {health.status_code}")
         if not full:
             return Probe(True)
+        if ready_path:
+            ready = await client.get(f"{url}{ready_path}", headers=headers, timeout=timeout)
+            if ready.status_code != 200:
+                return Probe(False, f"{ready_path} answered {ready.status_code}: {_short(ready.text)}")
         models = await client.get(f"{url}/v1/models", headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         return Probe(False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
@@ -74,6 +81,11 @@ async def probe(client: httpx.AsyncClient, url: str, api_key: str | None = None,
     except (ValueError, AttributeError):
         return Probe(False, "/v1/models did not answer a JSON model list")
     return Probe(True, "", [m for m in data if isinstance(m, dict)])
+
+
+def _short(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class Upstream:
@@ -199,9 +211,11 @@ class Supervisor(Upstream):
                  workdir: str | Path | None = None, log_path: str | Path,
                  startup_timeout: float = 1800.0, poll_interval: float = 1.0, health_interval: float = 5.0,
                  unhealthy_after: int = 3, backoff: Backoff | None = None, max_failed_starts: int = 5,
-                 stop_timeout: float = 15.0, api_key: str | None = None, upstream_model: str | None = None):
+                 stop_timeout: float = 15.0, api_key: str | None = None, upstream_model: str | None = None,
+                 ready_path: str | None = None):
         super().__init__(url, api_key, upstream_model)
         self.name = name
+        self.ready_path = ready_path
         self.argv = list(argv)
         self.env = dict(env or {})
         self.setup = list(setup or [])
@@ -288,7 +302,8 @@ class Supervisor(Upstream):
                     return "exited"
                 if time.monotonic() > deadline:
                     return "timeout"
-                result = await probe(self._client, self.url, self.api_key, timeout=max(self.poll_interval, 2.0))
+                result = await probe(self._client, self.url, self.api_key, timeout=max(self.poll_interval, 2.0),
+                                     ready_path=self.ready_path)
                 if result.ok and proc.returncode is None:
                     self.models = result.models
                     return "ready"

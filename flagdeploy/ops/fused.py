@@ -61,14 +61,18 @@ def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
     return out
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     """All sequences at once: gather each one's blocks, mask past its length, one batched SDPA."""
     b = q.shape[0]
     idx = block_tables.reshape(-1).long()  # index_select: ~3x faster than fancy indexing here
     k = k_cache.index_select(0, idx).view(b, -1, *k_cache.shape[2:]).transpose(1, 2)  # [B, KH, L, D]
     v = v_cache.index_select(0, idx).view(b, -1, *v_cache.shape[2:]).transpose(1, 2)
-    if b == 1:  # one sequence: the first n keys of its blocks are exactly its keys, no mask needed
-        n = int(context_lens[0])
+    if b == 1 and not _capturing(q):  # one sequence: its first n keys are exactly its keys, no mask needed
+        n = int(context_lens[0])  # a host read: never inside a CUDA graph capture (the masked form below is)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k[:, :, :n], v[:, :, :n], scale=scale, enable_gqa=True)
         return o.squeeze(2)
     pos = torch.arange(k.shape[2], device=q.device)

@@ -61,6 +61,10 @@ class Backend:
     prepare: dict[str, Callable] = field(default_factory=dict)
     priority: int = 0  # higher wins when several backends detect their chip
     description: str = ""
+    # The environment variable that restricts which devices a process sees (CUDA_VISIBLE_DEVICES, ...):
+    # how data-parallel replicas (flagdeploy/gateway/replicas.py) each get their own devices. None:
+    # the backend has no such variable (the CPU), and every process sees the whole machine.
+    visible_devices_env: str | None = None
 
 
 OPS: dict[str, OpSpec] = {}

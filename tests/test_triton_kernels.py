@@ -1,0 +1,161 @@
+"""The cuda backend's Triton decode kernels (backends/cuda/triton_decode.py) against the references, on the
+CPU through Triton's interpreter (TRITON_INTERPRET=1): small shapes, so that it runs in seconds here.
+The same kernels are checked on the GPU by `flagdeploy ops check --chip cuda` (tests/test_cuda.py)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from flagdeploy.ops import reference as ref
+
+# Triton decides at import time whether its own @jit helpers (tl.sum, ...) are interpreted, so the
+# interpreter cannot be switched on inside a process that imported triton already: in a normal run this
+# module runs itself again in a subprocess with TRITON_INTERPRET=1, and only there are the kernels tested.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRETED:
+
+    def test_the_kernels_under_the_triton_interpreter():
+        env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                           env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        assert " passed" in r.stdout
+
+
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+       torch.float16: {"atol": 5e-3, "rtol": 5e-3}}
+
+
+@pytest.fixture(scope="module")
+def td():
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreter subprocess")
+    return importlib.import_module("backends.cuda.triton_decode")
+
+
+def _r(g, *shape, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def _close(got, want, dtype):
+    torch.testing.assert_close(got.double(), want.double(), **TOL[dtype])
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_and_add_rms_norm(td, dtype):
+    g = torch.Generator().manual_seed(0)
+    x, res, w = _r(g, 3, 96, dtype=dtype), _r(g, 3, 96, dtype=dtype), _r(g, 96, dtype=dtype)
+    _close(td.rms_norm(x, w, 1e-5), ref.rms_norm(x.double(), w.double(), 1e-5), dtype)
+    out, h = td.add_rms_norm(x, res, w, 1e-5)
+    want_out, want_h = ref.add_rms_norm(x.double(), res.double(), w.double(), 1e-5)
+    _close(out, want_out, dtype)
+    _close(h, want_h, dtype)
+    assert out.dtype == h.dtype == dtype  # (no bit-for-bit check: the interpreter's bf16 casts truncate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_on_strided_views_of_a_fused_qkv(td, dtype):
+    g = torch.Generator().manual_seed(1)
+    t, h, kh, d = 3, 4, 2, 16
+    qkv = _r(g, t, (h + 2 * kh) * d, dtype=dtype)
+    q, k, _ = qkv.split((h * d, kh * d, kh * d), dim=-1)
+    q, k = q.view(t, h, d), k.view(t, kh, d)
+    cos, sin = ref.rope_tables(d, 32, 10000.0)
+    pos = torch.tensor([0, 7, 31])
+    before = qkv.clone()
+    gq, gk = td.rope(q, k, cos[pos], sin[pos])
+    wq, wk = ref.rope(q.double(), k.double(), cos[pos].double(), sin[pos].double())
+    _close(gq, wq, dtype)
+    _close(gk, wk, dtype)
+    assert torch.equal(qkv, before)  # out of place, as the reference
+
+
+@pytest.mark.parametrize("limit", [None, 2.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swiglu(td, dtype, limit):
+    g = torch.Generator().manual_seed(2)
+    x = _r(g, 3, 2 * 40, dtype=dtype, scale=3.0)
+    _close(td.swiglu(x, limit), ref.swiglu(x.double(), limit), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_write_kv_cache(td, dtype):
+    g = torch.Generator().manual_seed(3)
+    t, kh, d = 4, 2, 8
+    kv = _r(g, t, 3 * kh * d, dtype=dtype)
+    k, v = kv[:, kh * d: 2 * kh * d].view(t, kh, d), kv[:, 2 * kh * d:].view(t, kh, d)  # strided, as in the model
+    slots = torch.tensor([3, 0, 11, 9])
+    kc, vc = torch.zeros(3, 4, kh, d, dtype=dtype), torch.zeros(3, 4, kh, d, dtype=dtype)
+    wk, wv = kc.clone(), vc.clone()
+    td.write_kv_cache(k, v, kc, vc, slots)
+    ref.write_kv_cache(k, v, wk, wv, slots)
+    assert torch.equal(kc, wk) and torch.equal(vc, wv)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-program"])
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_paged_attention_decode(td, dtype, table_dtype, split, monkeypatch):
+    """Block size 4 (keys gathered across blocks within one BLOCK_N step), GQA group of 4, lengths that
+    end mid-block, one past BLOCK_N (two steps of the loop, or two splits, the others' second empty), a
+    single key."""
+    monkeypatch.setattr(td, "_SPLIT_MIN_KEYS", 64)  # small shapes: split at 64 keys (256 on the GPU)
+    if not split:
+        monkeypatch.setattr(td, "_SMS", 1)
+    assert td._decode_splits(3, 2, 80) == (2 if split else 1)
+    g = torch.Generator().manual_seed(4)
+    nb, bs, kh, h, d = 24, 4, 2, 8, 16
+    perm = torch.randperm(nb, generator=g)
+    tables = torch.stack([perm[:20], perm[4:24], perm[2:22]]).to(table_dtype)
+    lens = torch.tensor([5, 66, 1], dtype=torch.int32)
+    q = _r(g, 3, h, d, dtype=dtype)
+    kc, vc = _r(g, nb, bs, kh, d, dtype=dtype), _r(g, nb, bs, kh, d, dtype=dtype)
+    got = td.paged_attention_decode(q, kc, vc, tables, lens, d ** -0.5)
+    want = ref.paged_attention_decode(q.double(), kc.double(), vc.double(), tables, lens, d ** -0.5)
+    _close(got, want, dtype)
+
+
+def test_paged_attention_decode_many_splits_long_blocks(td, monkeypatch):
+    """One sequence over 4 splits of 64 keys, block size 16, the last split partly masked."""
+    monkeypatch.setattr(td, "_SPLIT_MIN_KEYS", 64)
+    g = torch.Generator().manual_seed(6)
+    nb, bs, kh, h, d = 20, 16, 2, 4, 32
+    tables = torch.randperm(nb, generator=g)[:16][None]
+    lens = torch.tensor([250], dtype=torch.int32)
+    assert td._decode_splits(1, kh, 16 * bs) == 4
+    q = _r(g, 1, h, d, dtype=torch.float16)
+    kc, vc = _r(g, nb, bs, kh, d, dtype=torch.float16), _r(g, nb, bs, kh, d, dtype=torch.float16)
+    got = td.paged_attention_decode(q, kc, vc, tables, lens, d ** -0.5)
+    want = ref.paged_attention_decode(q.double(), kc.double(), vc.double(), tables, lens, d ** -0.5)
+    _close(got, want, torch.float16)
+
+
+def test_decode_split_counts(td):
+    """Short contexts run one program per (sequence, kv head); long ones with few sequences are split."""
+    assert td._decode_splits(1, 8, 256) == 1
+    assert td._decode_splits(1, 8, 1024) == 4
+    assert td._decode_splits(1, 8, 16384) == 33  # ~2 programs per SM
+    assert td._decode_splits(64, 8, 16384) == 1  # enough programs already
+
+
+def test_unhandled_inputs_fall_back(td):
+    """float32 decode attention and odd head sizes go to the fused implementations, same answers."""
+    g = torch.Generator().manual_seed(5)
+    q, kc, vc = _r(g, 1, 2, 12, dtype=torch.float32), _r(g, 2, 4, 1, 12, dtype=torch.float32), _r(g, 2, 4, 1, 12, dtype=torch.float32)
+    tables, lens = torch.tensor([[1, 0]]), torch.tensor([6], dtype=torch.int32)
+    got = td.paged_attention_decode(q, kc, vc, tables, lens, 0.3)
+    _close(got, ref.paged_attention_decode(q.double(), kc.double(), vc.double(), tables, lens, 0.3), torch.float32)
+    x = _r(g, 2, 8, dtype=torch.float64)
+    w = _r(g, 8, dtype=torch.float64)
+    torch.testing.assert_close(td.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
