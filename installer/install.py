@@ -6,8 +6,8 @@ what is present, which Python packages to install at which pinned versions, whic
 environment file to source. Installing is two-phase: every wheel is first downloaded (`pip download`)
 and only then installed from that directory with `--no-index`, so a network or resolution failure
 leaves the environment as it was. Verification runs in a fresh interpreter: imports, the device
-count, on Ascend the SoC family the device reports against the plan's, and `flagdeploy ops check` on
-the device.
+count, on Ascend the SoC family the device reports against the plan's (and, for vLLM-Ascend, the family
+its kernels were compiled for), and `flagdeploy ops check` on the device.
 """
 
 from __future__ import annotations
@@ -177,6 +177,15 @@ else:
     import torch_npu
     facts["devices"] = torch.npu.device_count()
     facts["soc_version"] = torch_npu.npu.get_soc_version()
+if {engine!r} == "vllm-ascend":
+    # the build's own record, read as a file: importing vllm_ascend would start the whole plugin
+    import importlib.util, os, runpy
+    spec = importlib.util.find_spec("vllm_ascend")
+    info = os.path.join(os.path.dirname(spec.origin), "_build_info.py") if spec and spec.origin else None
+    if info and os.path.exists(info):
+        build = runpy.run_path(info)
+        facts["build_soc"] = build.get("__soc_version__")
+        facts["build_device_type"] = build.get("__device_type__")
 print(json.dumps(facts))
 """
 
@@ -188,12 +197,26 @@ def soc_family(soc_version: int) -> str | None:
     return next((family for versions, family in _SOC_FAMILIES if soc_version in versions), None)
 
 
+# vLLM-Ascend's build-time SOC string (`_build_info.__soc_version__`, the SOC_VERSION it was compiled for)
+# -> family, from the build SOC strings VA's Dockerfiles use (ascend-torch-npu.md 1.11)
+_BUILD_FAMILIES = (("ascend910b", "A2"), ("ascend910_93", "A3"), ("ascend310p", "310P"), ("ascend950", "950"))
+
+
+def build_family(soc: str | None, device_type: str | None = None) -> str | None:
+    """The family a vLLM-Ascend build targets: its recorded device type where the build has one, else
+    read from the SOC string it was compiled for."""
+    if device_type:
+        return str(device_type)
+    soc = (soc or "").lower()
+    return next((family for prefix, family in _BUILD_FAMILIES if soc.startswith(prefix)), None)
+
+
 def probe(plan: InstallPlan, env: dict | None = None) -> dict:
     """What the installed stack reports in a fresh interpreter; on Ascend, the SoC family must be the
     plan's (an A2 stack on an A3 box imports fine and fails later, in the first kernel)."""
     env = {**os.environ, **plan.env, **(env or {})}
-    out = subprocess.run([sys.executable, "-c", _VERIFY.format(backend=plan.backend)], capture_output=True, text=True,
-                         env=env, timeout=600)
+    out = subprocess.run([sys.executable, "-c", _VERIFY.format(backend=plan.backend, engine=plan.row.engine)],
+                         capture_output=True, text=True, env=env, timeout=600)
     if out.returncode != 0:
         raise InstallError(f"the installed stack does not import: {out.stderr.strip().splitlines()[-1:]}. Run "
                            f"`flagdeploy doctor --chip {plan.chip}` for the likely cause.")
@@ -204,7 +227,24 @@ def probe(plan: InstallPlan, env: dict | None = None) -> dict:
             raise InstallError(f"the device reports SoC version {facts['soc_version']} ({facts['family'] or 'unknown'}), "
                                f"but this stack was planned for {plan.chip} ({plan.row.family}). Install for the chip "
                                f"that is here: `flagdeploy install --chip auto`.")
+    if plan.row.engine == "vllm-ascend":
+        _check_build(plan, facts)
     return facts
+
+
+def _check_build(plan: InstallPlan, facts: dict) -> None:
+    """vLLM-Ascend compiles its kernels for one SoC family: an A2 build imports on an A3 box and fails in
+    its first custom op, so the build is checked against the chip before anything is served."""
+    if "build_soc" not in facts and "build_device_type" not in facts:
+        raise InstallError("vllm-ascend is not installed, or its build record (vllm_ascend/_build_info.py) is "
+                           f"missing; reinstall it: `flagdeploy install --chip {plan.chip} --engine vllm-ascend`.")
+    built = build_family(facts.get("build_soc"), facts.get("build_device_type"))
+    facts["build_family"] = built
+    if built != plan.row.family:
+        image = f" or use the image {plan.row.image}" if plan.row.image else ""
+        raise InstallError(f"vllm-ascend here was built for {facts.get('build_soc') or built} ({built or 'unknown'}), "
+                           f"but {plan.chip} is {plan.row.family}: its kernels would fail on this chip. Install the "
+                           f"{plan.row.family} build (from source with SOC_VERSION set to this chip's SoC){image}.")
 
 
 def verify(plan: InstallPlan) -> dict:

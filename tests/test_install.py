@@ -103,3 +103,26 @@ def test_verification_catches_a_stack_for_the_wrong_ascend_family(monkeypatch):
     assert facts["family"] == "A2" and facts["devices"] >= 1
     with pytest.raises(inst.InstallError, match=r"SoC version 250 \(A3\).*ascend910b \(A2\).*--chip auto"):
         inst.probe(a2, {**env, "FLAGDEPLOY_STANDIN_SOC": "Ascend910_9391"})
+
+
+def test_verification_catches_a_vllm_ascend_build_for_another_family(tmp_path):
+    """vLLM-Ascend's kernels are compiled for one family: an A2 build on an A3 box is refused, with the
+    build to install instead; the build record is read without importing the plugin."""
+    import os
+
+    standins = str(Path(__file__).parent / "standins")
+    package = tmp_path / "vllm_ascend"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise ImportError('the verification must not start the plugin')\n")
+    env = {"PYTHONPATH": os.pathsep.join([standins, str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "FLAGDEPLOY_STANDIN_SOC": "Ascend910_9391"}
+    a3 = inst.make_plan(detect(SYSTEMS / "a3"), "ascend910c", engine="vllm-ascend")
+    (package / "_build_info.py").write_text("__soc_version__ = 'ascend910_9391'\n__sleep_mode_enabled__ = False\n")
+    facts = inst.probe(a3, env)
+    assert facts["family"] == facts["build_family"] == "A3"
+    (package / "_build_info.py").write_text("__soc_version__ = 'ascend910b3'\n__device_type__ = 'A2'\n")
+    with pytest.raises(inst.InstallError, match=r"built for ascend910b3 \(A2\), but ascend910c is A3.*-a3"):
+        inst.probe(a3, env)
+    (package / "_build_info.py").unlink()
+    with pytest.raises(inst.InstallError, match="build record"):
+        inst.probe(a3, env)

@@ -104,3 +104,21 @@ def test_glm5_next_split_engine_matches_one_process(tmp_path, tp, ep):
     finally:
         split.close()
     assert got == want
+
+
+def test_a_rank_that_fails_to_load_is_reported_not_waited_for(tmp_path):
+    """A worker whose checkpoint is unreadable reports why; rank 0 raises it instead of hanging."""
+    from flagdeploy.engine import lockstep
+    from flagdeploy.errors import ModelLoadError
+
+    _checkpoint(tmp_path, 2, False)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    config = EngineConfig(max_model_len=128, kv_cache_memory=4 << 20, tp=2)
+    workers = lockstep.start(tmp_path, "safetensors", config, "cpu")
+    try:
+        with pytest.raises(ModelLoadError, match="rank 1 failed while starting"):
+            workers.wait("loaded")
+    finally:
+        workers.close(force=True)
+        parallel.shutdown()
+    assert not any(p.is_alive() for p in workers.procs)
