@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,15 +11,10 @@ import httpx
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from test_server import _free_port
 
 from flagdeploy import __version__
 from flagdeploy.cli import main
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(*args: str) -> subprocess.Popen:

@@ -14,18 +14,14 @@ Skips without the `edge` extra locally; fails when FLAGDEPLOY_REQUIRE_ONNXRUNTIM
 from __future__ import annotations
 
 import os
-import threading
 
-import httpx
 import openai
 import pytest
 
 import test_server
 from test_edge import _require_ort
-from test_server import API_KEY, CHAT, MAX_MODEL_LEN, NAMES, LiveServer, _serve, _wait_ready
+from test_server import CHAT, MAX_MODEL_LEN, NAMES, LiveServer, start_observed
 from test_server import client, http  # noqa: F401 - the fixtures, over this module's `live`
-
-from flagdeploy.server import create_app
 
 # Every API test of the builtin engine's server module, collected here again.
 globals().update({name: fn for name, fn in vars(test_server).items() if name.startswith("test_")})
@@ -41,25 +37,15 @@ def live(default_model) -> LiveServer:
 
     weights = os.environ.get("FLAGDEPLOY_EDGE_API_WEIGHTS", "fp32")
     export = cached_export(default_model, weights)  # before the server: the first export takes ~30 s
-    go = threading.Event()
+    config = EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=8, kv_cache_memory=256 << 20)
+    engines = []
 
-    def load_engine():
-        go.wait(60)
-        config = EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=8, kv_cache_memory=256 << 20)
-        srv.observed["engine"] = AsyncEngine(build_onnx_engine(export, config))
-        return srv.observed["engine"]
+    def load():
+        engines.append(AsyncEngine(build_onnx_engine(export, config)))
+        return engines[0]
 
-    srv = _serve(create_app(load_engine, NAMES, api_key=API_KEY))
-    auth = {"Authorization": f"Bearer {API_KEY}"}
-    srv.observed["ready"] = httpx.get(f"{srv.url}/ready")
-    srv.observed["chat"] = httpx.post(f"{srv.url}/v1/chat/completions", headers=auth,
-                                      json={"model": NAMES[0], "messages": CHAT})
-    srv.observed["health"] = httpx.get(f"{srv.url}/health")
-    go.set()
-    ready = _wait_ready(srv.url)
-    if ready.status_code != 200:
-        srv.stop()
-        pytest.fail(f"the ONNX engine did not load: {ready.text}")
+    srv = start_observed(load, "ONNX engine")
+    srv.observed["engine"] = engines[0]
     yield srv
     srv.stop()
 

@@ -16,18 +16,16 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import anthropic
 import httpx
 import openai
 import pytest
+from test_server import LiveServer, _free_port, _serve, _wait_ready
 
 from flagdeploy.gateway import ConfigError, ModelPool, build_gateway, parse_config
 from flagdeploy.gateway.app import Gateway
@@ -41,7 +39,6 @@ from flagdeploy.gateway.normalize import (
 )
 from flagdeploy.gateway.proxy import Timeouts
 from flagdeploy.gateway.supervisor import AttachedUpstream, Backoff, Supervisor
-from flagdeploy.server import make_server
 
 API_KEY = "sk-gateway-test"
 
@@ -286,46 +283,6 @@ def test_llama_cpp_launch(default_model):
 # ---- live servers ------------------------------------------------------------------------------------
 
 
-@dataclass
-class Live:
-    url: str
-    server: object
-    thread: threading.Thread
-    app: object = None
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(app) -> Live:
-    port = _free_port()
-    server = make_server(app, "127.0.0.1", port, "warning")
-    thread = threading.Thread(target=server.run, name=f"gateway-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    return Live(f"http://127.0.0.1:{port}", server, thread, app)
-
-
-def _wait_ready(url: str, timeout: float = 120.0) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while True:
-        r = httpx.get(f"{url}/ready", timeout=5)
-        if r.status_code == 200 or time.monotonic() > deadline:
-            return r
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def llama_cpp_available():
     if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("sse_starlette") is None:
@@ -384,7 +341,7 @@ def attached(llama_servers):
     live.stop()
 
 
-def _sdk(live: Live) -> openai.OpenAI:
+def _sdk(live: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 

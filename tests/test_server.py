@@ -27,14 +27,18 @@ CHAT = [{"role": "user", "content": "Say hello."}]
 
 @dataclass
 class LiveServer:
+    """A uvicorn server on a loopback port in a thread of the test process (shared by the server,
+    Anthropic, bench, edge and gateway tests)."""
+
     url: str
     server: object
     thread: threading.Thread
+    app: object = None
     observed: dict = field(default_factory=dict)
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=15)
+        self.thread.join(timeout=30)
 
 
 def _free_port() -> int:
@@ -48,36 +52,36 @@ def _serve(app) -> LiveServer:
     server = make_server(app, "127.0.0.1", port, "warning")
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 30
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
-    return LiveServer(f"http://127.0.0.1:{port}", server, thread)
+    return LiveServer(f"http://127.0.0.1:{port}", server, thread, app)
 
 
 def _wait_ready(url: str, timeout: float = 180) -> httpx.Response:
+    """/ready once it answers 200, or says the load failed, or the deadline passes."""
     deadline = time.monotonic() + timeout
     while True:
-        r = httpx.get(f"{url}/ready")
-        if r.status_code == 200 or r.json().get("status") == "failed" or time.monotonic() > deadline:
+        r = httpx.get(f"{url}/ready", timeout=5)
+        failed = r.headers.get("content-type", "").startswith("application/json") and r.json().get("status") == "failed"
+        if r.status_code == 200 or failed or time.monotonic() > deadline:
             return r
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def live() -> LiveServer:
-    """One server for the module. Its engine is built only once the fixture has looked at the
-    server while loading, so that state is observed without a second model load."""
-    from flagdeploy.engine import build_engine
-
+def start_observed(load_engine, what: str = "engine") -> LiveServer:
+    """A live server whose engine (`load_engine()`) is built only once the server has been looked at
+    while loading (/ready, a chat, /health: in `observed`), so that state is seen without a second
+    model load."""
     go = threading.Event()
 
-    def load_engine():
+    def gated():
         go.wait(60)
-        return build_engine(max_model_len=MAX_MODEL_LEN, kv_cache_memory=256 << 20)
+        return load_engine()
 
-    srv = _serve(create_app(load_engine, NAMES, api_key=API_KEY))
+    srv = _serve(create_app(gated, NAMES, api_key=API_KEY))
     auth = {"Authorization": f"Bearer {API_KEY}"}
     srv.observed["ready"] = httpx.get(f"{srv.url}/ready")
     srv.observed["chat"] = httpx.post(f"{srv.url}/v1/chat/completions", headers=auth,
@@ -87,7 +91,16 @@ def live() -> LiveServer:
     ready = _wait_ready(srv.url)
     if ready.status_code != 200:
         srv.stop()
-        pytest.fail(f"the engine did not load: {ready.text}")
+        pytest.fail(f"the {what} did not load: {ready.text}")
+    return srv
+
+
+@pytest.fixture(scope="module")
+def live() -> LiveServer:
+    """One server for the module, observed while it loads."""
+    from flagdeploy.engine import build_engine
+
+    srv = start_observed(lambda: build_engine(max_model_len=MAX_MODEL_LEN, kv_cache_memory=256 << 20))
     yield srv
     srv.stop()
 
