@@ -455,13 +455,9 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
             if first is None:
                 return Response(status_code=499)
             return EventStream(_chat_events(engine, gen, first, cid, model, req.include_usage, reasoning, tools), gen.close)
-        try:
-            outputs = await collect(request, gen)
-        except ClientDisconnected:
-            log.info("%s: client disconnected, aborted", cid)
+        outputs = await collect(request, gen, "messages")
+        if outputs is None:
             return Response(status_code=499)
-        except Exception as exc:
-            raise errors.from_generation(exc, "messages") from None
         choices = []
         for i in sorted(outputs):
             text = "".join(out.text for out in outputs[i])
@@ -490,13 +486,9 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
                 return Response(status_code=499)
             return EventStream(_completion_events(engine, gen, first, cid, model, req.include_usage, echo,
                                                   req.logprobs is not None), gen.close)
-        try:
-            outputs = await collect(request, gen)
-        except ClientDisconnected:
-            log.info("%s: client disconnected, aborted", cid)
+        outputs = await collect(request, gen, "prompt")
+        if outputs is None:
             return Response(status_code=499)
-        except Exception as exc:
-            raise errors.from_generation(exc, "prompt") from None
         choices = []
         for job in gen.jobs:
             outs = outputs[job.index]

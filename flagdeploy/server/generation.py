@@ -152,8 +152,10 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-async def collect(request: Request, gen: Generation) -> dict[int, list[RequestOutput]]:
-    """Run every choice to its end; the outputs of each choice by index."""
+async def collect(request: Request, gen: Generation, param: str) -> dict[int, list[RequestOutput]] | None:
+    """Run every choice to its end; the outputs of each choice by index, or None when the client left
+    (the generation is then aborted). A failed generation is raised as the API error it maps to, naming
+    the request field `param` (the prompt, messages or input)."""
     outputs: dict[int, list[RequestOutput]] = {job.index: [] for job in gen.jobs}
 
     async def run() -> None:
@@ -163,6 +165,11 @@ async def collect(request: Request, gen: Generation) -> dict[int, list[RequestOu
 
     try:
         await unless_disconnected(request, run())
+    except ClientDisconnected:
+        log.info("client disconnected, aborted")
+        return None
+    except Exception as exc:
+        raise errors.from_generation(exc, param) from None
     finally:
         gen.close()
     return outputs

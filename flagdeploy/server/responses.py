@@ -39,7 +39,7 @@ from .app import (
     _tool_plan,
 )
 from .errors import APIError
-from .generation import ClientDisconnected, EventStream, Generation, collect
+from .generation import EventStream, Generation, collect
 from .protocol import SamplingFields, now
 from .reasoning import RequestReasoning
 from .tools import ToolPlan
@@ -361,12 +361,9 @@ def responses_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
             if first is None:
                 return Response(status_code=499)
             return EventStream(_stream(gen, first, rid, model, req, reasoning, tools), gen.close)
-        try:
-            outputs = await collect(request, gen)
-        except ClientDisconnected:
+        outputs = await collect(request, gen, "input")
+        if outputs is None:
             return Response(status_code=499)
-        except Exception as exc:
-            raise errors.from_generation(exc, "input") from None
         thought, text, calls = parse_answer("".join(o.text for o in outputs[0]), reasoning, tools)
         items = [_reasoning_item(_id("rs"), thought)] if thought else []
         if text or not calls:
