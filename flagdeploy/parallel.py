@@ -31,14 +31,13 @@ from flagdeploy import ops
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How one replica is split (tp, ep) and how many replicas serve (dp)."""
+    """How one replica is split: tp x ep ranks (data-parallel replicas are separate processes)."""
 
     tp: int = 1
     ep: int = 1
-    dp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "dp"):
+        for name in ("tp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
 
@@ -131,10 +130,6 @@ def ep_rank() -> int:
 
 def ep_group():
     return _layout.ep_group if _layout else None
-
-
-def rank() -> int:
-    return _layout.rank if _layout else 0
 
 
 def broadcast_object(obj=None):
