@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import NAMES, LiveServer, _free_port, _serve, _wait_ready
+from test_server import NAMES, LiveServer, _free_port, _serve, serve_loaded
 
 from flagdeploy.bench.baseline import Answer, compare_answers, split_text
 from flagdeploy.bench.needle import build_haystack, parse_lengths
@@ -113,12 +113,8 @@ def test_atomic_write_leaves_no_temp(tmp_path) -> None:
 def live() -> LiveServer:
     from flagdeploy.engine import build_engine
 
-    srv = _serve(__import__("flagdeploy.server", fromlist=["create_app"]).create_app(
+    srv = serve_loaded(__import__("flagdeploy.server", fromlist=["create_app"]).create_app(
         lambda: build_engine(max_model_len=1024, kv_cache_memory=256 << 20), NAMES))
-    ready = _wait_ready(srv.url)
-    if ready.status_code != 200:
-        srv.stop()
-        pytest.fail(f"the engine did not load: {ready.text}")
     yield srv
     srv.stop()
 

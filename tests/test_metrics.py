@@ -10,7 +10,7 @@ from collections import defaultdict
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import LiveServer, _serve, _wait_ready
+from test_server import LiveServer, _serve, _wait_ready, serve_loaded
 
 from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
 from flagdeploy.server import create_app
@@ -32,12 +32,8 @@ def tiny_server(tmp_path_factory) -> LiveServer:
     root = tmp_path_factory.mktemp("tiny-model")
     (root / "config.json").write_text(json.dumps(TINY))
     write_word_tokenizer(root, TINY["vocab_size"])
-    srv = _serve(create_app(lambda: build_engine(str(root), chip="cpu", load_format="dummy", max_model_len=128,
-                                                 max_num_seqs=4, kv_cache_memory=1 << 20), [NAME]))
-    ready = _wait_ready(srv.url, timeout=60)
-    if ready.status_code != 200:
-        srv.stop()
-        pytest.fail(f"the engine did not load: {ready.text}")
+    srv = serve_loaded(create_app(lambda: build_engine(str(root), chip="cpu", load_format="dummy", max_model_len=128,
+                                                       max_num_seqs=4, kv_cache_memory=1 << 20), [NAME]), timeout=60)
     yield srv
     srv.stop()
 

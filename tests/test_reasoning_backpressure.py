@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from click.testing import CliRunner
-from test_server import API_KEY, LiveServer, _serve, _wait_ready
+from test_server import API_KEY, LiveServer, _serve, _wait_ready, serve_loaded
 
 from flagdeploy.engine.sampling import RequestOutput
 from flagdeploy.server import create_app
@@ -210,11 +210,7 @@ def busy_server() -> LiveServer:
 
     app = create_app(lambda: build_engine(max_model_len=512, max_num_seqs=1, kv_cache_memory=64 << 20),
                      ["smollm2"], api_key=API_KEY, max_waiting=0)
-    srv = _serve(app)
-    ready = _wait_ready(srv.url)
-    if ready.status_code != 200:
-        srv.stop()
-        pytest.fail(f"the engine did not load: {ready.text}")
+    srv = serve_loaded(app)
     yield srv
     srv.stop()
 

@@ -88,7 +88,16 @@ def start_observed(load_engine, what: str = "engine") -> LiveServer:
                                       json={"model": NAMES[0], "messages": CHAT})
     srv.observed["health"] = httpx.get(f"{srv.url}/health")
     go.set()
-    ready = _wait_ready(srv.url)
+    return _loaded(srv, what)
+
+
+def serve_loaded(app, what: str = "engine", timeout: float = 180) -> LiveServer:
+    """A live server for `app`, returned once its engine has loaded."""
+    return _loaded(_serve(app), what, timeout)
+
+
+def _loaded(srv: LiveServer, what: str, timeout: float = 180) -> LiveServer:
+    ready = _wait_ready(srv.url, timeout)
     if ready.status_code != 200:
         srv.stop()
         pytest.fail(f"the {what} did not load: {ready.text}")
