@@ -95,6 +95,9 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     With --engine (not builtin), --upstream or --config, the model runs on external engines behind this
     endpoint instead (docs/gateway.md)."""
     _setup_logging(log_level)
+    from flagdeploy.gateway.replicas import exit_with_parent
+
+    exit_with_parent()  # a replica launched by `--dp` ends with its gateway, however that ends
     builtin = engine == "builtin" and not (upstreams or config_file)
     if profile_file and builtin:
         (model, chip, port, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, served_names, tp, ep,

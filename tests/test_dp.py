@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -71,7 +73,41 @@ def test_launch_plan_argv_and_devices(default_model):
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in cuda] == ["0,1", "2,3"]
     assert [p.env["OMP_NUM_THREADS"] for p in cuda] == ["8", "8"]
     cpu = builtin_launch_plan(entry, 9100, 1, backend=CPU, environ={"CUDA_VISIBLE_DEVICES": "0"}, cores=3)
-    assert cpu.env == {"OMP_NUM_THREADS": "1"}
+    assert cpu.env == {"OMP_NUM_THREADS": "1", "FLAGDEPLOY_PARENT_PID": str(os.getpid())}
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: whoever reaps orphans here may not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_replica_ends_when_its_gateway_is_killed(tmp_path):
+    """SIGKILL leaves the gateway no chance to stop its replicas: each replica notices on its own."""
+    ready = tmp_path / "watching"
+    replica = ("import sys, time; from flagdeploy.gateway.replicas import exit_with_parent; "
+               f"exit_with_parent(interval=0.1); open({str(ready)!r}, 'w').close(); time.sleep(120)")
+    gateway = ("import os, subprocess, sys, time; "
+               f"p = subprocess.Popen([sys.executable, '-c', {replica!r}], "
+               "env={**os.environ, 'FLAGDEPLOY_PARENT_PID': str(os.getpid())}); "
+               "print(p.pid, flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", gateway], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(proc.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), "the replica never started watching"
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(child), "the replica outlived its killed gateway"
+    finally:
+        proc.kill()
 
 
 def test_device_slices_follow_the_users_list():

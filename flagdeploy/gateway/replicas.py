@@ -18,8 +18,12 @@ on the CPU backend, where the cores are the device.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import signal
 import sys
+import threading
+import time
 from typing import Any, Callable, Mapping
 
 from flagdeploy.errors import FlagdeployError
@@ -44,6 +48,9 @@ SERVE_FLAGS = {
     "ep": "--ep",
 }
 READY_PATH = "/ready"  # the builtin app answers /health and /v1/models while it loads; /ready only once loaded
+PARENT_ENV = "FLAGDEPLOY_PARENT_PID"  # set for each replica: the gateway whose end it outlives by a second at most
+
+log = logging.getLogger(__name__)
 
 
 def builtin_replicas_entry(model: str | None, dp: int, *, chip: str | None = None,
@@ -92,8 +99,28 @@ def builtin_launch_plan(entry: ModelConfig, port: int, replica: int = 0, *,
         backend = replica_backend(entry.chip)
     env, warnings = replica_env(backend, replica, entry.replicas, per_replica, environ=environ,
                                 device_count=device_count, cores=cores)
+    env[PARENT_ENV] = str(os.getpid())
     env.update(entry.env)
     return LaunchPlan(argv + entry.extra_args, env, warnings=warnings)
+
+
+def exit_with_parent(environ: Mapping[str, str] | None = None, interval: float = 1.0) -> None:
+    """In a replica (PARENT_ENV set): stop once the gateway that launched it is gone. A gateway that is
+    killed outright (SIGKILL, the OOM killer) cannot stop its replicas, which run in their own process
+    groups; without this they would hold their devices and ports until someone finds them. The replica
+    sends itself SIGTERM, so the server shuts down as on any stop (engine and parallel ranks included)."""
+    pid = (os.environ if environ is None else environ).get(PARENT_ENV)
+    if not pid:
+        return
+    parent = int(pid)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        log.warning("the gateway (pid %d) is gone: stopping this replica", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="flagdeploy-parent-watch", daemon=True).start()
 
 
 def replica_env(backend: Any, replica: int, replicas: int, per_replica: int, *,
