@@ -7,7 +7,6 @@ Outputs are kept to a few tokens: every token costs CPU time.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from flagdeploy.net import free_port as _free_port
 from flagdeploy.server import create_app, make_server
 
 API_KEY = "sk-flagdeploy-test-key"
@@ -39,12 +39,6 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(app) -> LiveServer:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 
 from flagdeploy import ops, parallel
 from flagdeploy.errors import ModelLoadError
+from flagdeploy.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Workers:
                                   name=f"flagdeploy-rank{rank}") for rank in range(1, n)]
         for proc in self.procs:
             proc.start()
-        self._closed = False
+        self.closed = False
 
     def wait(self, stage: str) -> None:
         """Block until every worker reports `stage`; a worker's failure is raised here, with its message."""
@@ -79,9 +79,9 @@ class Workers:
             raise RuntimeError(f"parallel worker {dead[0].name} exited (code {dead[0].exitcode}); restart the server")
 
     def close(self, force: bool = False) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         for proc in self.procs:
             proc.join(timeout=0 if force else 10)
             if proc.is_alive():
@@ -120,7 +120,7 @@ class LockstepRunner:
         return self.runner.score(ids)
 
     def close(self) -> None:
-        if not self.workers._closed:
+        if not self.workers.closed:
             try:
                 self._call("stop")
             except RuntimeError:  # a worker is already gone: nothing left to tell
@@ -182,14 +182,8 @@ def _bind_device(device_type: str, rank: int, world: int) -> None:
 
 def start(path: Path, fmt: str, config, chip: str | None) -> Workers:
     """Start ranks 1..n-1 (config.device already names the backend's device) and join the group as rank 0."""
-    workers = Workers(ReplicaSpec(path, fmt, config, chip, f"tcp://127.0.0.1:{_free_port()}"))
+    workers = Workers(ReplicaSpec(path, fmt, config, chip, f"tcp://127.0.0.1:{free_port()}"))
     workers.wait("started")
     _bind_device(config.device, 0, config.tp * config.ep)
     parallel.init_model_parallel(parallel.ParallelConfig(config.tp, config.ep), 0, workers.spec.init_method)
     return workers
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flagdeploy.errors import FlagdeployError
-from flagdeploy.units import parse_bytes
+from flagdeploy.net import free_port
 from flagdeploy.server import errors
 from flagdeploy.server.app import (
     _presented_key,
@@ -32,6 +31,7 @@ from flagdeploy.server.app import (
 )
 from flagdeploy.server.errors import APIError
 from flagdeploy.server.protocol import ModelCard, ModelList, now
+from flagdeploy.units import parse_bytes
 
 from .balancer import Balancer, Replica
 from .config import ConfigError, ModelConfig, ServeConfig, launch_plan
@@ -418,12 +418,6 @@ async def _read_body(receive: Receive) -> bytes:
 
 
 # ---- building it from a config -------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def build_gateway(config: ServeConfig, inner: ASGIApp | None = None,
