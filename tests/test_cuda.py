@@ -69,6 +69,34 @@ def test_glm5_next_on_the_gpu_matches_transformers_on_the_gpu(tmp_path):
     assert engine.generate([ids.tolist()], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0] == ref
 
 
+def test_glm5_next_decode_graphs_match_eager_and_transformers(tmp_path):
+    """glm5_next's decode step replayed as CUDA graphs (KDA state rows, DSA top-k selection over the
+    block tables, MoE dispatch sized by top_k) gives the eager engine's and transformers' greedy tokens,
+    padded batches included, with contexts long enough for the indexer to select."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Glm5NextForConditionalGeneration"):
+        pytest.skip("this transformers has no glm5_next (5.23 ships it)")
+    from flagdeploy.engine import SamplingParams
+    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+
+    src = write_tiny_glm5_next(tmp_path / "glm")
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 64, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    graphed, eager = _engine(src, max_num_seqs=4, block_size=4), _engine(src, cuda_graphs=False, block_size=4)
+    assert graphed.runner.graphs is not None and eager.runner.graphs is None
+    got = graphed.generate(prompts, params)
+    assert got == eager.generate(prompts, params)
+    assert graphed.generate(prompts[:1], params) == [got[0]]
+    assert {b for b, _ in graphed.runner.graphs.graphs} == {1, 4}  # batch buckets (one table width here)
+    hf = transformers.Glm5NextForConditionalGeneration.from_pretrained(src, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        for p, tokens in zip(prompts, got):
+            ref = hf.generate(torch.tensor([p]).cuda(), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(p):].tolist()
+            assert tokens == ref
+
+
 def test_llama_on_the_gpu_matches_transformers_on_the_gpu(tmp_path):
     transformers = pytest.importorskip("transformers")
     from flagdeploy.engine import SamplingParams

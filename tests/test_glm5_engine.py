@@ -45,12 +45,17 @@ def test_engine_greedy_matches_transformers(glm_dir, budget, blocks):
     want = [_greedy_by_full_forward(hf, p) for p in PROMPTS]
     probe = build_llm_engine(path, "safetensors", EngineConfig(max_model_len=64), chip="cpu", progress=False)
     per_block = probe.runner.bytes_per_block(probe.model, 4)
+    state = probe.runner.state_bytes(probe.model, 16)  # the KDA state rows of --max-num-seqs 16 come first
     engine = build_llm_engine(path, "safetensors", EngineConfig(
-        max_model_len=40, max_num_batched_tokens=budget, block_size=4, kv_cache_memory=blocks * per_block),
+        max_model_len=40, max_num_batched_tokens=budget, block_size=4, kv_cache_memory=state + blocks * per_block),
         chip="cpu", progress=False)
+    assert engine.stats()["kv_blocks_total"] == blocks
+    decode, decoded = engine.model.forward_decode, []
+    engine.model.forward_decode = lambda ids, batch: decoded.append(len(ids)) or decode(ids, batch)
     got = engine.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
     assert got == want
-    assert engine.runner.caches == {}  # every sequence's state was freed when it finished
+    assert decoded and max(decoded) > 1  # steps of decodes only ran batched, through the state rows
+    assert engine.runner.state_row == {}  # every sequence gave its state row back when it finished
     if blocks == 12:
         assert engine.stats()["preemptions"] > 0
     assert engine.stats()["prefix_cache_hit_tokens"] == 0  # KDA state is never resumed from shared blocks

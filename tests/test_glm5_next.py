@@ -148,6 +148,35 @@ def test_variants_prefill_then_decode_from_one_token(overrides):
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"index_kpool_always_select_tail": False}, {"index_kpool": 1, "index_topk": 3}],
+                         ids=["default", "no-tail", "kpool1"])
+def test_batched_decode_through_the_pools_matches_transformers(overrides):
+    """The engine's decode step (`forward_decode`: fixed shapes, state rows and block tables as tensors,
+    the shape a CUDA graph captures) continues prefills of unequal lengths; a padding row on a scratch
+    block and state row rides along and disturbs nothing."""
+    from flagdeploy.models.glm5_next import DecodeBatch
+
+    hf = _hf_model(**overrides)
+    ours = Glm5NextForCausalLM(from_hf_config(hf.config.to_dict()))
+    load_hf_weights(ours, _checkpoint_form(hf.state_dict()))
+    bs, seqs, prompt = 4, [_ids(30, 13), _ids(22, 14), _ids(27, 15)], [9, 1, 14]
+    pools = ours.cache_pools(num_blocks=40, block_size=bs, max_seqs=4)  # row 3 / block 39: scratch
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+    outs = [[ours.forward_packed(s[:n], torch.tensor([0, n]), [ours.engine_cache(pools, t, i, 0)])]
+            for i, (s, n, t) in enumerate(zip(seqs, prompt, tables))]
+    for step in range(max(len(s) - n for s, n in zip(seqs, prompt))):
+        live = [i for i in range(3) if prompt[i] + step < len(seqs[i])]
+        pos = [prompt[i] + step for i in live]
+        t = lambda x: torch.tensor(x)  # noqa: E731
+        batch = DecodeBatch(pools, t([*live, 3]), t([tables[i][p // bs] * bs + p % bs for i, p in zip(live, pos)] + [39 * bs]),
+                            t([tables[i] for i in live] + [[39] * 8]), t([p + 1 for p in pos] + [1]))
+        logits = ours.forward_decode(t([int(seqs[i][p]) for i, p in zip(live, pos)] + [0]), batch)
+        for j, i in enumerate(live):
+            outs[i].append(logits[j : j + 1])
+    for s, out in zip(seqs, outs):
+        torch.testing.assert_close(torch.cat(out), _hf_logits(hf, s), atol=ATOL, rtol=RTOL)
+
+
 def test_chunked_prefill_continues_a_cache(models):
     hf, ours = models
     ids = _ids(40, 6)
@@ -259,7 +288,28 @@ def test_conv_in_steps_equals_one_pass():
 
 
 GLM_OPS = ["moe_router", "moe_experts", "kda_recurrent", "kda_chunk", "causal_conv1d", "gated_rms_norm", "hc_pre",
-           "hc_post", "dsa_indexer_topk", "sparse_attention"]
+           "hc_post", "dsa_indexer_topk", "sparse_attention", "dsa_indexer_topk_decode", "latent_attention_decode"]
+
+
+def test_batched_decode_ops_equal_the_per_sequence_ops():
+    """The fixed-shape decode ops (one query per sequence, padded rows) are the per-sequence ops row by row."""
+    g = torch.Generator().manual_seed(3)
+    b, s, hi, d, p, r = 4, 24, 3, 8, 4, 6
+    q, w = torch.randn(b, hi, d, generator=g), torch.randn(b, hi, generator=g)
+    keys, gate, ape = torch.randn(b, s, d, generator=g), torch.randn(b, s, d, generator=g), torch.randn(p, d, generator=g)
+    lengths = torch.tensor([24, 13, 4, 1])
+    for tail in (True, False):
+        mask = glm_ops.dsa_indexer_topk_decode(q, w, keys, gate, ape, lengths, 8, tail)
+        for i, n in enumerate(lengths.tolist()):
+            one = glm_ops.dsa_indexer_topk(q[i : i + 1], w[i : i + 1], keys[i, :n], gate[i, :n], ape, n - 1, 8, tail)
+            assert torch.equal(mask[i, :n], one[0]) and not mask[i, n:].any()
+    ql, lat = torch.randn(b, 2, r, generator=g), torch.randn(b, s, r, generator=g)
+    mask = glm_ops.dsa_indexer_topk_decode(q, w, keys, gate, ape, lengths, 8, True)
+    got = glm_ops.latent_attention_decode(ql, lat, mask, 0.3)
+    for i, n in enumerate(lengths.tolist()):
+        shared = lat[i, :n].unsqueeze(1).expand(-1, 2, -1)
+        torch.testing.assert_close(got[i], glm_ops.sparse_attention(ql[i : i + 1], shared, shared, mask[i : i + 1, :n],
+                                                                     0.3)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -88,7 +88,7 @@ def test_kv_and_state_agree_with_our_engine(tmp_path):
     glm.forward(torch.tensor([3, 4, 5]), cache)
     states = [s for s in cache.layers if hasattr(s, "recurrent")]
     held = sum(s.recurrent.numel() * s.recurrent.element_size() + s.conv.numel() * s.conv.element_size() for s in states)
-    assert shape.state_bytes_per_sequence(4) == held
+    assert shape.state_bytes_per_sequence(4) == held == glm.state_bytes_per_seq()
 
 
 # ---- the cost model -------------------------------------------------------------------------------------

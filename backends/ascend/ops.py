@@ -277,12 +277,13 @@ def _gmm(x, bank, counts, row_scale, out_dtype):
                                      **kwargs)[0]
 
 
-def moe_experts(x, routing, gate_up, down, limit):
+def moe_experts(x, routing, gate_up, down, limit, top_k=None):
     """npu_moe_init_routing_v2 -> npu_grouped_matmul (gate_up) -> clamp + npu_swiglu -> npu_grouped_matmul
     (down) -> npu_moe_token_unpermute(probs = routing weights), as VA's A2/A3 path.
 
     The dense [T, E] routing becomes per-token expert ids (int32, as init_routing requires) and weights;
     tokens with fewer picks than the widest row get zero-weight padding picks, which add exactly zero.
+    With `top_k` given the width is known without reading the routing back (graph capture).
     W8A8 banks quantise the routed tokens in init_routing (quant_mode=1: per-row int8 + fp32 scale, the
     reference's per-token dynamic quantisation) and the SwiGLU output with npu_dynamic_quant. quant_mode
     is always passed: older op docs give it a default of 0 (static int8). W8A16 (Int8Weight) banks stay on
@@ -293,7 +294,7 @@ def moe_experts(x, routing, gate_up, down, limit):
     if not (quant or dense) or x.dtype not in _FLOAT or (dense and gate_up.dtype != x.dtype):
         return _ref("moe_experts")(x, routing, gate_up, down, limit)
     t, e = routing.shape
-    k = int((routing != 0).sum(-1).max()) if t else 0
+    k = (top_k if top_k is not None else int((routing != 0).sum(-1).max())) if t else 0
     if k == 0:
         return torch.zeros_like(x)
     ids = torch.sort((routing != 0).to(torch.int8), dim=-1, descending=True, stable=True).indices[:, :k]

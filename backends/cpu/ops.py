@@ -86,7 +86,7 @@ def linear_w8a8_dynamic(x, w: W8A8Weight, bias=None):
 # ---- GLM-5.3-Flash ops ---------------------------------------------------------------------------
 
 
-def moe_experts(x, routing, gate_up, down, limit):
+def moe_experts(x, routing, gate_up, down, limit, top_k=None):
     """Few tokens (decode): every expert on every token in three batched matmuls, weighted by the
     (mostly zero) routing — far fewer ops than the reference's per-expert gather/scatter loop, which
     more tokens (prefill) still use, where computing unpicked experts would waste real work. W8A8 expert

@@ -57,14 +57,25 @@ def _grouped_ok(x: torch.Tensor, gate_up, down) -> bool:
             and all(d % 8 == 0 for d in (*gate_up.shape[1:], *down.shape[1:])))
 
 
-def moe_experts(x, routing, gate_up, down, limit):
-    """Tokens sorted by expert, one grouped GEMM for gate/up and one for down, then weighted back."""
+def moe_experts(x, routing, gate_up, down, limit, top_k=None):
+    """Tokens sorted by expert, one grouped GEMM for gate/up and one for down, then weighted back.
+
+    With `top_k` the (token, expert) rows are each token's top_k routing entries (zero-weight ones add
+    nothing): a fixed count, so the step reads nothing back and can be captured in a CUDA graph;
+    otherwise the routing's nonzeros."""
     if not _grouped_ok(x, gate_up, down):
+        if top_k is not None and _gather_ok(x, gate_up, down, top_k):
+            return _experts_by_gather(x, routing, gate_up, down, limit, top_k)
         return OPS["moe_experts"].reference(x, routing, gate_up, down, limit)
-    tok, exp = routing.nonzero(as_tuple=True)  # one row per (token, picked expert), sorted by token
+    if top_k is not None:
+        exp = routing.abs().topk(top_k, dim=-1).indices.flatten()
+        tok = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k)
+    else:
+        tok, exp = routing.nonzero(as_tuple=True)  # one row per (token, picked expert), sorted by token
     order = exp.argsort(stable=True)
     tok, exp = tok[order], exp[order]
-    counts = torch.bincount(exp, minlength=gate_up.shape[0])
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device).index_add_(
+        0, exp, torch.ones_like(exp, dtype=torch.int32))
     offs = counts.cumsum(0).to(torch.int32)
     h = torch._grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs)
     gate, up = h.chunk(2, dim=-1)
@@ -74,6 +85,26 @@ def moe_experts(x, routing, gate_up, down, limit):
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y.float() * routing[tok, exp, None].float())
     return out.to(x.dtype)
+
+
+def _gather_ok(x, gate_up, down, top_k) -> bool:
+    """Few enough tokens that a copy of each picked expert's weights is small (decode of small models)."""
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+            and x.shape[0] * top_k * (gate_up[0].numel() + down[0].numel()) <= 1 << 26)
+
+
+def _experts_by_gather(x, routing, gate_up, down, limit, top_k):
+    """Each token's top_k experts as batched matrix-vector products on gathered weights: fixed shapes,
+    no host reads (capturable), for the dtypes and sizes the grouped GEMM does not take."""
+    t, k = x.shape[0], top_k
+    picked = routing.abs().topk(k, dim=-1).indices  # [T, k]
+    weight = routing.gather(1, picked)
+    rows = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+    gate, up = torch.bmm(gate_up[picked.flatten()], rows).squeeze(-1).chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    y = torch.bmm(down[picked.flatten()], (F.silu(gate) * up).unsqueeze(-1)).view(t, k, -1)
+    return (y.float() * weight.float().unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 _FP8_NATIVE = {"ok": hasattr(F, "scaled_mm")}  # cleared, with a log line, if this torch/cuBLAS refuses blockwise FP8

@@ -37,9 +37,10 @@ class PagedStep:
 
 @dataclass
 class StateStep:
-    """One step of a sequence-state model: per sequence (id, block table, new tokens, first position)."""
+    """One step of a sequence-state model: per sequence (id, state row, block table, new tokens, first
+    position)."""
 
-    seqs: list[tuple[int, list[int], list[int], int]]
+    seqs: list[tuple[int, int, list[int], list[int], int]]
     rows: list[int]
 
 
@@ -56,6 +57,11 @@ class _Runner:
 
     def release(self, seq) -> None:
         self.drop(seq.seq_id)
+
+    @staticmethod
+    def state_bytes(model, max_seqs: int) -> int:
+        """Memory the runner holds per running sequence whatever its length, times `max_seqs`."""
+        return 0
 
     def score(self, ids: list[int]) -> torch.Tensor:
         """Logits at every position of one sequence (prompt logprobs), outside the engine's caches."""
@@ -79,8 +85,15 @@ class PagedRunner(_Runner):
         if graphs:
             from .cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, self.kv_caches, graphs["max_batch"],
-                                       -(-graphs["max_model_len"] // block_size), num_blocks, block_size)
+            self.graphs = DecodeGraphs(self._decode, device, graphs["max_batch"],
+                                       -(-graphs["max_model_len"] // block_size), block_size, num_blocks)
+
+    def _decode(self, d) -> torch.Tensor:
+        """The pure-decode step on `DecodeInputs` (what the CUDA graphs capture)."""
+        meta = AttentionMetadata(positions=d.positions, slot_mapping=d.slots, num_prefill_tokens=0, cu_seqlens_q=None,
+                                 cu_seqlens_k=None, prefill_kv_slots=None, block_tables=d.tables, context_lens=d.ctx,
+                                 logits_indices=d.rows)
+        return self.model(d.ids, meta, self.kv_caches)
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
@@ -147,33 +160,53 @@ class PagedRunner(_Runner):
 class SequenceStateRunner(_Runner):
     """Runs models that carry state per sequence (glm5_next): their per-token rows (MLA latent,
     indexer keys) live in block pools addressed through each sequence's block table, like paged k/v;
-    their fixed-size state (KDA conv + recurrent) lives in a cache object per running sequence.
+    their fixed-size state (KDA conv + recurrent) in state pools, one row per running sequence, assigned
+    when rank 0 plans the sequence's first step (so every rank of a replica uses the same row) and given
+    back when the sequence finishes, aborts or is preempted.
 
-    A sequence whose first token is scheduled (new, or recomputed after preemption) gets a fresh
-    cache object, so stale state can never leak into a recompute.
+    A step of decodes only runs the model's `forward_decode` (fixed shapes; replayed as a CUDA graph on a
+    GPU); a step with a prefill chunk runs `forward_packed` over per-step views of the pools. A sequence
+    whose first token is scheduled (new, or recomputed after preemption) starts from a zeroed state row.
     """
 
-    def __init__(self, model, num_blocks: int, block_size: int, device: str):
-        self.model = model
-        self.device = device
+    def __init__(self, model, num_blocks: int, block_size: int, device: str, max_seqs: int,
+                 graphs: dict | None = None):
+        """graphs: {"max_model_len"} to replay decode steps as CUDA graphs (cuda only); the pools then get
+        one extra block and one extra state row, never handed out, for the graphs' padded rows."""
+        self.model, self.device, self.block_size = model, device, block_size
+        extra = 1 if graphs else 0
         with torch.device(device):
-            self.pools = model.cache_pools(num_blocks, block_size)
-        self.caches: dict[int, object] = {}
-        self.tables: dict[int, list[int]] = {}
+            self.pools = model.cache_pools(num_blocks + extra, block_size, max_seqs + extra)
+        self.free_rows = list(range(max_seqs - 1, -1, -1))
+        self.state_row: dict[int, int] = {}  # running sequence → its row of the state pools
+        self.batched_decode = model.can_decode_batched()
+        self.graphs = None
+        if graphs and self.batched_decode:
+            from .cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self._decode, device, max_seqs, -(-graphs["max_model_len"] // block_size),
+                                       block_size, num_blocks, max_seqs)
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
         return model.cache_bytes_per_token() * block_size
 
+    @staticmethod
+    def state_bytes(model, max_seqs: int) -> int:
+        return model.state_bytes_per_seq() * (max_seqs + 1)  # + the graphs' scratch row
+
     def drop(self, seq_id: int) -> None:
-        self.caches.pop(seq_id, None)
-        self.tables.pop(seq_id, None)
+        row = self.state_row.pop(seq_id, None)
+        if row is not None:
+            self.free_rows.append(row)
 
     def plan(self, batch: ScheduledBatch) -> tuple[StateStep, list[int]]:
         seqs, rows, sampled, count = [], [], [], 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed, seq.num_computed + n
-            seqs.append((seq.seq_id, list(seq.block_table), seq.token_ids[start:end], start))
+            if seq.seq_id not in self.state_row:
+                self.state_row[seq.seq_id] = self.free_rows.pop()
+            seqs.append((seq.seq_id, self.state_row[seq.seq_id], list(seq.block_table), seq.token_ids[start:end], start))
             count += n
             if end == seq.num_tokens:
                 rows.append(count - 1)
@@ -181,20 +214,36 @@ class SequenceStateRunner(_Runner):
         return StateStep(seqs, rows), sampled
 
     def execute(self, step: StateStep) -> torch.Tensor:
+        if self.batched_decode and all(len(new) == 1 and start > 0 for _, _, _, new, start in step.seqs):
+            return self._decode_step(step)[step.rows]
         ids: list[int] = []
         cu = [0]
         caches = []
-        for seq_id, table, new, start in step.seqs:
-            if start == 0:
-                self.tables[seq_id] = list(table)
-                self.caches[seq_id] = self.model.new_cache(self.pools, self.tables[seq_id])
-            else:  # the cache reads its blocks through this list: grow it in place
-                self.tables[seq_id][:] = table
-            caches.append(self.caches[seq_id])
+        for _, row, table, new, start in step.seqs:
+            caches.append(self.model.engine_cache(self.pools, table, row, start))
             ids.extend(new)
             cu.append(cu[-1] + len(new))
         logits = self.model.forward_packed(torch.tensor(ids, device=self.device), torch.tensor(cu), caches)
         return logits[step.rows]
+
+    def _decode_step(self, step: StateStep) -> torch.Tensor:
+        from .cuda_graphs import DecodeInputs
+
+        bs = self.block_size
+        ids = [new[0] for _, _, _, new, _ in step.seqs]
+        positions = [start for *_, start in step.seqs]
+        slots = [table[p // bs] * bs + p % bs for (_, _, table, _, _), p in zip(step.seqs, positions)]
+        tables = [table for _, _, table, _, _ in step.seqs]
+        ctx = [p + 1 for p in positions]
+        state_rows = [row for _, row, _, _, _ in step.seqs]
+        if self.graphs is not None and len(ids) <= self.graphs.max_batch:
+            return self.graphs.run(ids, positions, slots, tables, ctx, state_rows)
+        return self._decode(DecodeInputs.build(ids, positions, slots, tables, ctx, state_rows, self.device))
+
+    def _decode(self, d) -> torch.Tensor:
+        from flagdeploy.models.glm5_next import DecodeBatch
+
+        return self.model.forward_decode(d.ids, DecodeBatch(self.pools, d.state_slots, d.slots, d.tables, d.ctx))
 
 
 def build_runner(model, config) -> tuple[_Runner, int, int]:
@@ -204,7 +253,14 @@ def build_runner(model, config) -> tuple[_Runner, int, int]:
 
     cls = SequenceStateRunner if has_sequence_state(model) else PagedRunner
     per_block = cls.bytes_per_block(model, config.block_size)
-    num_blocks = max(config.kv_cache_memory // per_block, 1)
+    state = cls.state_bytes(model, config.max_num_seqs)
+    if state >= config.kv_cache_memory:
+        raise ValueError(
+            f"The per-sequence state of --max-num-seqs {config.max_num_seqs} sequences takes {state / 2**30:.2f} GiB, "
+            f"all of the {config.kv_cache_memory / 2**30:.2f} GiB KV cache. Lower --max-num-seqs or raise "
+            f"--kv-cache-memory."
+        )
+    num_blocks = max((config.kv_cache_memory - state) // per_block, 1)
     min_blocks = -(-config.max_model_len // config.block_size)
     if num_blocks < min_blocks:
         raise ValueError(
@@ -213,7 +269,11 @@ def build_runner(model, config) -> tuple[_Runner, int, int]:
             f"--max-model-len."
         )
     # CUDA graphs replay one process's decode step; with collectives inside they are not captured (yet)
-    if cls is PagedRunner and config.cuda_graphs and config.device == "cuda" and config.tp * config.ep == 1:
+    graphs = None
+    if config.cuda_graphs and config.device == "cuda" and config.tp * config.ep == 1:
         graphs = {"max_batch": config.max_num_seqs, "max_model_len": config.max_model_len}
-        return PagedRunner(model, num_blocks, config.block_size, config.device, graphs), num_blocks, per_block
-    return cls(model, num_blocks, config.block_size, config.device), num_blocks, per_block
+    if cls is SequenceStateRunner:
+        runner = SequenceStateRunner(model, num_blocks, config.block_size, config.device, config.max_num_seqs, graphs)
+    else:
+        runner = PagedRunner(model, num_blocks, config.block_size, config.device, graphs)
+    return runner, num_blocks, per_block

@@ -199,6 +199,36 @@ class KdaState:
     recurrent: torch.Tensor | None = None  # [heads, head_dim, head_dim]
 
 
+class PooledKdaState:
+    """A KDA state held as one row (`slot`) of the engine's state pools [max_seqs, ...], so that a decode
+    step can gather and scatter every sequence's state by row index (`KdaAttention.decode`). Reads are
+    views of the row; assignments copy into it. A new sequence's row is zeroed (`reset`): a zero state is
+    what a fresh `KdaState` means."""
+
+    def __init__(self, pool: dict[str, torch.Tensor], slot: int):
+        self._pool, self.slot = pool, slot
+
+    def reset(self) -> None:
+        self._pool["conv"][self.slot].zero_()
+        self._pool["recurrent"][self.slot].zero_()
+
+    @property
+    def conv(self) -> torch.Tensor:
+        return self._pool["conv"][self.slot]
+
+    @conv.setter
+    def conv(self, value: torch.Tensor) -> None:
+        self._pool["conv"][self.slot].copy_(value)
+
+    @property
+    def recurrent(self) -> torch.Tensor:
+        return self._pool["recurrent"][self.slot]
+
+    @recurrent.setter
+    def recurrent(self, value: torch.Tensor) -> None:
+        self._pool["recurrent"][self.slot].copy_(value)
+
+
 class TokenRows:
     """One sequence's per-token rows of one cached quantity (latent, indexer key, pool gate), grown a
     step at a time and read back whole. Standalone they live in one tensor; inside the engine they live
@@ -218,9 +248,9 @@ class PagedTokenRows(TokenRows):
     """Rows in the engine's block pool: `pool` [num_blocks, block_size, D] shared by all sequences, and
     the sequence's own block table (the block manager's live list, grown before each step)."""
 
-    def __init__(self, pool: torch.Tensor, block_table: list[int]):
+    def __init__(self, pool: torch.Tensor, block_table: list[int], length: int = 0):
         super().__init__()
-        self.pool, self.table, self.length = pool, block_table, 0
+        self.pool, self.table, self.length = pool, block_table, length
 
     def _slots(self, start: int, end: int) -> torch.Tensor:
         bs = self.pool.shape[1]
@@ -258,11 +288,26 @@ class Glm5SequenceCache:
         return cls([KdaState() if lt == "linear_attention" else MlaCache() for lt in cfg.layer_types])
 
     @classmethod
-    def paged(cls, cfg: Glm5Config, pools: dict[int, dict[str, torch.Tensor]], block_table: list[int]):
-        """A cache whose per-token rows live in the engine's pools (one per indexed layer and quantity)."""
-        return cls([KdaState() if lt == "linear_attention" else
-                    MlaCache(**{k: PagedTokenRows(pool, block_table) for k, pool in pools[i].items()})
-                    for i, lt in enumerate(cfg.layer_types)])
+    def paged(cls, cfg: Glm5Config, pools: dict[int, dict[str, torch.Tensor]], block_table: list[int],
+              state_slot: int, length: int = 0):
+        """A view of one sequence in the engine's pools: per-token rows through its block table, KDA
+        state in row `state_slot`, `length` tokens already cached (the engine builds one each step)."""
+        return cls([PooledKdaState(pools[i], state_slot) if lt == "linear_attention" else
+                    MlaCache(**{k: PagedTokenRows(pool, block_table, length) for k, pool in pools[i].items()})
+                    for i, lt in enumerate(cfg.layer_types)], length)
+
+
+@dataclass
+class DecodeBatch:
+    """One decode step of B sequences (one new token each) in shapes fixed by B and the block-table
+    width W alone: every per-sequence quantity is a device tensor and nothing is read back to the host,
+    so the step can be captured once as a CUDA graph and replayed (`forward_decode`)."""
+
+    pools: dict[int, dict[str, torch.Tensor]]  # the engine's pools (`cache_pools`)
+    state_slots: torch.Tensor  # [B] each sequence's row of the KDA state pools
+    slots: torch.Tensor  # [B] flat pool row (block * block_size + offset) of the new token
+    block_tables: torch.Tensor  # [B, W]
+    lengths: torch.Tensor  # [B] tokens of the sequence including the new one
 
 
 # ---- layers -------------------------------------------------------------------------------------------
@@ -355,6 +400,23 @@ class KdaAttention(nn.Module):
         gate = self.g_b_proj(self.g_a_proj(h)).view(shape)
         return self.o_proj(glm_ops.gated_rms_norm(out, gate, self.o_norm, c.rms_norm_eps).reshape(t, -1))
 
+    def decode(self, h: torch.Tensor, batch: DecodeBatch, pool: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One token of each of B sequences, states gathered from and scattered back to the state pools by
+        `batch.state_slots`; the conv and the delta rule run as one op call each (see `_step_together`)."""
+        c, n = self.c, h.shape[0]
+        heads, d = self.heads, c.linear_head_dim
+        mixed, g, beta = self.qkv_proj(h), self.forget_gate(h), torch.sigmoid(self.b_proj(h))
+        width, kw = mixed.shape[1], self.conv_weight.shape[1]
+        prev = pool["conv"].index_select(0, batch.state_slots).transpose(0, 1).reshape(kw - 1, n * width)
+        conv, state = glm_ops.causal_conv1d(mixed.reshape(1, n * width), self.conv_weight.repeat(n, 1), prev)
+        pool["conv"].index_copy_(0, batch.state_slots, state.view(kw - 1, n, width).transpose(0, 1).to(pool["conv"].dtype))
+        q, k, v = (part.reshape(1, n * heads, d) for part in conv.view(n, width).chunk(3, dim=-1))
+        recurrent = pool["recurrent"].index_select(0, batch.state_slots).view(n * heads, d, d)
+        o, recurrent = glm_ops.kda_recurrent(q, k, v, g.reshape(1, n * heads, d), beta.reshape(1, n * heads), recurrent)
+        pool["recurrent"].index_copy_(0, batch.state_slots, recurrent.view(n, heads, d, d))
+        gate = self.g_b_proj(self.g_a_proj(h)).view(n, heads, d)
+        return self.o_proj(glm_ops.gated_rms_norm(o.view(n, heads, d), gate, self.o_norm, c.rms_norm_eps).reshape(n, -1))
+
     def _step_together(self, states: list[KdaState], rows: list[int], mixed, g, beta, out) -> None:
         """One decode step of B sequences as one op call each: both the conv and the delta rule act per
         channel / per head independently, so B sequences are B times the channels / heads of one."""
@@ -402,6 +464,26 @@ class DsaIndexer(nn.Module):
                                                   self.compress_ape, start, c.index_topk,
                                                   c.index_kpool_always_select_tail))
         return masks
+
+
+    def decode(self, h: torch.Tensor, q_resid: torch.Tensor, batch: DecodeBatch, pool: dict[str, torch.Tensor],
+               rows: torch.Tensor) -> torch.Tensor:
+        """The selection masks [B, S] of B decoding queries; their key / gate rows join the pools first."""
+        c, n = self.c, h.shape[0]
+        keys = F.layer_norm(self.wk(h), (c.index_head_dim,), self.k_norm_weight, self.k_norm_bias, 1e-6)
+        q = self.wq_b(q_resid).view(n, c.index_n_heads, c.index_head_dim)
+        keys, gate = _write_and_gather(pool["index_keys"], keys, batch.slots, rows), \
+            _write_and_gather(pool["index_gate"], self.compress_gate(h), batch.slots, rows)
+        return glm_ops.dsa_indexer_topk_decode(q, self.weights_proj(h), keys, gate, self.compress_ape, batch.lengths,
+                                               c.index_topk, c.index_kpool_always_select_tail)
+
+
+def _write_and_gather(pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Write each sequence's new row at its slot of `pool` [blocks, block_size, D], then read every
+    sequence's rows back through its block table (`rows` [B, S] flat pool rows): [B, S, D]."""
+    flat = pool.view(-1, pool.shape[-1])
+    flat.index_copy_(0, slots, new.to(pool.dtype))
+    return flat.index_select(0, rows.flatten()).view(*rows.shape, -1)
 
 
 class MlaAttention(nn.Module):
@@ -460,12 +542,34 @@ class MlaAttention(nn.Module):
             out[a:b] = glm_ops.sparse_attention(q[a:b], k, v, mask, self.scale)
         return self.o_proj(out.reshape(t, -1)), masks
 
+    def decode(self, h: torch.Tensor, batch: DecodeBatch, pool: dict[str, torch.Tensor], rows: torch.Tensor,
+               prev_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token of each of B sequences in the latent space (kv_b absorbed, as `forward` decodes one
+        sequence); returns (output, selection mask [B, S]) for a following shared layer."""
+        c, n = self.c, h.shape[0]
+        q_resid = ops.rms_norm(self.q_a_proj(h), self.q_a_norm, c.rms_norm_eps)
+        q = self.q_b_proj(q_resid).view(n, self.heads, c.qk_nope_head_dim)
+        latent = _write_and_gather(pool["latent"], ops.rms_norm(self.kv_a_proj(h), self.kv_a_norm, c.rms_norm_eps),
+                                   batch.slots, rows)
+        mask = self.indexer.decode(h, q_resid, batch, pool, rows) if self.indexer is not None else prev_mask
+        if mask is None:
+            raise RuntimeError("a shared DSA layer needs the top-k selection of the full layer before it")
+        w_uk, w_uv = self._absorbed_weights()
+        ctx = glm_ops.latent_attention_decode(torch.einsum("bhd,hdr->bhr", q, w_uk), latent, mask, self.scale)
+        return self.o_proj(torch.einsum("bhr,hvr->bhv", ctx, w_uv).reshape(n, -1)), mask
+
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """kv_b split per head into its key part [H, Dn, R] and value part [H, Dv, R] (this rank's
-        heads under TP); None when kv_b is held quantized (then decode expands like prefill)."""
+        heads under TP). A quantized kv_b is dequantized once for this (kv_lora_rank x heads x (Dn + Dv)
+        values, small next to the layer); None if its bundle cannot be (then decode expands like prefill)."""
         w = self.kv_b_proj.weight
         if w is None:
-            return None
+            w = getattr(self, "_kv_b_dense", None)
+            if w is None:
+                dequantize = getattr(self.kv_b_proj.qweight, "dequantize", None)
+                if dequantize is None:
+                    return None
+                w = self._kv_b_dense = dequantize(self.kv_b_proj.dtype)
         c = self.c
         w = w.view(self.heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
@@ -594,7 +698,8 @@ class MoE(nn.Module):
         if parallel.ep_size() > 1:
             return self._expert_parallel(h, routing)
         x = self.experts
-        return self._tp_sum(glm_ops.moe_experts(h, routing, x.gate_up, x.down, c.swiglu_limit) + self.shared(h))
+        return self._tp_sum(glm_ops.moe_experts(h, routing, x.gate_up, x.down, c.swiglu_limit, top_k=c.num_experts_per_tok)
+                            + self.shared(h))
 
     @staticmethod
     def _tp_sum(partial: torch.Tensor) -> torch.Tensor:
@@ -658,7 +763,7 @@ class HyperConnection(nn.Module):
 class Glm5Layer(nn.Module):
     def __init__(self, c: Glm5Config, idx: int, dtype: torch.dtype):
         super().__init__()
-        self.c = c
+        self.c, self.idx = c, idx
         self.kind = c.layer_types[idx]
         if self.kind == "linear_attention":
             self.attn: nn.Module = KdaAttention(c, dtype)
@@ -673,14 +778,23 @@ class Glm5Layer(nn.Module):
 
     def forward(self, streams: torch.Tensor, states: list, spans: list[Span], prev_masks: list | None):
         """streams [T, N, D] of the packed tokens → (streams, this layer's selection masks or None)."""
+        if self.kind == "linear_attention":
+            return self._block(streams, lambda h: (self.attn(h, states, spans), None))
+        return self._block(streams, lambda h: self.attn(h, states, spans, prev_masks))
+
+    def decode(self, streams: torch.Tensor, batch: DecodeBatch, rows: torch.Tensor | None,
+               prev_mask: torch.Tensor | None):
+        """streams [B, N, D], one token per sequence → (streams, this layer's selection mask or None)."""
+        pool = batch.pools[self.idx]
+        if self.kind == "linear_attention":
+            return self._block(streams, lambda h: (self.attn.decode(h, batch, pool), None))
+        return self._block(streams, lambda h: self.attn.decode(h, batch, pool, rows, prev_mask))
+
+    def _block(self, streams: torch.Tensor, mix):
+        """mHC around the token mixer `mix` (normed input → (output, masks)), then around the FFN."""
         c = self.c
         post, comb, h = self.attn_hc.pre(streams, c)
-        h = ops.rms_norm(h, self.input_norm, c.rms_norm_eps)
-        masks = None
-        if self.kind == "linear_attention":
-            h = self.attn(h, states, spans)
-        else:
-            h, masks = self.attn(h, states, spans, prev_masks)
+        h, masks = mix(ops.rms_norm(h, self.input_norm, c.rms_norm_eps))
         streams = glm_ops.hc_post(h, streams, post, comb)
         post, comb, h = self.ffn_hc.pre(streams, c)
         h = self.mlp(ops.rms_norm(h, self.post_norm, c.rms_norm_eps))
@@ -699,27 +813,57 @@ class Glm5NextForCausalLM(nn.Module):
         self.lm_head = vocab_parallel_head(cfg.vocab_size, cfg.hidden_size, dtype)
         self._plan_slots: dict[str, tuple] | None = None  # `read_plan`'s view of weight_slots, built once
 
-    def new_cache(self, pools: dict | None = None, block_table: list[int] | None = None) -> Glm5SequenceCache:
-        """A standalone cache, or (with the engine's pools and the sequence's block table) a paged one."""
-        if pools is None:
-            return Glm5SequenceCache.empty(self.cfg)
-        return Glm5SequenceCache.paged(self.cfg, pools, block_table)
+    def new_cache(self) -> Glm5SequenceCache:
+        """A standalone cache (its own tensors, grown as tokens arrive): for use outside the engine."""
+        return Glm5SequenceCache.empty(self.cfg)
 
-    def cache_pools(self, num_blocks: int, block_size: int) -> dict[int, dict[str, torch.Tensor]]:
-        """The engine's block pools: per indexed layer, the latent, and the indexer key / pool gate rows.
-        Their widths do not depend on TP/EP: the latent and the indexer are replicated, every rank holds
-        them whole (the per-head KDA state, which TP does split, lives in the sequence caches)."""
+    def engine_cache(self, pools: dict, block_table: list[int], state_slot: int, length: int) -> Glm5SequenceCache:
+        """A view of one sequence in the engine's pools with `length` tokens already cached; a sequence
+        that starts (length 0: new, or recomputed after preemption) gets its KDA state rows zeroed, so
+        stale state can never leak into it."""
+        cache = Glm5SequenceCache.paged(self.cfg, pools, block_table, state_slot, length)
+        if length == 0:
+            for state in cache.layers:
+                if isinstance(state, PooledKdaState):
+                    state.reset()
+        return cache
+
+    def cache_pools(self, num_blocks: int, block_size: int, max_seqs: int) -> dict[int, dict[str, torch.Tensor]]:
+        """The engine's pools, per layer: on indexed layers block pools of per-token rows (the latent, and
+        the indexer key / pool gate on full-indexer ones), on KDA layers state pools of `max_seqs` rows
+        (conv inputs, recurrent matrix in float32). The per-token widths do not depend on TP/EP (the latent
+        and the indexer are replicated); the KDA state holds this rank's heads."""
         c = self.cfg
-        pools = {}
+        pools: dict[int, dict[str, torch.Tensor]] = {}
+        dev = self.norm.device
         for i, (lt, kind) in enumerate(zip(c.layer_types, c.indexer_types)):
-            if lt != "indexed_attention":
+            if lt == "linear_attention":
+                attn = self.layers[i].attn
+                d, kw = c.linear_head_dim, attn.conv_weight.shape[1]
+                pools[i] = {"conv": torch.zeros(max_seqs, kw - 1, attn.conv_weight.shape[0], dtype=self.dtype, device=dev),
+                            "recurrent": torch.zeros(max_seqs, attn.heads, d, d, dtype=torch.float32, device=dev)}
                 continue
             widths = {"latent": c.kv_lora_rank}
             if kind == "full":  # a shared layer reuses the selection of the full layer before it
                 widths.update(index_keys=c.index_head_dim, index_gate=c.index_head_dim)
-            pools[i] = {k: torch.zeros(num_blocks, block_size, w, dtype=self.dtype, device=self.norm.device)
+            pools[i] = {k: torch.zeros(num_blocks, block_size, w, dtype=self.dtype, device=dev)
                         for k, w in widths.items()}
         return pools
+
+    def state_bytes_per_seq(self) -> int:
+        """What one sequence's KDA state takes in the state pools (fixed, whatever its length)."""
+        size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
+        total = 0
+        for layer in self.layers:
+            if layer.kind == "linear_attention":
+                w = layer.attn.conv_weight
+                total += (w.shape[1] - 1) * w.shape[0] * size(self.dtype)
+                total += layer.attn.heads * self.cfg.linear_head_dim ** 2 * size(torch.float32)
+        return total
+
+    def can_decode_batched(self) -> bool:
+        """Whether `forward_decode` can run: every MLA layer's kv_b can be absorbed."""
+        return all(layer.attn._absorbed_weights() is not None for layer in self.layers if layer.kind != "linear_attention")
 
     def prepare(self, max_positions: int) -> None:
         """Nothing depends on the served context length: the MLA layers use no RoPE (NoPE)."""
@@ -772,6 +916,28 @@ class Glm5NextForCausalLM(nn.Module):
             cache.length += b - a
         h = ops.rms_norm(streams.mean(1), self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(h)[..., : self.cfg.vocab_size].float()
+
+    @torch.inference_mode()
+    def forward_decode(self, input_ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """Logits [B, vocab] for one new token of each of B sequences held in the engine's pools.
+
+        Same result as `forward_packed` on one-token spans, but in fixed shapes with no host reads, so the
+        engine can capture it as a CUDA graph (flagdeploy/engine/cuda_graphs.py).
+        """
+        c = self.cfg
+        x = vocab_parallel_embedding(input_ids, self.embed_tokens, c.vocab_size)
+        streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        rows = None
+        per_token = [p["latent"] for p in batch.pools.values() if "latent" in p]
+        if per_token:  # [B, W * block_size]: the flat pool row of each position of each sequence
+            bs = per_token[0].shape[1]
+            offsets = torch.arange(bs, device=batch.block_tables.device)
+            rows = (batch.block_tables.unsqueeze(-1) * bs + offsets).flatten(1)
+        mask = None
+        for layer in self.layers:
+            streams, mask = layer.decode(streams, batch, rows, mask)
+        h = ops.rms_norm(streams.mean(1), self.norm, c.rms_norm_eps)
+        return self.lm_head(h)[..., : c.vocab_size].float()
 
     # ---- weights --------------------------------------------------------------------------------------
 

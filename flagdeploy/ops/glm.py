@@ -73,14 +73,16 @@ def _expert_linear(x: torch.Tensor, w, e: int) -> torch.Tensor:
 
 
 def moe_experts(
-    x: torch.Tensor, routing: torch.Tensor, gate_up, down, limit: float | None
+    x: torch.Tensor, routing: torch.Tensor, gate_up, down, limit: float | None, top_k: int | None = None
 ) -> torch.Tensor:
     """Routed experts: sum over e of routing[:, e] * down_e(swiglu(gate_up_e x)), clamped SwiGLU.
 
     gate_up [E, 2I, H] (gate rows first, then up), down [E, H, I]: the fused layout transformers
     keeps; either may be a quantized bank (Int8Weight / W8A8Weight with q [E, N, K]), in which case
     each expert runs that scheme's linear (W8A8 quantises the SwiGLU output again before down).
-    Only experts that some token picked are computed.
+    Only experts that some token picked are computed. `top_k`, when given, promises at most that many
+    nonzero weights per row (the router's k): a backend may size its dispatch by it instead of reading
+    the routing back to the host, which a captured graph cannot do. The result does not depend on it.
     """
     out = torch.zeros_like(x)
     for e in (routing != 0).any(0).nonzero().flatten().tolist():
@@ -281,6 +283,66 @@ def dsa_indexer_topk(
     return mask
 
 
+def dsa_indexer_topk_decode(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    lengths: torch.Tensor,
+    index_topk: int,
+    select_tail: bool,
+) -> torch.Tensor:
+    """`dsa_indexer_topk` for one decoding query in each of B sequences, in shapes fixed by the batch
+    (what a captured decode step needs: no per-sequence sizes read back to the host).
+
+    q [B, Hi, D], head_weights [B, Hi]; keys / gate [B, S, D] hold each sequence's rows 0..S-1, of which
+    only the first lengths[b] are its own (the rest is padding: whatever the gathered pages held);
+    the query of sequence b sits at position lengths[b] - 1. Returns the mask [B, S]; row b equals
+    `dsa_indexer_topk` on its first lengths[b] rows, zero-extended. Pools that end past the query are
+    invisible and padding is never selected, so its content does not matter.
+    """
+    acc = _acc(q.dtype)
+    p = ape.shape[0]
+    b_len, s_len, dim = keys.shape
+    n_pools, heads = s_len // p, q.shape[1]
+    pos = lengths.to(q.device).long() - 1  # [B]
+    cols = torch.arange(s_len, device=q.device)
+    mask = torch.zeros(b_len, s_len, dtype=q.dtype, device=q.device)
+    k_sel = min(index_topk // p, n_pools)
+    if k_sel:
+        kp = keys[:, : n_pools * p].to(acc).view(b_len, n_pools, p, dim)
+        logits = gate[:, : n_pools * p].to(acc).view(b_len, n_pools, p, dim) + ape.to(acc)
+        pool_keys = (logits.softmax(2) * kp).sum(2)  # [B, n_pools, D]
+        per_head = torch.relu(torch.einsum("bhd,bpd->bhp", q.to(acc), pool_keys) * dim**-0.5)
+        scores = torch.einsum("bh,bhp->bp", head_weights.to(acc) * heads**-0.5, per_head)
+        pool_end = (torch.arange(n_pools, device=q.device) + 1) * p - 1
+        visible = pool_end[None, :] <= pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        best = scores.topk(k_sel, dim=-1).indices
+        chosen = torch.zeros_like(visible).scatter_(1, best, True) & visible
+        mask[:, : n_pools * p] = chosen.repeat_interleave(p, dim=1).to(q.dtype)
+    if select_tail:
+        tail_start = pos + 1 - (pos + 1) % p
+        in_tail = (cols[None, :] >= tail_start[:, None]) & (cols[None, :] <= pos[:, None])
+        mask = torch.maximum(mask, in_tail.to(q.dtype))
+    return mask
+
+
+def latent_attention_decode(q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence over its selected latent rows, keys and values both the latent (absorbed
+    MLA decode: all heads share one latent row per token).
+
+    q [B, H, R] (queries already carried into the latent space), latent [B, S, R], mask [B, S] nonzero
+    where selected. Returns [B, H, R]; a sequence that selects nothing gets zeros.
+    """
+    acc = _acc(q.dtype)
+    lat = latent.to(acc)
+    scores = torch.einsum("bhr,bsr->bhs", q.to(acc), lat) * scale
+    probs = scores.masked_fill((mask == 0).unsqueeze(1), float("-inf")).softmax(-1).nan_to_num(0.0)
+    return torch.einsum("bhs,bsr->bhr", probs, lat).to(q.dtype)
+
+
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention of each query over the keys its mask selects (one sequence, MHA).
 
@@ -360,6 +422,22 @@ def _indexer_inputs(dtype, device, g):
             _randn(g, p, d, dtype=dtype, device=device), s - t, 8, True), {}
 
 
+def _indexer_decode_inputs(dtype, device, g):
+    b, s, hi, d, p = 3, 21, 3, 8, 4  # lengths: a pool boundary, a tail, and fewer pools than the top-k keeps
+    return (_randn(g, b, hi, d, dtype=dtype, device=device), _randn(g, b, hi, dtype=dtype, device=device),
+            _randn(g, b, s, d, dtype=dtype, device=device), _randn(g, b, s, d, dtype=dtype, device=device),
+            _randn(g, p, d, dtype=dtype, device=device), torch.tensor([16, 19, 7], device=device), 8, True), {}
+
+
+def _latent_decode_inputs(dtype, device, g):
+    b, s = 3, 9
+    mask = torch.rand(b, s, generator=g) < 0.5
+    mask[:, 0] = True
+    mask[2] = False  # a sequence that selects nothing
+    return (_randn(g, b, 2, 8, dtype=dtype, device=device), _randn(g, b, s, 8, dtype=dtype, device=device),
+            mask.to(dtype=dtype, device=device), 8**-0.5), {}
+
+
 def _sparse_attention_inputs(dtype, device, g):
     t, s = 4, 9
     mask = (torch.rand(t, s, generator=g) < 0.5).tril(s - t)
@@ -380,6 +458,10 @@ for _spec in (
     OpSpec("hc_post", hc_post, _TOL, _hc_post_inputs, hc_post.__doc__),
     OpSpec("dsa_indexer_topk", dsa_indexer_topk, _TOL, _indexer_inputs, dsa_indexer_topk.__doc__),
     OpSpec("sparse_attention", sparse_attention, _TOL, _sparse_attention_inputs, sparse_attention.__doc__),
+    OpSpec("dsa_indexer_topk_decode", dsa_indexer_topk_decode, _TOL, _indexer_decode_inputs,
+           dsa_indexer_topk_decode.__doc__),
+    OpSpec("latent_attention_decode", latent_attention_decode, _TOL, _latent_decode_inputs,
+           latent_attention_decode.__doc__),
 ):
     register_op(_spec)
 
@@ -395,6 +477,8 @@ hc_pre = _registry.dispatch("hc_pre")
 hc_post = _registry.dispatch("hc_post")
 dsa_indexer_topk = _registry.dispatch("dsa_indexer_topk")
 sparse_attention = _registry.dispatch("sparse_attention")
+dsa_indexer_topk_decode = _registry.dispatch("dsa_indexer_topk_decode")
+latent_attention_decode = _registry.dispatch("latent_attention_decode")
 
 __all__ = ["moe_router", "moe_experts", "kda_recurrent", "kda_chunk", "causal_conv1d", "gated_rms_norm", "hc_pre",
-           "hc_post", "dsa_indexer_topk", "sparse_attention"]
+           "hc_post", "dsa_indexer_topk", "sparse_attention", "dsa_indexer_topk_decode", "latent_attention_decode"]
