@@ -268,6 +268,46 @@ def check_moe_override(model: Glm5NextForCausalLM, device: str, dtype: torch.dty
     return f"moe_experts ({ops.active_backend().name}) vs its reference, rel RMS err: " + ", ".join(out)
 
 
+def fp8_expert_banks(model: Glm5NextForCausalLM) -> list[tuple]:
+    """Each layer's routed experts quantised to FP8 e4m3 with 128x128 block scales (the published
+    checkpoint's format), as (bank, FP8 gate_up, FP8 down); `use_experts` swaps them in and out."""
+    from flagdeploy.ops.weights import Fp8BlockWeight
+
+    banks = [m for m in model.modules() if isinstance(m, ExpertBank)]
+    return [(b, Fp8BlockWeight.quantize(b.gate_up), Fp8BlockWeight.quantize(b.down)) for b in banks]
+
+
+def use_experts(fp8: list[tuple], on: bool, dense: dict) -> None:
+    """Swap the FP8 banks in (on) or the dense bf16 parameters back (dense: bank -> (gate_up, down))."""
+    for bank, gate_up, down in fp8:
+        if on:
+            dense.setdefault(bank, (bank.gate_up, bank.down))
+            del bank.gate_up, bank.down
+            bank.gate_up, bank.down = gate_up, down
+        else:
+            del bank.gate_up, bank.down
+            bank.gate_up, bank.down = dense[bank]
+
+
+def check_fp8_experts(fp8: list[tuple], model: Glm5NextForCausalLM, device: str, dtype: torch.dtype) -> str:
+    """The backend's moe_experts on FP8 banks (Triton kernels at decode sizes) against the op's reference."""
+    c, (_, gate_up, down) = model.cfg, fp8[0]
+    out = []
+    for t in (1, 8):
+        g = torch.Generator(device=device).manual_seed(t)
+        x = torch.randn(t, c.hidden_size, generator=g, device=device, dtype=dtype)
+        w = torch.randn(t, c.n_routed_experts, generator=g, device=device, dtype=torch.float32)
+        top = w.topk(c.num_experts_per_tok, dim=-1)
+        routing = torch.zeros_like(w).scatter_(1, top.indices, top.values.abs()).to(dtype)
+        fast = glm_ops.moe_experts(x, routing, gate_up, down, c.swiglu_limit, top_k=c.num_experts_per_tok)
+        ref = OPS["moe_experts"].reference(x, routing, gate_up, down, c.swiglu_limit)
+        err = rel_rms(fast, ref)
+        if err > 0.02:
+            raise SystemExit(f"MISMATCH: FP8 moe_experts ({ops.active_backend().name}) vs reference at {t} tokens: {err:.2e}")
+        out.append(f"{t} tok {err:.1e}")
+    return f"moe_experts on FP8 banks ({ops.active_backend().name}) vs its reference, rel RMS err: " + ", ".join(out)
+
+
 def check_new_overrides(model: Glm5NextForCausalLM, device: str, dtype: torch.dtype) -> str:
     """Each override added for this benchmark against its op's reference, at the true dims of its call."""
     from flagdeploy.ops import registry
@@ -490,6 +530,9 @@ def main() -> None:
     if g_dec > max(2 * max(t_pre, t_dec), 0.02):
         raise SystemExit("MISMATCH: " + checks[-1])
     checks.append(check_moe_override(model, device, dtype, 0.02))
+    fp8 = fp8_expert_banks(model)
+    dense_banks: dict = {}
+    checks.append(check_fp8_experts(fp8, model, device, dtype))
     checks.append(check_new_overrides(model, device, dtype))
     for line in checks:
         print(line, flush=True)
@@ -499,6 +542,9 @@ def main() -> None:
         mine = time_decode(ours, b, args.context, args.steps, vocab, device)
         eager = time_decode(Engine(model, False, max_len), b, args.context, args.steps, vocab, device)
         graphs = time_decode(Engine(model, True, max_len), b, args.context, args.steps, vocab, device)
+        use_experts(fp8, True, dense_banks)
+        graphs8 = time_decode(Engine(model, True, max_len), b, args.context, args.steps, vocab, device)
+        use_experts(fp8, False, dense_banks)
         with with_reference(NEW_OVERRIDES):
             before = time_decode(ours, b, args.context, args.steps, vocab, device)
         touched = touched_experts(ours, b, args.context, vocab, device)
@@ -509,13 +555,15 @@ def main() -> None:
         lim16 = sum(layer_bytes(model, touched, b, int(mean_ctx), False)) / bw / LAYERS
         lim8 = sum(layer_bytes(model, touched, b, int(mean_ctx), True)) / bw / LAYERS
         rows.append((b, theirs_s / LAYERS, lim16, lim8, mine / LAYERS, touched, before / LAYERS, eager / LAYERS,
-                     graphs / LAYERS))
+                     graphs / LAYERS, graphs8 / LAYERS))
         print(f"batch {b}: ours {mine / LAYERS * 1e3:.3f} ms/layer (engine decode {eager / LAYERS * 1e3:.3f}, CUDA graph "
-              f"{graphs / LAYERS * 1e3:.3f}), transformers {theirs_s / LAYERS * 1e3:.3f} ms/layer, experts touched per layer "
+              f"{graphs / LAYERS * 1e3:.3f}, FP8 experts {graphs8 / LAYERS * 1e3:.3f}), transformers {theirs_s / LAYERS * 1e3:.3f} ms/layer, experts touched per layer "
               f"{touched}", flush=True)
-    if args.profile:  # what the served decode step spends its time on: the graph's kernels
+    if args.profile:  # what the served decode step spends its time on: the graph's kernels (FP8 experts)
+        use_experts(fp8, True, dense_banks)
         for b in batches:
-            print(profile_step(Engine(model, True, max_len), b, args.context, vocab, device, top=25))
+            print(profile_step(Engine(model, True, max_len), b, args.context, vocab, device, top=30))
+        use_experts(fp8, False, dense_banks)
 
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     import transformers
@@ -525,14 +573,16 @@ def main() -> None:
         print(line)
     print(f"decode, context {args.context} + {args.steps} steps; ms per layer (step time / {LAYERS}); limit = bytes read "
           f"per layer / copy bandwidth")
-    print(f"{'workload':<18}{'transformers':>13}{'limit bf16':>12}{'limit fp8x':>12}{'packed':>9}{'ref ops':>9}"
-          f"{'decode':>9}{'graph':>9}{'graph/lim8':>12}{'tf/graph':>10}  experts touched")
-    for b, tf, l16, l8, mine, touched, before, eager, graphs in rows:
-        print(f"{f'decode batch {b}':<18}{tf * 1e3:13.3f}{l16 * 1e3:12.3f}{l8 * 1e3:12.3f}{mine * 1e3:9.3f}"
-              f"{before * 1e3:9.3f}{eager * 1e3:9.3f}{graphs * 1e3:9.3f}{graphs / l8:12.2f}{tf / graphs:10.1f}  {touched}")
+    print(f"{'workload':<16}{'transformers':>13}{'limit bf16':>11}{'limit fp8x':>11}{'packed':>8}{'ref ops':>8}"
+          f"{'decode':>8}{'graph':>8}{'graph fp8x':>11}{'fp8x/lim8':>10}{'tf/graph':>9}{'tf/fp8x':>8}  experts touched")
+    for b, tf, l16, l8, mine, touched, before, eager, graphs, graphs8 in rows:
+        print(f"{f'decode batch {b}':<16}{tf * 1e3:13.3f}{l16 * 1e3:11.3f}{l8 * 1e3:11.3f}{mine * 1e3:8.3f}"
+              f"{before * 1e3:8.3f}{eager * 1e3:8.3f}{graphs * 1e3:8.3f}{graphs8 * 1e3:11.3f}{graphs8 / l8:10.2f}"
+              f"{tf / graphs:9.1f}{tf / graphs8:8.1f}  {touched}")
     print("ms per layer. 'packed': ours through forward_packed (per-sequence caches, eager); 'ref ops': the same with "
           f"{', '.join(NEW_OVERRIDES)} on their reference; 'decode': the engine's runner, forward_decode eager; "
-          "'graph': the same replayed as a CUDA graph (what `flagdeploy serve` runs on a GPU)")
+          "'graph': the same replayed as a CUDA graph (what `flagdeploy serve` runs on a GPU); 'graph fp8x': the same "
+          "with the routed experts in FP8 (128x128 block scales, Triton kernels), the published checkpoint's format")
 
 
 if __name__ == "__main__":

@@ -140,8 +140,9 @@ def test_fp8_block_linear_on_fp8_tensor_cores(rows):
 
 
 def test_fp8_glm5_next_keeps_fp8_weights_on_the_gpu(tmp_path):
-    """An FP8 checkpoint on an FP8 GPU: the MLA projections stay FP8 and the logits stay near the
-    dequantised model's (the activations are quantised to FP8 too)."""
+    """An FP8 checkpoint on an FP8 GPU: the MLA projections and the routed experts stay FP8, the logits
+    stay near the dequantised model's (the activations are quantised to FP8 too), and decoding through
+    the CUDA graphs (FP8 experts in the Triton kernels) gives the eager engine's tokens."""
     from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
     from flagdeploy.ops.weights import Fp8BlockWeight
 
@@ -149,9 +150,16 @@ def test_fp8_glm5_next_keeps_fp8_weights_on_the_gpu(tmp_path):
     ids = torch.randint(2, 64, (60,), generator=torch.Generator().manual_seed(0)).cuda()
     fp8 = _engine(src)
     assert isinstance(fp8.model.layers[1].attn.q_a_proj.qweight, Fp8BlockWeight)
+    banks = [layer.mlp.experts for layer in fp8.model.layers if hasattr(layer.mlp, "experts")]
+    assert banks and all(isinstance(b.gate_up, Fp8BlockWeight) and isinstance(b.down, Fp8BlockWeight) for b in banks)
     dense = _engine(src, weight_format="dense")
     a, b = fp8.model.score(ids), dense.model.score(ids)
     assert (a - b).norm() / b.norm() < 0.1
+    from flagdeploy.engine import SamplingParams
+
+    prompts, params = [ids[:37].tolist(), ids[:9].tolist()], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert fp8.runner.graphs is not None
+    assert fp8.generate(prompts, params) == _engine(src, cuda_graphs=False).generate(prompts, params)
 
 
 def test_cuda_graph_decode_matches_eager(tmp_path):

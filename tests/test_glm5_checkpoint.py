@@ -233,8 +233,8 @@ def test_check_source_rejects_what_transformers_rejects_before_reading_weights(t
 
 def test_fp8_linears_can_stay_fp8(tmp_path):
     """keep_fp8 (what a backend with FP8 matmuls gets): the MLA projections and MLPs hold Fp8BlockWeight
-    and run linear_fp8_block (here its reference: FP8 activations too); experts and other tensors are
-    dequantized; logits stay within a few percent of the dequantized model's (index_topk covers the whole
+    and run linear_fp8_block (here its reference: FP8 activations too), the routed experts become FP8
+    banks; other tensors are dequantized; logits stay within a few percent of the dequantized model's (index_topk covers the whole
     prompt, so that the DSA's selection does not amplify the FP8 activation noise)."""
     from flagdeploy.ops.weights import Fp8BlockWeight
 
@@ -248,6 +248,7 @@ def test_fp8_linears_can_stay_fp8(tmp_path):
     kept, got = logits(True)
     assert isinstance(kept.layers[1].attn.q_a_proj.qweight, Fp8BlockWeight)
     assert isinstance(kept.layers[0].mlp.gate_up_proj.qweight, Fp8BlockWeight)  # gate and up fused, both FP8
-    assert isinstance(kept.layers[1].mlp.experts.gate_up, torch.Tensor)
+    assert isinstance(kept.layers[1].mlp.experts.gate_up, Fp8BlockWeight)
+    assert kept.layers[1].mlp.experts.gate_up.q.shape[0] == kept.cfg.n_routed_experts
     _, want = logits(False)
     assert 0 < (got - want).norm() / want.norm() < 0.1

@@ -159,3 +159,28 @@ def test_unhandled_inputs_fall_back(td):
     x = _r(g, 2, 8, dtype=torch.float64)
     w = _r(g, 8, dtype=torch.float64)
     torch.testing.assert_close(td.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["no-limit", "limit"])
+def test_fp8_expert_kernels_match_the_reference(dtype, limit):
+    """The FP8 routed-expert kernels (backends/cuda/triton_moe.py) quantise activations as the reference's
+    FP8 linear does, so they agree with it, not just with the dequantized bank: 3 tokens, top 2 of 5
+    experts, scale blocks of (16, 16) and (16, 32), an input width that ends mid-block."""
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreter subprocess")
+    from flagdeploy.ops.glm import moe_experts
+    from flagdeploy.ops.weights import Fp8BlockWeight
+
+    tm = importlib.import_module("backends.cuda.triton_moe")
+    g = torch.Generator().manual_seed(4)
+    t, e, hidden, inter, k = 3, 5, 40, 32, 2
+    x = _r(g, t, hidden, dtype=dtype)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    routing = torch.zeros(t, e, dtype=torch.float64).scatter_(1, ids, torch.rand(t, k, generator=g, dtype=torch.float64))
+    gate_up = Fp8BlockWeight.quantize(torch.randn(e, 2 * inter, hidden, generator=g) * 0.3, (16, 16))
+    down = Fp8BlockWeight.quantize(torch.randn(e, hidden, inter, generator=g) * 0.3, (16, 32))
+    assert tm.supports(x, gate_up, down, k)
+    got = tm.moe_fp8_experts(x, routing.to(dtype), gate_up, down, limit, k)
+    want = moe_experts(x.double(), routing, gate_up, down, limit)
+    _close(got, want, torch.bfloat16)  # the reference's FP8 linears return 16-bit values whatever x's dtype

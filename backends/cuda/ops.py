@@ -2,8 +2,10 @@
 `triton_decode.py` (one kernel per op, for the decode graphs); prefill attention is torch's SDPA (FlashAttention
 for 16-bit inputs), shared with the cpu backend (`flagdeploy/ops/fused.py`); here: int8 x int8 matmuls through cuBLASLt
 (`_int_mm`), weight-only linears on a dense 16-bit copy made once at load (cuBLAS beats dequantising per
-call), and MoE experts through one grouped GEMM on Hopper (`_grouped_mm`) instead of a loop per expert, and FP8 block-scaled linears on Hopper's FP8 tensor cores (cuBLASLt block scaling through
-`F.scaled_mm`: activations 1x128, weights 128x128, as DeepSeek/GLM checkpoints are quantised).
+call), MoE experts through one grouped GEMM on Hopper (`_grouped_mm`) instead of a loop per expert (FP8
+expert banks: Triton kernels reading them as stored, `triton_moe.py`), and FP8 block-scaled linears on
+Hopper's FP8 tensor cores (cuBLASLt block scaling through `F.scaled_mm`: activations 1x128, weights
+128x128, as DeepSeek/GLM checkpoints are quantised).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch.nn.functional as F
 from flagdeploy.ops import reference
 from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight, fp8_quant_groups, stripped
+
+from . import triton_moe
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,12 @@ def moe_experts(x, routing, gate_up, down, limit, top_k=None):
 
     With `top_k` the (token, expert) rows are each token's top_k routing entries (zero-weight ones add
     nothing): a fixed count, so the step reads nothing back and can be captured in a CUDA graph;
-    otherwise the routing's nonzeros."""
+    otherwise the routing's nonzeros. FP8 banks: the Triton kernels of `triton_moe` for decode-sized
+    batches (the picked experts read once, as stored), a loop of blockwise-FP8 GEMMs per expert above."""
+    if isinstance(gate_up, Fp8BlockWeight) and isinstance(down, Fp8BlockWeight):
+        if triton_moe.supports(x, gate_up, down, top_k) and x.shape[0] * top_k <= _FP8_KERNEL_MAX_PAIRS:
+            return triton_moe.moe_fp8_experts(x, routing, gate_up, down, limit, top_k)
+        return _fp8_expert_loop(x, routing, gate_up, down, limit)
     if not _grouped_ok(x, gate_up, down):
         if top_k is not None and _gather_ok(x, gate_up, down, top_k):
             return _experts_by_gather(x, routing, gate_up, down, limit, top_k)
@@ -84,6 +93,22 @@ def moe_experts(x, routing, gate_up, down, limit, top_k=None):
     y = torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y.float() * routing[tok, exp, None].float())
+    return out.to(x.dtype)
+
+
+_FP8_KERNEL_MAX_PAIRS = 512  # (token, expert) pairs: beyond, an expert's weights would be read many times over
+
+
+def _fp8_expert_loop(x, routing, gate_up: Fp8BlockWeight, down: Fp8BlockWeight, limit):
+    """The reference's per-expert loop on the FP8 tensor cores (prefill with FP8 experts)."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e in (routing != 0).any(0).nonzero().flatten().tolist():
+        rows = (routing[:, e] != 0).nonzero().flatten()
+        gate, up = linear_fp8_block(x[rows], gate_up.expert(e)).chunk(2, dim=-1)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        y = linear_fp8_block(F.silu(gate) * up, down.expert(e))
+        out.index_add_(0, rows, y.float() * routing[rows, e, None].float())
     return out.to(x.dtype)
 
 

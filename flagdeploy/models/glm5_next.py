@@ -533,7 +533,7 @@ class MlaAttention(nn.Module):
             if b - a == 1 and absorbed is not None:
                 w_uk, w_uv = absorbed
                 shared = rows.unsqueeze(1).expand(-1, self.heads, -1)  # one latent for all heads
-                q_lat = torch.einsum("thd,hdr->thr", q[a:b], w_uk)
+                q_lat = torch.einsum("thd,hdr->thr", q[a:b].to(w_uk.dtype), w_uk)  # an FP8 q_b gives 16 bits
                 ctx = glm_ops.sparse_attention(q_lat, shared, shared, mask, self.scale)
                 out[a:b] = torch.einsum("thr,hvr->thv", ctx, w_uv)
                 continue
@@ -555,7 +555,8 @@ class MlaAttention(nn.Module):
         if mask is None:
             raise RuntimeError("a shared DSA layer needs the top-k selection of the full layer before it")
         w_uk, w_uv = self._absorbed_weights()
-        ctx = glm_ops.latent_attention_decode(torch.einsum("bhd,hdr->bhr", q, w_uk), latent, mask, self.scale)
+        q_lat = torch.einsum("bhd,hdr->bhr", q.to(w_uk.dtype), w_uk)  # an FP8 q_b gives 16 bits
+        ctx = glm_ops.latent_attention_decode(q_lat, latent, mask, self.scale)
         return self.o_proj(torch.einsum("bhr,hvr->bhv", ctx, w_uv).reshape(n, -1)), mask
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -599,10 +600,11 @@ class DenseMlp(nn.Module):
 class ExpertBank(nn.Module):
     """The routed experts' weights, filled expert by expert from the checkpoint.
 
-    Dense experts are copied straight into [E, 2I, H] / [E, H, I] parameters. When a converted checkpoint
-    stores every expert as int8 of one scheme (W8A8 or W8A16, one group size for gate/up and one for
-    down), the bank becomes one quantized bundle per projection instead, so that `moe_experts` runs that
-    scheme's arithmetic; anything mixed is dequantized into the dense parameters.
+    Dense experts are copied straight into [E, 2I, H] / [E, H, I] parameters. When a checkpoint stores
+    every expert in one quantized scheme (W8A8 or W8A16 int8 of one group size for gate/up and one for
+    down, or FP8 block-scaled kept for an FP8 backend), the bank becomes one quantized bundle per
+    projection instead, so that `moe_experts` runs that scheme's arithmetic; anything mixed is
+    dequantized into the dense parameters.
     """
 
     _PARTS = ("gate_proj", "up_proj", "down_proj")
@@ -659,15 +661,20 @@ class ExpertBank(nn.Module):
         gate_up_groups = {getattr(b, "group_size", None) for (_, name), b in self._pending.items() if name != "down_proj"}
         down_groups = {getattr(b, "group_size", None) for (_, name), b in self._pending.items() if name == "down_proj"}
         kinds = {type(b) for b in bundles}
-        if (len(bundles) == 3 * self.n and kinds <= {Int8Weight, W8A8Weight}
+        banks = None
+        if (len(bundles) == 3 * self.n and kinds <= {Int8Weight, W8A8Weight, Fp8BlockWeight}
                 and len(kinds) == len(gate_up_groups) == len(down_groups) == 1):
             get = lambda e, name: self._pending[(e, name)]  # noqa: E731
             mine = range(self.first, self.first + self.n)
-            gate_up = type(bundles[0]).stack([type(bundles[0]).cat([get(e, "gate_proj"), get(e, "up_proj")])
-                                              for e in mine])
-            down = type(bundles[0]).stack([get(e, "down_proj") for e in mine])
+            kind = type(bundles[0])
+            try:
+                banks = (kind.stack([kind.cat([get(e, "gate_proj"), get(e, "up_proj")]) for e in mine]),
+                         kind.stack([get(e, "down_proj") for e in mine]))
+            except ValueError:  # FP8 halves off a scale-block boundary, unequal blocks: dense below
+                banks = None
+        if banks is not None:
             del self.gate_up, self.down  # the dense parameters give way to the banks
-            self.gate_up, self.down = gate_up, down
+            self.gate_up, self.down = banks
         else:
             for (e, name), b in self._pending.items():
                 self._view(e, name).copy_(b.dequantize(self.gate_up.dtype))
@@ -1159,7 +1166,7 @@ def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any
 
     Takes both the published checkpoint's names and transformers' `state_dict()` names (any of the
     usual prefixes); FP8 block-scaled weights are dequantized to the model's dtype on the way in, or with
-    keep_fp8 stay FP8 in the linears that take them (experts and other tensors are dequantized).
+    keep_fp8 stay FP8 in the linears and expert banks that take them (other tensors are dequantized).
     A shape mismatch names the tensor and both shapes; missing tensors are named.
 
     Under TP/EP (the model built with the current parallel layout) each tensor may arrive whole or

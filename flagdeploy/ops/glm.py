@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from . import registry as _registry
-from .reference import _TOL, _randn, linear_w8a16, linear_w8a8_dynamic
-from .weights import Int8Weight, W8A8Weight
+from .reference import _TOL, _randn, linear_fp8_block, linear_w8a16, linear_w8a8_dynamic
+from .weights import Fp8BlockWeight, Int8Weight, W8A8Weight
 from .registry import OpSpec, Tolerance, register_op
 
 
@@ -65,7 +65,7 @@ def moe_router(
 
 
 # The linear each kind of quantized expert bank runs (integer arithmetic for W8A8, as the chip does it).
-_EXPERT_LINEAR = {Int8Weight: linear_w8a16, W8A8Weight: linear_w8a8_dynamic}
+_EXPERT_LINEAR = {Int8Weight: linear_w8a16, W8A8Weight: linear_w8a8_dynamic, Fp8BlockWeight: linear_fp8_block}
 
 
 def _expert_linear(x: torch.Tensor, w, e: int) -> torch.Tensor:
@@ -78,8 +78,9 @@ def moe_experts(
     """Routed experts: sum over e of routing[:, e] * down_e(swiglu(gate_up_e x)), clamped SwiGLU.
 
     gate_up [E, 2I, H] (gate rows first, then up), down [E, H, I]: the fused layout transformers
-    keeps; either may be a quantized bank (Int8Weight / W8A8Weight with q [E, N, K]), in which case
-    each expert runs that scheme's linear (W8A8 quantises the SwiGLU output again before down).
+    keeps; either may be a quantized bank (Int8Weight / W8A8Weight / Fp8BlockWeight with q [E, N, K]), in
+    which case each expert runs that scheme's linear (W8A8 and FP8 quantise the SwiGLU output again
+    before down).
     Only experts that some token picked are computed. `top_k`, when given, promises at most that many
     nonzero weights per row (the router's k): a backend may size its dispatch by it instead of reading
     the routing back to the host, which a captured graph cannot do. The result does not depend on it.

@@ -195,8 +195,22 @@ class Fp8BlockWeight:
 
     @classmethod
     def quantize(cls, w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> "Fp8BlockWeight":
+        """Per block of `w` ([N, K], or a bank [E, N, K]) the absmax at e4m3's largest value."""
+        if w.dim() == 3:
+            return cls.stack([cls.quantize(x, block) for x in w])
         q, s = fp8_block_quantize(w.float(), block)
-        return cls(q, s, tuple(block), w.shape[0], w.shape[1])
+        return cls(q, s, tuple(block), w.shape[-2], w.shape[-1])
+
+    @classmethod
+    def stack(cls, experts: list["Fp8BlockWeight"]) -> "Fp8BlockWeight":
+        """A bank of experts (q [E, N, K], scales [E, N / b0, K / b1]) from one bundle per expert."""
+        if len({(e.block, e.q.shape) for e in experts}) != 1:
+            raise ValueError("FP8 experts of different shapes or scale blocks cannot form one bank")
+        return replace(experts[0], q=torch.stack([e.q for e in experts]),
+                       scale_inv=torch.stack([e.scale_inv for e in experts]), prepared=None)
+
+    def expert(self, e: int) -> "Fp8BlockWeight":
+        return replace(self, q=self.q[e], scale_inv=self.scale_inv[e], prepared=None)
 
 
 def fp8_quant_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
