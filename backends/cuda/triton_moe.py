@@ -52,8 +52,8 @@ if triton is not None:
         """The activation group `v` (one scale block of input channels) rounded through e4m3 as torch's
         cast does it (round half to even, subnormals below 2^-6), in float32 arithmetic: the exponent is
         read from the bits, so the grid is exact on any GPU and in the interpreter."""
-        scale = tl.maximum(tl.max(tl.abs(v), 0) / fp8_max, 1e-12)
-        a = tl.abs(v) / scale
+        scale = tl.maximum(tl.max(tl.abs(v), 0) / fp8_max, 1e-12).to(tl.float32)  # fp8_max may arrive as fp64
+        a = (tl.abs(v) / scale).to(tl.float32)
         e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
         step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # e4m3 keeps 3 mantissa bits
         r = a / step

@@ -1,7 +1,7 @@
 """Owns the model and its caches on the device; turns a scheduled batch into one forward pass.
 
 `PagedRunner` serves models whose per-token k/v live in the engine's block pool (llama);
-`SequenceStateRunner` serves models that carry one cache object per sequence (glm5_next).
+`SequenceStateRunner` serves models that also carry a fixed-size state per sequence (glm5_next).
 
 A step is two halves: `plan` (rank 0: the scheduled batch becomes a step of plain lists, picklable)
 and `execute` (every rank of a tensor/expert-parallel replica: the step becomes one forward pass).

@@ -2,9 +2,10 @@
 
 Two kinds of model meet the engine. Paged models (llama) keep per-token k/v in the engine's block
 pool. Sequence-state models (glm5_next) keep their per-token rows (MLA latent, indexer keys) in block
-pools too, but also a fixed-size state (KDA conv + recurrent) in a cache object per running sequence,
-created by `new_cache()`; the engine frees it on finish, abort or preemption, and such models do not
-resume from the prefix cache.
+pools too, but also a fixed-size state (KDA conv + recurrent) in one row of state pools per running
+sequence (`cache_pools`, `engine_cache`); the engine gives the row back on finish, abort or preemption,
+and such models do not resume from the prefix cache. Outside the engine they run on a standalone cache
+(`new_cache()`).
 """
 
 from __future__ import annotations
