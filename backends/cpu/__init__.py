@@ -22,6 +22,7 @@ backend = Backend(
         "linear_w8a16": ops.linear_w8a16,
         "linear_w8a8_dynamic": ops.linear_w8a8_dynamic,
         "moe_experts": ops.moe_experts,
+        "hc_pre": ops.hc_pre,
     },
     prepare={"linear_w4a16": ops.prepare_w4a16, "linear_w8a16": ops.prepare_w8a16},
     priority=0,

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from flagdeploy.ops import reference
+from flagdeploy.ops import glm, reference
 from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight, stripped
 
@@ -84,6 +84,22 @@ def linear_w8a8_dynamic(x, w: W8A8Weight, bias=None):
 
 
 # ---- GLM-5.3-Flash ops ---------------------------------------------------------------------------
+
+
+def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    """The reference with its Sinkhorn (20 iterations of three tiny ops on [T, N, N]) run by numpy on the
+    same memory: the same arithmetic in the same order, bit for bit, at half torch's per-op dispatch cost,
+    which is what a decode step's 16 calls of it are made of."""
+    pre, post, comb = glm.hc_gates(streams, fn, base, scale, norm_eps, hc_eps)
+    if comb.is_contiguous() and not comb.requires_grad and comb.dtype in (torch.float32, torch.float64):
+        c = comb.numpy()
+        c /= c.sum(-2, keepdims=True) + hc_eps
+        for _ in range(sinkhorn_iters - 1):
+            c /= c.sum(-1, keepdims=True) + hc_eps
+            c /= c.sum(-2, keepdims=True) + hc_eps
+    else:
+        glm.sinkhorn_(comb, sinkhorn_iters, hc_eps)
+    return glm.hc_collapse(streams, pre, post, comb)
 
 
 def moe_experts(x, routing, gate_up, down, limit, top_k=None):

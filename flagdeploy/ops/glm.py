@@ -210,6 +210,13 @@ def hc_pre(
     post (N) and comb (N x N); comb is pushed towards doubly stochastic by Sinkhorn so that mixing
     streams cannot grow their norm. Returns (post [T, N], comb [T, N, N], block input [T, D]).
     """
+    pre, post, comb = hc_gates(streams, fn, base, scale, norm_eps, hc_eps)
+    sinkhorn_(comb, sinkhorn_iters, hc_eps)
+    return hc_collapse(streams, pre, post, comb)
+
+
+def hc_gates(streams, fn, base, scale, norm_eps: float, hc_eps: float):
+    """`hc_pre`'s first part: (pre [T, N], post [T, N], comb [T, N, N] before Sinkhorn), in acc."""
     acc = _acc(streams.dtype)
     t, n, _ = streams.shape
     flat = streams.reshape(t, -1).to(acc)
@@ -219,11 +226,20 @@ def hc_pre(
     pre = torch.sigmoid(proj[:, :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(proj[:, n : 2 * n] * scale[1] + base[n : 2 * n])
     comb = torch.softmax(proj[:, 2 * n :].view(t, n, n) * scale[2] + base[2 * n :].view(n, n), dim=-1) + hc_eps
-    comb.div_(comb.sum(-2, keepdim=True).add_(hc_eps))  # in place: 20 iterations, no allocation each
-    for _ in range(sinkhorn_iters - 1):
-        comb.div_(comb.sum(-1, keepdim=True).add_(hc_eps))
-        comb.div_(comb.sum(-2, keepdim=True).add_(hc_eps))
-    collapsed = (pre.unsqueeze(-1) * streams.to(acc)).sum(1)
+    return pre, post, comb
+
+
+def sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> None:
+    """`hc_pre`'s Sinkhorn, in place: columns, then (rows, columns) iters - 1 times."""
+    comb.div_(comb.sum(-2, keepdim=True).add_(eps))  # in place: 20 iterations, no allocation each
+    for _ in range(iters - 1):
+        comb.div_(comb.sum(-1, keepdim=True).add_(eps))
+        comb.div_(comb.sum(-2, keepdim=True).add_(eps))
+
+
+def hc_collapse(streams, pre, post, comb):
+    """`hc_pre`'s last part: the block input (streams weighted by pre), outputs in the streams' dtype."""
+    collapsed = (pre.unsqueeze(-1) * streams.to(pre.dtype)).sum(1)
     return post.to(streams.dtype), comb.to(streams.dtype), collapsed.to(streams.dtype)
 
 
