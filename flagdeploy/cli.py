@@ -454,8 +454,9 @@ def ops() -> None:
 @ops.command("list")
 @click.option("--chip", default=None, help="Backend to show (default: detected).")
 def ops_list(chip) -> None:
-    """Per op: native (the backend's own kernel) or reference (plain-torch fallback)."""
+    """Per op: native (the backend's own kernel), composite (built from its other ops) or reference."""
     from flagdeploy import ops as fops
+    from flagdeploy.ops.registry import implementation
 
     try:
         be = fops.get_backend(chip) if chip else fops.detect_backend()
@@ -464,7 +465,7 @@ def ops_list(chip) -> None:
     click.echo(f"backend: {be.name} ({be.vendor}, device {be.device_type}, collectives {be.collective}): {be.description}")
     width = max(len(n) for n in fops.OPS)
     for name in fops.OPS:
-        click.echo(f"  {name:<{width}}  {'native' if name in be.overrides else 'reference'}")
+        click.echo(f"  {name:<{width}}  {implementation(be, name)[0]}")
 
 
 def _run_checks(be, model_config: str | None, dtypes: tuple[str, ...]):

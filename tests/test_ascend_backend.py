@@ -85,7 +85,7 @@ from test_ops import _run, _to64  # noqa: E402  (the generic op tests' own helpe
 
 
 def _check(name, got, args, kwargs, dtype):
-    want = _run(OPS[name].reference, [_to64(a) for a in args], kwargs)
+    want = _run(OPS[name], OPS[name].reference, [_to64(a) for a in args], kwargs)
     tol = OPS[name].tolerance[dtype]
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, atol=tol.atol, rtol=tol.rtol)
@@ -112,7 +112,7 @@ def test_override_matches_reference(npu, name, dtype, rows):
     prepare = backend.prepare.get(name)
     native = [prepare(a) if prepare and isinstance(a, (Int4Weight, Int8Weight)) else a for a in args]
     npu.CALLS.clear()
-    got = _run(backend.overrides[name], native, kwargs)
+    got = _run(spec, backend.overrides[name], native, kwargs)
     _check(name, got, args, kwargs, dtype)
     ran_native = npu.CALLS[NATIVE[name]] > 0
     assert ran_native == (dtype == torch.bfloat16 or name not in HALF_ONLY), dict(npu.CALLS)

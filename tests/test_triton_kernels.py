@@ -103,6 +103,28 @@ def test_write_kv_cache(td, dtype):
     assert torch.equal(kc, wk) and torch.equal(vc, wv)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_write_kv_is_rope_then_the_cache_write(td, dtype):
+    """The fused kernel on strided views of a fused qkv: rotated q and k as `rope` gives them, the rotated
+    k and v at their slots as `write_kv_cache` stores them; a negative slot (padding) writes nothing."""
+    g = torch.Generator().manual_seed(5)
+    t, h, kh, d = 4, 4, 2, 16
+    q, k, v = _r(g, t, (h + 2 * kh) * d, dtype=dtype).split((h * d, kh * d, kh * d), dim=-1)
+    q, k, v = q.view(t, h, d), k.view(t, kh, d), v.view(t, kh, d)
+    cos, sin = ref.rope_tables(d, 32, 10000.0)
+    pos, slots = torch.tensor([0, 7, 31, 2]), torch.tensor([3, 0, -1, 9])
+    kc, vc = torch.zeros(3, 4, kh, d, dtype=dtype), torch.zeros(3, 4, kh, d, dtype=dtype)
+    wkc, wvc = kc.clone(), vc.clone()
+    gq, gk = td.rope_write_kv(q, k, v, cos[pos], sin[pos], kc, vc, slots)
+    wq, wk = ref.rope(q, k, cos[pos], sin[pos])
+    keep = slots >= 0
+    ref.write_kv_cache(wk[keep], v[keep], wkc, wvc, slots[keep])
+    _close(gq, wq, dtype)
+    _close(gk, wk, dtype)
+    _close(kc, wkc, dtype)
+    assert torch.equal(vc, wvc)
+
+
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one-program"])
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

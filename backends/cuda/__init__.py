@@ -26,6 +26,7 @@ backend = Backend(
         "rope": triton_decode.rope,
         "swiglu": triton_decode.swiglu,
         "write_kv_cache": triton_decode.write_kv_cache,
+        "rope_write_kv": triton_decode.rope_write_kv,
         "attention_prefill": fused.attention_prefill,
         "paged_attention_decode": triton_decode.paged_attention_decode,
         "linear_w4a16": ops.linear_w4a16,

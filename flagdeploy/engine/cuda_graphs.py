@@ -32,7 +32,7 @@ class DecodeInputs:
     positions: torch.Tensor  # [B] its position
     slots: torch.Tensor  # [B] flat cache row it is written to
     tables: torch.Tensor  # [B, W] block tables (padded with a block the sequence does not read)
-    ctx: torch.Tensor  # [B] int32: tokens of the sequence including the new one
+    ctx: torch.Tensor  # [B] tokens of the sequence including the new one
     state_slots: torch.Tensor  # [B] the sequence's row of the state pools (sequence-state models)
     rows: torch.Tensor  # [B] arange: every row's logits are wanted
 
@@ -57,10 +57,13 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_batch] + [next(b for b in BUCKETS if b >= max_batch)]
         self.scratch_slot, self.scratch_block, self.scratch_state = scratch_block * block_size, scratch_block, scratch_state
         n = self.buckets[-1]
-        z = lambda fill, *shape, dt=torch.int64: torch.full(shape, fill, dtype=dt, device=device)  # noqa: E731
-        self.buf = DecodeInputs(ids=z(0, n), positions=z(0, n), slots=z(self.scratch_slot, n),
-                                tables=z(scratch_block, n, max_blocks), ctx=z(1, n, dt=torch.int32),
-                                state_slots=z(scratch_state, n), rows=torch.arange(n, device=device))
+        # One int64 row per per-sequence input, so that a step's inputs cross to the device in one copy
+        # (and its block tables in a second): each copy is a host round trip the GPU waits for.
+        self.packed = torch.zeros(5, n, dtype=torch.int64, device=device)
+        ids, positions, slots, ctx, state_slots = self.packed
+        self.buf = DecodeInputs(ids=ids, positions=positions, slots=slots,
+                                tables=torch.full((n, max_blocks), scratch_block, dtype=torch.int64, device=device),
+                                ctx=ctx, state_slots=state_slots, rows=torch.arange(n, device=device))
         first = max(1, WIDTH_TOKENS // block_size)
         self.widths = [w for w in (first * 4**i for i in range(16)) if w < max_blocks] + [max_blocks]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -94,33 +97,24 @@ class DecodeGraphs:
         """Logits [n, vocab] for n decoding sequences (one new token each)."""
         n = len(ids)
         b = next(x for x in self.buckets if x >= n)
-        width = max(len(t) for t in tables)
-        w = next(x for x in self.widths if x >= width)
+        w = next(x for x in self.widths if x >= max(len(t) for t in tables))
         if (b, w) not in self.graphs:
             # the warm-up runs before a capture execute for real: on padding rows only, so that they
             # advance no sequence's state (a KDA state must step exactly once per token)
-            self._pad(0, b, w)
+            self._load([], [], [], [], [], [], b, w)
             self._capture(b, w)
-        d, dev = self.buf, self.buf.ids.device
-        d.ids[:n] = torch.tensor(ids, device=dev)
-        d.positions[:n] = torch.tensor(positions, device=dev)
-        d.slots[:n] = torch.tensor(slots, device=dev)
-        d.tables[:n, :w].fill_(self.scratch_block)
-        d.tables[:n, :width] = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], device=dev)
-        d.ctx[:n] = torch.tensor(ctx, dtype=torch.int32, device=dev)
-        if state_slots is not None:
-            d.state_slots[:n] = torch.tensor(state_slots, device=dev)
-        self._pad(n, b, w)
+        self._load(ids, positions, slots, tables, ctx, state_slots or [self.scratch_state] * n, b, w)
         graph, out = self.graphs[(b, w)]
         graph.replay()
         return out[:n]
 
-    def _pad(self, start: int, end: int, w: int) -> None:
-        """Rows [start, end) become padding: scratch slot, block and state row, a context of one token."""
-        d = self.buf
-        d.ids[start:end] = 0
-        d.positions[start:end] = 0
-        d.slots[start:end] = self.scratch_slot
-        d.tables[start:end, :w] = self.scratch_block
-        d.ctx[start:end] = 1
-        d.state_slots[start:end] = self.scratch_state
+    def _load(self, ids, positions, slots, tables, ctx, state_slots, b: int, w: int) -> None:
+        """The bucket's inputs in two copies; rows past the batch are padding (scratch slot, block and state
+        row, a context of one token), table entries past a sequence's own blocks the scratch block."""
+        pad = b - len(ids)
+        rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad, ctx + [1] * pad,
+                state_slots + [self.scratch_state] * pad]
+        self.packed[:, :b].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+        scratch = self.scratch_block
+        table = [t + [scratch] * (w - len(t)) for t in tables] + [[scratch] * w] * pad
+        self.buf.tables[:b, :w].copy_(torch.tensor(table, dtype=torch.int64), non_blocking=True)

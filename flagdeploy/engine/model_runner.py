@@ -139,7 +139,7 @@ class PagedRunner(_Runner):
         """Logits of the step's `logits_rows`."""
         if self.graphs is not None and not step.num_prefill and len(step.ids) <= self.graphs.max_batch:
             logits = self.graphs.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens)
-            return logits[torch.tensor(step.logits_rows, device=logits.device)]
+            return _rows(logits, step.logits_rows)
         dev = self.device
         t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
         width = max((len(b) for b in step.tables), default=0)
@@ -215,7 +215,7 @@ class SequenceStateRunner(_Runner):
 
     def execute(self, step: StateStep) -> torch.Tensor:
         if self.batched_decode and all(len(new) == 1 and start > 0 for _, _, _, new, start in step.seqs):
-            return self._decode_step(step)[step.rows]
+            return _rows(self._decode_step(step), step.rows)
         ids: list[int] = []
         cu = [0]
         caches = []
@@ -224,7 +224,7 @@ class SequenceStateRunner(_Runner):
             ids.extend(new)
             cu.append(cu[-1] + len(new))
         logits = self.model.forward_packed(torch.tensor(ids, device=self.device), torch.tensor(cu), caches)
-        return logits[step.rows]
+        return _rows(logits, step.rows)
 
     def _decode_step(self, step: StateStep) -> torch.Tensor:
         from .cuda_graphs import DecodeInputs
@@ -244,6 +244,11 @@ class SequenceStateRunner(_Runner):
         from flagdeploy.models.glm5_next import DecodeBatch
 
         return self.model.forward_decode(d.ids, DecodeBatch(self.pools, d.state_slots, d.slots, d.tables, d.ctx))
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows] without an index tensor (a host-to-device copy) when every row is wanted, in order."""
+    return logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
 
 def build_runner(model, config) -> tuple[_Runner, int, int]:

@@ -38,8 +38,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KH, D] → [T, H, D]; stores this step's k/v in the cache first."""
-    ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    """q [T, H, D], k/v [T, KH, D] → [T, H, D]. This step's k/v are already in the cache (the model
+    wrote them with `ops.rope_write_kv`): decode rows read them from there, prefill rows from k/v."""
     p = meta.num_prefill_tokens
     parts = []
     if p:

@@ -49,8 +49,10 @@ class LlamaLayer(nn.Module):
         else:
             h, residual = ops.add_rms_norm(x, residual, self.input_norm, c.rms_norm_eps)
         q, k, v = self.qkv_proj(h).split(self.splits, dim=-1)
-        q, k = ops.rope(q.view(-1, self.heads, c.head_dim), k.view(-1, self.kv_heads, c.head_dim), cos, sin)
-        a = paged_attention(q, k, v.view(-1, self.kv_heads, c.head_dim), kv[0], kv[1], meta, self.scale)
+        v = v.view(-1, self.kv_heads, c.head_dim)
+        q, k = ops.rope_write_kv(q.view(-1, self.heads, c.head_dim), k.view(-1, self.kv_heads, c.head_dim), v, cos, sin,
+                                 kv[0], kv[1], meta.slot_mapping)
+        a = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         h, residual = ops.add_rms_norm(self.o_proj(a.flatten(1)), residual, self.post_norm, c.rms_norm_eps)
         return self.down_proj(ops.swiglu(self.gate_up_proj(h))), residual
 

@@ -28,10 +28,11 @@ swiglu = dispatch("swiglu")
 attention_prefill = dispatch("attention_prefill")
 paged_attention_decode = dispatch("paged_attention_decode")
 write_kv_cache = dispatch("write_kv_cache")
+rope_write_kv = dispatch("rope_write_kv")
 
 __all__ = [
     "OPS", "Backend", "OpSpec", "Tolerance", "active_backend", "backends", "detect_backend", "get_backend",
     "use_backend", "prepare_weight", "a16_dtype", "rope_tables", "Fp8BlockWeight", "Int4Weight", "Int8Weight", "W8A8Weight", "linear", "linear_all_reduce", "all_reduce",
     "linear_w4a16", "linear_w8a16", "linear_w8a8_dynamic", "linear_fp8_block", "embedding", "rms_norm", "add_rms_norm", "rope", "swiglu",
-    "attention_prefill", "paged_attention_decode", "write_kv_cache",
+    "attention_prefill", "paged_attention_decode", "write_kv_cache", "rope_write_kv",
 ]

@@ -3,8 +3,8 @@
 `flagdeploy ops check --chip X [--model CONFIG]` and `flagdeploy selftest --chip X` run this. For every
 declared op and dtype it builds the op's random inputs (the spec's own, or, with a model config, inputs
 at that model's shapes in row buckets: 1 row is decode, 16 a small batch, 256 a prefill chunk), runs the
-backend's implementation (its override, else the reference: "native" / "reference") on the backend's
-device, and compares with the reference run in float64 on the CPU. An op that raises is "missing".
+backend's implementation (its override, a composite of its other ops, else the reference: "native" /
+"composite" / "reference") on the backend's device, and compares with the reference run in float64 on the CPU. An op that raises is "missing".
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import reference as ref
-from .registry import OPS, Backend
+from .registry import OPS, Backend, implementation
 from .weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight, to_device
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -27,7 +27,7 @@ class OpResult:
     op: str
     dtype: str
     shape: str  # "spec" or the bucket label, e.g. "m16 hidden=576"
-    impl: str  # native, reference, missing
+    impl: str  # native, composite, reference, missing
     max_abs_err: float | None
     max_rel_err: float | None
     tolerance: str
@@ -42,13 +42,6 @@ def _to(x, device, dtype=None):
     if isinstance(x, (Int4Weight, Int8Weight, Fp8BlockWeight)):
         return to_device(x, device)
     return x
-
-
-def _outputs(out, args):
-    """An op's outputs as a tuple; an in-place op's are the tensors it wrote."""
-    if out is None:  # in-place (write_kv_cache): the caches it wrote
-        out = (args[2], args[3])
-    return out if isinstance(out, tuple) else (out,)
 
 
 def _time_us(fn, args, kwargs, device: str, repeats: int = 5) -> float:
@@ -71,19 +64,18 @@ def _fresh(args):
 
 def check_case(be: Backend, name: str, dtype: torch.dtype, args: tuple, kwargs: dict, label: str) -> OpResult:
     spec = OPS[name]
-    impl = "native" if name in be.overrides else "reference"
-    fn = be.overrides.get(name, spec.reference)
+    impl, fn = implementation(be, name)
     tol = spec.tolerance[dtype]
     tol_s = f"atol={tol.atol:g} rtol={tol.rtol:g}"
     ref_args = _fresh([_to(a, "cpu", torch.float64) for a in args])
-    want = _outputs(spec.reference(*ref_args, **kwargs), ref_args)
+    want = spec.outputs(spec.reference(*ref_args, **kwargs), ref_args)
     dev_args = [_to(a, be.device_type) for a in args]
     prepare = be.prepare.get(name)
     if prepare and name in be.overrides:
         dev_args = [prepare(a) if isinstance(a, (Int4Weight, Int8Weight)) else a for a in dev_args]
     try:
         run_args = _fresh(dev_args)
-        got = _outputs(fn(*run_args, **kwargs), run_args)
+        got = spec.outputs(fn(*run_args, **kwargs), run_args)
         abs_err = max(float((g.double().cpu() - w).abs().max()) for g, w in zip(got, want))
         rel_err = max(float(((g.double().cpu() - w).abs() / (w.abs() + tol.atol / max(tol.rtol, 1e-12))).max())
                       for g, w in zip(got, want))

@@ -240,6 +240,28 @@ def write_kv_cache(
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
 
 
+def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` of q and k, then `write_kv_cache` of the rotated k and v; returns the rotated (q, k).
+
+    One op so that a backend can do both in one pass over the step's keys (one kernel per layer fewer
+    in a decode step); a backend without such a kernel runs its own rope and cache write (`composite`).
+    """
+    q, k = rope(q, k, cos, sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def _rope_write_kv_composite(impl):
+    rope_fn, write_fn = impl("rope"), impl("write_kv_cache")
+
+    def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+        q, k = rope_fn(q, k, cos, sin)
+        write_fn(k, v, k_cache, v_cache, slot_mapping)
+        return q, k
+
+    return rope_write_kv
+
+
 # ---- declarations with their random-input makers ----------------------------------------------------
 
 
@@ -319,6 +341,13 @@ def _decode_inputs(dtype, device, g):
             _randn(g, nb, bs, 2, 16, dtype=dtype, device=device), tables, lens, 0.25), {}
 
 
+def _rope_write_kv_inputs(dtype, device, g):
+    (q, k, cos, sin), _ = _rope_inputs(dtype, device, g)  # 9 tokens, 2 kv heads of 32
+    caches = [torch.zeros(3, 4, 2, 32, dtype=dtype, device=device) for _ in range(2)]
+    slots = torch.tensor([3, 0, 11, 9, 7, 1, 2, 4, 5], device=device)
+    return (q, k, _randn(g, 9, 2, 32, dtype=dtype, device=device), cos, sin, *caches, slots), {}
+
+
 def _write_kv_inputs(dtype, device, g):
     slots = torch.tensor([3, 0, 11, 9, 7], device=device)
     return (_randn(g, 5, 2, 8, dtype=dtype, device=device), _randn(g, 5, 2, 8, dtype=dtype, device=device),
@@ -340,6 +369,8 @@ for _spec in (
     OpSpec("swiglu", swiglu, _TOL, _swiglu_inputs, swiglu.__doc__),
     OpSpec("attention_prefill", attention_prefill, _TOL, _prefill_inputs, attention_prefill.__doc__),
     OpSpec("paged_attention_decode", paged_attention_decode, _TOL, _decode_inputs, paged_attention_decode.__doc__),
-    OpSpec("write_kv_cache", write_kv_cache, _TOL, _write_kv_inputs, write_kv_cache.__doc__),
+    OpSpec("write_kv_cache", write_kv_cache, _TOL, _write_kv_inputs, write_kv_cache.__doc__, writes=(2, 3)),
+    OpSpec("rope_write_kv", rope_write_kv, _TOL, _rope_write_kv_inputs, rope_write_kv.__doc__, writes=(5, 6),
+           composite=_rope_write_kv_composite),
 ):
     register_op(_spec)

@@ -33,6 +33,10 @@ class OpSpec:
 
     `make_inputs(dtype, device, gen)` builds representative random arguments so that every backend can
     be checked against the reference (and the reference against float64) without per-op test code.
+    `writes`: positions of the arguments the op writes in place (a cache), checked as outputs too.
+    `composite(impl)`: for a backend with no kernel of its own for this op, the op built from that
+    backend's implementations of other ops (`impl(name)`), so a fused op never falls back below what
+    the backend already runs natively.
     """
 
     name: str
@@ -40,6 +44,13 @@ class OpSpec:
     tolerance: dict[torch.dtype, Tolerance]
     make_inputs: Callable[[torch.dtype, str, torch.Generator], tuple[tuple, dict]]
     doc: str = ""
+    writes: tuple[int, ...] = ()
+    composite: Callable[[Callable[[str], Callable]], Callable] | None = None
+
+    def outputs(self, out, args) -> tuple:
+        """What a call produced, as the checks compare it: its return value(s), then what it wrote."""
+        out = () if out is None else out if isinstance(out, tuple) else (out,)
+        return out + tuple(args[i] for i in self.writes)
 
 
 @dataclass
@@ -132,13 +143,24 @@ _active: dict[str, Callable] = {}
 _active_backend: Backend | None = None
 
 
+def implementation(be: Backend, name: str) -> tuple[str, Callable]:
+    """How `be` runs op `name`: ("native", its override), ("composite", the op built from its other
+    ops' implementations) or ("reference", the specification)."""
+    spec = OPS[name]
+    if name in be.overrides:
+        return "native", be.overrides[name]
+    if spec.composite is not None:
+        return "composite", spec.composite(lambda other: implementation(be, other)[1])
+    return "reference", spec.reference
+
+
 def use_backend(backend: Backend | str | None) -> Backend:
-    """Route every op to `backend`'s override where it has one, else the reference."""
+    """Route every op to `backend`'s implementation: its override, a composite of its others, the reference."""
     global _active_backend
     be = get_backend(backend) if isinstance(backend, str) else (backend or detect_backend())
     _active.clear()
-    for name, spec in OPS.items():
-        _active[name] = be.overrides.get(name, spec.reference)
+    for name in OPS:
+        _active[name] = implementation(be, name)[1]
     _active_backend = be
     log.info("op backend: %s (%d native ops)", be.name, len(be.overrides))
     return be
