@@ -368,3 +368,4 @@ def test_detect_info_with_soc_name_and_fp8_on_950():
     assert info.family == "950" and info.chip == "ascend950" and "fp8" in info.matmul_dtypes
     assert info.device_count == 0 and not info.present
     assert parse_npu_smi("").devices == []
+

@@ -122,6 +122,30 @@ npu.get_device_properties = _device_properties
 torch.npu = npu  # installed on import, as the real torch_npu does; tests remove it afterwards
 
 
+# ---- HCCL as torch.distributed's "hccl" backend -----------------------------------------------------------
+# The real torch_npu registers its ProcessGroupHCCL under the name "hccl" when imported, which is how
+# flagdeploy (and vLLM-Ascend) reach HCCL: `init_process_group("hccl")`, then the ordinary torch.distributed
+# collectives. Here the name is backed by gloo, because the stand-in's "NPU" tensors are CPU tensors: what
+# this checks is the wiring (the backend's declared library reaches the process group by that name, and
+# every collective the parallel layers use goes through it), not HCCL itself.
+
+
+def _register_hccl() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or "hccl" in dist.Backend.backend_list:
+        return
+
+    def create(store, rank, size, timeout):
+        _count("ProcessGroupHCCL")
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    dist.Backend.register_backend("hccl", create, devices=["cpu"])
+
+
+_register_hccl()
+
+
 # ---- formats (ADOC [1.7] npu_format_cast; rule 5) -----------------------------------------------------
 # The format is a property of the tensor object: a view (.t(), .view(), slicing) is a new object and so
 # reads as ND -- which is the documented trap ("an NZ tensor ... do not .view it").
