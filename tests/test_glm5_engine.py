@@ -51,7 +51,7 @@ def test_engine_greedy_matches_transformers(glm_dir, budget, blocks):
         chip="cpu", progress=False)
     assert engine.stats()["kv_blocks_total"] == blocks
     decode, decoded = engine.model.forward_decode, []
-    engine.model.forward_decode = lambda ids, batch: decoded.append(len(ids)) or decode(ids, batch)
+    engine.model.forward_decode = lambda ids, *pools_and_rows: decoded.append(len(ids)) or decode(ids, *pools_and_rows)
     got = engine.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
     assert got == want
     assert decoded and max(decoded) > 1  # steps of decodes only ran batched, through the state rows

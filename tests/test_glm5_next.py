@@ -154,8 +154,6 @@ def test_batched_decode_through_the_pools_matches_transformers(overrides):
     """The engine's decode step (`forward_decode`: fixed shapes, state rows and block tables as tensors,
     the shape a CUDA graph captures) continues prefills of unequal lengths; a padding row on a scratch
     block and state row rides along and disturbs nothing."""
-    from flagdeploy.models.glm5_next import DecodeBatch
-
     hf = _hf_model(**overrides)
     ours = Glm5NextForCausalLM(from_hf_config(hf.config.to_dict()))
     load_hf_weights(ours, _checkpoint_form(hf.state_dict()))
@@ -168,9 +166,9 @@ def test_batched_decode_through_the_pools_matches_transformers(overrides):
         live = [i for i in range(3) if prompt[i] + step < len(seqs[i])]
         pos = [prompt[i] + step for i in live]
         t = lambda x: torch.tensor(x)  # noqa: E731
-        batch = DecodeBatch(pools, t([*live, 3]), t([tables[i][p // bs] * bs + p % bs for i, p in zip(live, pos)] + [39 * bs]),
-                            t([tables[i] for i in live] + [[39] * 8]), t([p + 1 for p in pos] + [1]))
-        logits = ours.forward_decode(t([int(seqs[i][p]) for i, p in zip(live, pos)] + [0]), batch)
+        logits = ours.forward_decode(t([int(seqs[i][p]) for i, p in zip(live, pos)] + [0]), pools, t([*live, 3]),
+                                     t([tables[i][p // bs] * bs + p % bs for i, p in zip(live, pos)] + [39 * bs]),
+                                     t([tables[i] for i in live] + [[39] * 8]), t([p + 1 for p in pos] + [1]))
         for j, i in enumerate(live):
             outs[i].append(logits[j : j + 1])
     for s, out in zip(seqs, outs):

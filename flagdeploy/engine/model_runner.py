@@ -16,6 +16,7 @@ import torch
 
 from flagdeploy.models.attention import AttentionMetadata
 
+from .cuda_graphs import DecodeGraphs, DecodeInputs
 from .scheduler import ScheduledBatch
 
 
@@ -83,12 +84,10 @@ class PagedRunner(_Runner):
         ]
         self.graphs = None
         if graphs:
-            from .cuda_graphs import DecodeGraphs
-
             self.graphs = DecodeGraphs(self._decode, device, graphs["max_batch"],
                                        -(-graphs["max_model_len"] // block_size), block_size, num_blocks)
 
-    def _decode(self, d) -> torch.Tensor:
+    def _decode(self, d: DecodeInputs) -> torch.Tensor:
         """The pure-decode step on `DecodeInputs` (what the CUDA graphs capture)."""
         meta = AttentionMetadata(positions=d.positions, slot_mapping=d.slots, num_prefill_tokens=0, cu_seqlens_q=None,
                                  cu_seqlens_k=None, prefill_kv_slots=None, block_tables=d.tables, context_lens=d.ctx,
@@ -182,8 +181,6 @@ class SequenceStateRunner(_Runner):
         self.batched_decode = model.can_decode_batched()
         self.graphs = None
         if graphs and self.batched_decode:
-            from .cuda_graphs import DecodeGraphs
-
             self.graphs = DecodeGraphs(self._decode, device, max_seqs, -(-graphs["max_model_len"] // block_size),
                                        block_size, num_blocks, max_seqs)
 
@@ -227,8 +224,6 @@ class SequenceStateRunner(_Runner):
         return _rows(logits, step.rows)
 
     def _decode_step(self, step: StateStep) -> torch.Tensor:
-        from .cuda_graphs import DecodeInputs
-
         bs = self.block_size
         ids = [new[0] for _, _, _, new, _ in step.seqs]
         positions = [start for *_, start in step.seqs]
@@ -240,10 +235,9 @@ class SequenceStateRunner(_Runner):
             return self.graphs.run(ids, positions, slots, tables, ctx, state_rows)
         return self._decode(DecodeInputs.build(ids, positions, slots, tables, ctx, state_rows, self.device))
 
-    def _decode(self, d) -> torch.Tensor:
-        from flagdeploy.models.glm5_next import DecodeBatch
-
-        return self.model.forward_decode(d.ids, DecodeBatch(self.pools, d.state_slots, d.slots, d.tables, d.ctx))
+    def _decode(self, d: DecodeInputs) -> torch.Tensor:
+        """The pure-decode step on `DecodeInputs` (what the CUDA graphs capture)."""
+        return self.model.forward_decode(d.ids, self.pools, d.state_slots, d.slots, d.tables, d.ctx)
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -465,15 +465,14 @@ class DsaIndexer(nn.Module):
                                                   c.index_kpool_always_select_tail))
         return masks
 
-
     def decode(self, h: torch.Tensor, q_resid: torch.Tensor, batch: DecodeBatch, pool: dict[str, torch.Tensor],
                rows: torch.Tensor) -> torch.Tensor:
         """The selection masks [B, S] of B decoding queries; their key / gate rows join the pools first."""
         c, n = self.c, h.shape[0]
         keys = F.layer_norm(self.wk(h), (c.index_head_dim,), self.k_norm_weight, self.k_norm_bias, 1e-6)
         q = self.wq_b(q_resid).view(n, c.index_n_heads, c.index_head_dim)
-        keys, gate = _write_and_gather(pool["index_keys"], keys, batch.slots, rows), \
-            _write_and_gather(pool["index_gate"], self.compress_gate(h), batch.slots, rows)
+        keys = _write_and_gather(pool["index_keys"], keys, batch.slots, rows)
+        gate = _write_and_gather(pool["index_gate"], self.compress_gate(h), batch.slots, rows)
         return glm_ops.dsa_indexer_topk_decode(q, self.weights_proj(h), keys, gate, self.compress_ape, batch.lengths,
                                                c.index_topk, c.index_kpool_always_select_tail)
 
@@ -925,13 +924,16 @@ class Glm5NextForCausalLM(nn.Module):
         return self.lm_head(h)[..., : self.cfg.vocab_size].float()
 
     @torch.inference_mode()
-    def forward_decode(self, input_ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
-        """Logits [B, vocab] for one new token of each of B sequences held in the engine's pools.
+    def forward_decode(self, input_ids: torch.Tensor, pools: dict, state_slots: torch.Tensor, slots: torch.Tensor,
+                       block_tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab] for one new token of each of B sequences held in the engine's pools (the
+        fields of `DecodeBatch`).
 
         Same result as `forward_packed` on one-token spans, but in fixed shapes with no host reads, so the
         engine can capture it as a CUDA graph (flagdeploy/engine/cuda_graphs.py).
         """
         c = self.cfg
+        batch = DecodeBatch(pools, state_slots, slots, block_tables, lengths)
         x = vocab_parallel_embedding(input_ids, self.embed_tokens, c.vocab_size)
         streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         rows = None
