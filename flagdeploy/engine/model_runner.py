@@ -242,7 +242,9 @@ class SequenceStateRunner(_Runner):
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """logits[rows] without an index tensor (a host-to-device copy) when every row is wanted, in order."""
-    return logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
 
 def build_runner(model, config) -> tuple[_Runner, int, int]:
