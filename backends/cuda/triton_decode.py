@@ -148,89 +148,71 @@ if triton is not None:
         tl.store(q + HALF, (f2 * c + f1 * s).to(dst.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope_kernel(q, k, cos, sin, qo, ko, sq_t, sq_h, sk_t, sk_h, sc_t, ss_t, oq_t, oq_h, ok_t, ok_h, H, KH,
-                     HALF: tl.constexpr, BH: tl.constexpr, BKH: tl.constexpr, BHALF: tl.constexpr):
+    def _rope_kernel(q, k, v, cos, sin, qo, ko, kc, vc, slots, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_t, ss_t, oq_t,
+                     oq_h, ok_t, ok_h, H, KH, D: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, BKH: tl.constexpr,
+                     BHALF: tl.constexpr, BD: tl.constexpr, WRITE: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BHALF)[None, :]
         c = tl.load(cos + t * sc_t + i, mask=i < HALF, other=0.0).to(tl.float32)
         s = tl.load(sin + t * ss_t + i, mask=i < HALF, other=0.0).to(tl.float32)
         _rope_rotate(q, qo, t, c, s, sq_t, sq_h, oq_t, oq_h, H, HALF, BH, BHALF)
         _rope_rotate(k, ko, t, c, s, sk_t, sk_h, ok_t, ok_h, KH, HALF, BKH, BHALF)
+        if WRITE:  # rope_write_kv: the rotated k (computed again: cheaper than a reload) and v at the slot
+            slot = tl.load(slots + t).to(tl.int64)
+            if slot >= 0:
+                row = slot * KH * D
+                _rope_rotate(k, kc + row, t, c, s, sk_t, sk_h, 0, D, KH, HALF, BKH, BHALF)
+                hh = tl.arange(0, BKH)[:, None]
+                d = tl.arange(0, BD)[None, :]
+                m = (hh < KH) & (d < D)
+                tl.store(vc + row + hh * D + d, tl.load(v + t * sv_t + hh * sv_h + d, mask=m, other=0.0), mask=m)
+
+
+def _rope_ok(q, k, cos, sin) -> bool:
+    return (_runs_here(q, k, cos, sin) and q.dim() == 3 and k.dim() == 3 and q.dtype in _FLOATS and k.dtype == q.dtype
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32 and q.shape[-1] % 2 == 0
+            and k.shape[-1] == q.shape[-1] and q.shape[0] == k.shape[0] and cos.shape == (q.shape[0], q.shape[-1] // 2)
+            and sin.shape == cos.shape and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1
+            and sin.stride(-1) == 1)
+
+
+def _rope_launch(q, k, cos, sin, cache: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation kernel; with cache = (v, k_cache, v_cache, slots) it also stores the rotated k and v."""
+    t, h, d = q.shape
+    kh = k.shape[1]
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if t:
+        v, kc, vc, slots = cache if cache is not None else (k, k, k, k)  # not read without WRITE
+        _rope_kernel[(t,)](q, k, v, cos, sin, qo, ko, kc, vc, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                           v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), qo.stride(0), qo.stride(1),
+                           ko.stride(0), ko.stride(1), h, kh, D=d, HALF=d // 2, BH=triton.next_power_of_2(h),
+                           BKH=triton.next_power_of_2(kh), BHALF=triton.next_power_of_2(d // 2),
+                           BD=triton.next_power_of_2(d), WRITE=cache is not None, num_warps=4)
+    return qo, ko
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k rotated by one kernel into fresh contiguous tensors (the reference's contract: inputs are
     left as they are); q/k may be strided views (the split of the fused qkv output), read in place."""
-    ok = (_runs_here(q, k, cos, sin) and q.dim() == 3 and k.dim() == 3 and q.dtype in _FLOATS and k.dtype == q.dtype
-          and cos.dtype == torch.float32 and sin.dtype == torch.float32 and q.shape[-1] % 2 == 0
-          and k.shape[-1] == q.shape[-1] and q.shape[0] == k.shape[0] and cos.shape == (q.shape[0], q.shape[-1] // 2)
-          and sin.shape == cos.shape and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1
-          and sin.stride(-1) == 1)
-    if not ok:
+    if not _rope_ok(q, k, cos, sin):
         return fused.rope(q, k, cos, sin)
-    t, h, d = q.shape
-    kh = k.shape[1]
-    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if t:
-        half = d // 2
-        _rope_kernel[(t,)](q, k, cos, sin, qo, ko, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-                           sin.stride(0), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), h, kh, HALF=half,
-                           BH=triton.next_power_of_2(h), BKH=triton.next_power_of_2(kh),
-                           BHALF=triton.next_power_of_2(half), num_warps=4)
-    return qo, ko
-
-
-if triton is not None:
-
-    @triton.jit
-    def _rope_write_kv_kernel(q, k, v, cos, sin, qo, ko, kc, vc, slots, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_t, ss_t,
-                              oq_t, oq_h, ok_t, ok_h, H, KH, D: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr,
-                              BKH: tl.constexpr, BHALF: tl.constexpr, BD: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        i = tl.arange(0, BHALF)[None, :]
-        c = tl.load(cos + t * sc_t + i, mask=i < HALF, other=0.0).to(tl.float32)
-        s = tl.load(sin + t * ss_t + i, mask=i < HALF, other=0.0).to(tl.float32)
-        _rope_rotate(q, qo, t, c, s, sq_t, sq_h, oq_t, oq_h, H, HALF, BH, BHALF)
-        _rope_rotate(k, ko, t, c, s, sk_t, sk_h, ok_t, ok_h, KH, HALF, BKH, BHALF)
-        slot = tl.load(slots + t).to(tl.int64)
-        if slot >= 0:  # the rotated k (computed again: cheaper than a reload) and v at the token's slot
-            row = slot * KH * D
-            _rope_rotate(k, kc + row, t, c, s, sk_t, sk_h, 0, D, KH, HALF, BKH, BHALF)
-            hh = tl.arange(0, BKH)[:, None]
-            d = tl.arange(0, BD)[None, :]
-            m = (hh < KH) & (d < D)
-            tl.store(vc + row + hh * D + d, tl.load(v + t * sv_t + hh * sv_h + d, mask=m, other=0.0), mask=m)
+    return _rope_launch(q, k, cos, sin)
 
 
 def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
     """`rope` and `write_kv_cache` in one kernel: a program per token rotates its q and k heads and stores
     the rotated k and its v at its slot (one launch per layer fewer in a decode step)."""
-    ok = (_runs_here(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) and q.dim() == 3 and k.dim() == 3
-          and v.shape == k.shape and q.dtype in _FLOATS and k.dtype == q.dtype and v.dtype == q.dtype
-          and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and cos.dtype == torch.float32
-          and sin.dtype == torch.float32 and q.shape[-1] % 2 == 0 and k.shape[-1] == q.shape[-1]
-          and q.shape[0] == k.shape[0] and cos.shape == (q.shape[0], q.shape[-1] // 2) and sin.shape == cos.shape
-          and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and cos.stride(-1) == 1
-          and sin.stride(-1) == 1 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
-          and k_cache.shape[2:] == k.shape[1:] and k_cache.is_contiguous() and v_cache.is_contiguous()
-          and slot_mapping.shape == (k.shape[0],) and not slot_mapping.is_floating_point())
+    ok = (_rope_ok(q, k, cos, sin) and _runs_here(v, k_cache, v_cache, slot_mapping) and v.shape == k.shape
+          and v.dtype == q.dtype and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and v.stride(-1) == 1
+          and k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[2:] == k.shape[1:]
+          and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.shape == (k.shape[0],)
+          and not slot_mapping.is_floating_point())
     if not ok:
         q, k = rope(q, k, cos, sin)
         write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return q, k
-    t, h, d = q.shape
-    kh = k.shape[1]
-    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if t:
-        half = d // 2
-        _rope_write_kv_kernel[(t,)](q, k, v, cos, sin, qo, ko, k_cache, v_cache, slot_mapping, q.stride(0), q.stride(1),
-                                    k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-                                    qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), h, kh, D=d, HALF=half,
-                                    BH=triton.next_power_of_2(h), BKH=triton.next_power_of_2(kh),
-                                    BHALF=triton.next_power_of_2(half), BD=triton.next_power_of_2(d), num_warps=4)
-    return qo, ko
+    return _rope_launch(q, k, cos, sin, (v, k_cache, v_cache, slot_mapping))
 
 
 # ---- SwiGLU ---------------------------------------------------------------------------------------------
