@@ -1,6 +1,7 @@
-"""The cuda backend's Triton decode kernels (backends/cuda/triton_decode.py) against the references, on the
-CPU through Triton's interpreter (TRITON_INTERPRET=1): small shapes, so that it runs in seconds here.
-The same kernels are checked on the GPU by `flagdeploy ops check --chip cuda` (tests/test_cuda.py)."""
+"""The cuda backend's Triton kernels (backends/cuda/triton_decode.py, triton_moe.py) against the references, on
+the CPU through Triton's interpreter (TRITON_INTERPRET=1): small shapes, so that it runs in seconds here.
+On a machine with a GPU they are checked natively instead, by `flagdeploy ops check --chip cuda`
+(tests/test_cuda.py). triton comes with the test extra; a CUDA build of torch brings its own."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from flagdeploy.ops import reference as ref
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRETED:
 
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the kernels natively (tests/test_cuda.py)")
     def test_the_kernels_under_the_triton_interpreter():
         env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
