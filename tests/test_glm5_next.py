@@ -285,13 +285,22 @@ def test_conv_in_steps_equals_one_pass():
     torch.testing.assert_close(state, state_whole)
 
 
-GLM_OPS = ["moe_router", "moe_experts", "kda_recurrent", "kda_chunk", "causal_conv1d", "gated_rms_norm", "hc_pre",
+GLM_OPS = ["moe_router", "moe_experts", "kda_recurrent", "kda_chunk", "causal_conv1d", "causal_conv1d_update",
+           "gated_rms_norm", "hc_pre",
            "hc_post", "dsa_indexer_topk", "sparse_attention", "dsa_indexer_topk_decode", "latent_attention_decode"]
 
 
 def test_batched_decode_ops_equal_the_per_sequence_ops():
     """The fixed-shape decode ops (one query per sequence, padded rows) are the per-sequence ops row by row."""
     g = torch.Generator().manual_seed(3)
+    x, w, pool = torch.randn(3, 10, generator=g), torch.randn(10, 4, generator=g), torch.randn(5, 3, 10, generator=g)
+    slots, before = torch.tensor([4, 1, 2]), pool.clone()
+    y = glm_ops.causal_conv1d_update(x, w, pool, slots)
+    for i, s in enumerate(slots.tolist()):
+        want, state = glm_ops.causal_conv1d(x[i : i + 1], w, before[s])
+        torch.testing.assert_close(y[i : i + 1], want)
+        torch.testing.assert_close(pool[s], state)
+    assert torch.equal(pool[[0, 3]], before[[0, 3]])  # other rows untouched
     b, s, hi, d, p, r = 4, 24, 3, 8, 4, 6
     q, w = torch.randn(b, hi, d, generator=g), torch.randn(b, hi, generator=g)
     keys, gate, ape = torch.randn(b, s, d, generator=g), torch.randn(b, s, d, generator=g), torch.randn(p, d, generator=g)
@@ -314,12 +323,12 @@ def test_batched_decode_ops_equal_the_per_sequence_ops():
 @pytest.mark.parametrize("name", GLM_OPS)
 def test_glm_op_reference_matches_float64(name, dtype):
     """What tests/test_ops.py checks for every registered op, here too until flagdeploy.ops imports glm."""
+    from test_ops import _run, _to64
+
     spec = OPS[name]
     args, kwargs = spec.make_inputs(dtype, "cpu", torch.Generator().manual_seed(0))
-    got = spec.reference(*args, **kwargs)
-    want = spec.reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args],
-                          **kwargs)
-    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    got = _run(spec, spec.reference, args, kwargs)
+    want = _run(spec, spec.reference, [_to64(a) for a in args], kwargs)
     tol = spec.tolerance[dtype]
     for g, w in zip(got, want):
         assert g.dtype == dtype

@@ -127,6 +127,27 @@ def test_rope_write_kv_is_rope_then_the_cache_write(td, dtype):
     assert torch.equal(vc, wvc)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_conv_update_moves_the_window_in_place(dtype):
+    """KDA's short conv for one decode token per sequence (backends/cuda/ops.py): the output and the state
+    rows it shifts in place equal the reference's; rows of other sequences stay as they were."""
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreter subprocess")
+    from flagdeploy.ops.glm import causal_conv1d_update
+
+    cops = importlib.import_module("backends.cuda.ops")
+    g = torch.Generator().manual_seed(6)
+    x, w = _r(g, 3, 40, dtype=dtype), _r(g, 40, 4, dtype=torch.float32, scale=0.5)
+    pool = _r(g, 5, 3, 40, dtype=dtype)
+    slots = torch.tensor([4, 0, 2])
+    want_pool = pool.clone()
+    want = causal_conv1d_update(x, w, want_pool, slots)
+    got = cops.causal_conv1d_update(x, w, pool, slots)
+    _close(got, want, dtype)
+    _close(pool, want_pool, dtype)
+    assert torch.equal(pool[[1, 3]], want_pool[[1, 3]])
+
+
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one-program"])
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

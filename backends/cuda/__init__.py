@@ -36,6 +36,7 @@ backend = Backend(
         "linear_fp8_block": ops.linear_fp8_block,
         "hc_pre": ops.hc_pre,
         "kda_recurrent": ops.kda_recurrent,
+        "causal_conv1d_update": ops.causal_conv1d_update,
         "sparse_attention": ops.sparse_attention,
         "moe_router": ops.moe_router,
         "dsa_indexer_topk": ops.dsa_indexer_topk,

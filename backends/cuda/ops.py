@@ -20,6 +20,7 @@ from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight, fp8_quant_groups, stripped
 
 from . import triton_moe
+from .triton_decode import _runs_here
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +268,46 @@ def kda_recurrent(q, k, v, g, beta, state):
     _kda_recurrent_kernel[(h, triton.cdiv(dv, bv))](q, k, v, g, beta, state, out, new_state, t, h,
                                                      DK=dk, DV=dv, BV=bv, num_warps=4)
     return out, new_state
+
+
+# ---- KDA's short conv, one decode token per sequence, state rows updated in place ----------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _conv_update_kernel(x, w, pool, slots, y, C, s_x, s_row, s_tap, KW: tl.constexpr, BC: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        m = c < C
+        row = pool + tl.load(slots + b).to(tl.int64) * s_row
+        xv = tl.load(x + b * s_x + c, mask=m, other=0.0)
+        acc = xv.to(tl.float32) * tl.load(w + c * KW + (KW - 1), mask=m, other=0.0).to(tl.float32)
+        for j in tl.static_range(KW - 1):
+            tap = tl.load(row + j * s_tap + c, mask=m, other=0.0)
+            acc += tap.to(tl.float32) * tl.load(w + c * KW + j, mask=m, other=0.0).to(tl.float32)
+            if j > 0:  # the window moves on by one: tap j becomes tap j - 1
+                tl.store(row + (j - 1) * s_tap + c, tap, mask=m)
+        tl.store(row + (KW - 2) * s_tap + c, xv.to(pool.dtype.element_ty), mask=m)
+        tl.store(y + b * C + c, (acc * tl.sigmoid(acc)).to(y.dtype.element_ty), mask=m)
+
+
+def causal_conv1d_update(x, weight, state_pool, state_slots):
+    """One kernel: a program per (sequence, channel block) reads its state row, writes the output and the
+    shifted state back (the reference gathers, concatenates, reduces and scatters: ~8 kernels)."""
+    ok = (_runs_here(x, weight, state_pool, state_slots) and x.dtype != torch.float64 and x.dim() == 2 and weight.dim() == 2
+          and weight.shape[0] == x.shape[1] and weight.shape[1] >= 2 and weight.is_contiguous()
+          and state_pool.dim() == 3 and state_pool.shape[1:] == (weight.shape[1] - 1, x.shape[1])
+          and state_pool.stride(-1) == 1 and x.stride(-1) == 1 and state_pool.dtype == x.dtype)
+    if not ok:
+        return OPS["causal_conv1d_update"].reference(x, weight, state_pool, state_slots)
+    b, c = x.shape
+    y = torch.empty_like(x)
+    if b:
+        block = min(1024, triton.next_power_of_2(c))
+        _conv_update_kernel[(b, triton.cdiv(c, block))](x, weight, state_pool, state_slots, y, c, x.stride(0),
+                                                         state_pool.stride(0), state_pool.stride(1),
+                                                         KW=weight.shape[1], BC=block, num_warps=4)
+    return y
 
 
 # ---- sparse attention over one shared latent (absorbed MLA decode) -------------------------------------

@@ -401,16 +401,13 @@ class KdaAttention(nn.Module):
         return self.o_proj(glm_ops.gated_rms_norm(out, gate, self.o_norm, c.rms_norm_eps).reshape(t, -1))
 
     def decode(self, h: torch.Tensor, batch: DecodeBatch, pool: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One token of each of B sequences, states gathered from and scattered back to the state pools by
-        `batch.state_slots`; the conv and the delta rule run as one op call each (see `_step_together`)."""
+        """One token of each of B sequences, states read from and written back to the state pools by
+        `batch.state_slots`; the conv and the delta rule run as one op call each for the whole batch."""
         c, n = self.c, h.shape[0]
         heads, d = self.heads, c.linear_head_dim
         mixed, g, beta = self.qkv_proj(h), self.forget_gate(h), torch.sigmoid(self.b_proj(h))
-        width, kw = mixed.shape[1], self.conv_weight.shape[1]
-        prev = pool["conv"].index_select(0, batch.state_slots).transpose(0, 1).reshape(kw - 1, n * width)
-        conv, state = glm_ops.causal_conv1d(mixed.reshape(1, n * width), self.conv_weight.repeat(n, 1), prev)
-        pool["conv"].index_copy_(0, batch.state_slots, state.view(kw - 1, n, width).transpose(0, 1).to(pool["conv"].dtype))
-        q, k, v = (part.reshape(1, n * heads, d) for part in conv.view(n, width).chunk(3, dim=-1))
+        conv = glm_ops.causal_conv1d_update(mixed, self.conv_weight, pool["conv"], batch.state_slots)
+        q, k, v = (part.reshape(1, n * heads, d) for part in conv.chunk(3, dim=-1))
         recurrent = pool["recurrent"].index_select(0, batch.state_slots).view(n * heads, d, d)
         o, recurrent = glm_ops.kda_recurrent(q, k, v, g.reshape(1, n * heads, d), beta.reshape(1, n * heads), recurrent)
         pool["recurrent"].index_copy_(0, batch.state_slots, recurrent.view(n, heads, d, d))

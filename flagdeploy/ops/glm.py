@@ -184,6 +184,21 @@ def causal_conv1d(
     return y.to(x.dtype), full[-(kw - 1) :].to(prev.dtype) if kw > 1 else prev
 
 
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Tensor,
+                         state_slots: torch.Tensor) -> torch.Tensor:
+    """`causal_conv1d` for one new token of each of B sequences whose states are rows of a pool (decode).
+
+    x [B, C], weight [C, K], state_pool [S, K-1, C] (row state_slots[b] holds sequence b's last K-1
+    inputs; updated in place), state_slots [B] distinct. Returns y [B, C] in x's dtype; equals
+    `causal_conv1d(x[b:b+1], weight, state_pool[state_slots[b]])` per sequence.
+    """
+    acc = _acc(x.dtype)
+    window = torch.cat([state_pool[state_slots].to(x.dtype), x.unsqueeze(1)], dim=1)  # [B, K, C]
+    y = F.silu((window.to(acc) * weight.to(acc).t()).sum(1))
+    state_pool[state_slots] = window[:, 1:].to(state_pool.dtype)
+    return y.to(x.dtype)
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm(x) * weight * sigmoid(gate), all in float32 (FLA's fused norm does not round in between)."""
     acc = _acc(x.dtype)
@@ -414,6 +429,12 @@ def _conv_inputs(dtype, device, g):
             _randn(g, 3, 12, dtype=dtype, device=device)), {}
 
 
+def _conv_update_inputs(dtype, device, g):
+    pool = _randn(g, 6, 3, 12, dtype=dtype, device=device)
+    return (_randn(g, 4, 12, dtype=dtype, device=device), _randn(g, 12, 4, dtype=dtype, device=device, scale=0.5),
+            pool, torch.tensor([5, 0, 3, 2], device=device)), {}
+
+
 def _gated_norm_inputs(dtype, device, g):
     return (_randn(g, 6, 16, dtype=dtype, device=device), _randn(g, 6, 16, dtype=dtype, device=device),
             _randn(g, 16, dtype=dtype, device=device), 1e-5), {}
@@ -470,6 +491,8 @@ for _spec in (
     OpSpec("kda_recurrent", kda_recurrent, _TOL_SEQ, _kda_recurrent_inputs, kda_recurrent.__doc__),
     OpSpec("kda_chunk", kda_chunk, _TOL_SEQ, _kda_chunk_inputs, kda_chunk.__doc__),
     OpSpec("causal_conv1d", causal_conv1d, _TOL, _conv_inputs, causal_conv1d.__doc__),
+    OpSpec("causal_conv1d_update", causal_conv1d_update, _TOL, _conv_update_inputs, causal_conv1d_update.__doc__,
+           writes=(2,)),
     OpSpec("gated_rms_norm", gated_rms_norm, _TOL, _gated_norm_inputs, gated_rms_norm.__doc__),
     OpSpec("hc_pre", hc_pre, _TOL_SEQ, _hc_pre_inputs, hc_pre.__doc__),
     OpSpec("hc_post", hc_post, _TOL, _hc_post_inputs, hc_post.__doc__),
@@ -489,6 +512,7 @@ moe_experts = _registry.dispatch("moe_experts")
 kda_recurrent = _registry.dispatch("kda_recurrent")
 kda_chunk = _registry.dispatch("kda_chunk")
 causal_conv1d = _registry.dispatch("causal_conv1d")
+causal_conv1d_update = _registry.dispatch("causal_conv1d_update")
 gated_rms_norm = _registry.dispatch("gated_rms_norm")
 hc_pre = _registry.dispatch("hc_pre")
 hc_post = _registry.dispatch("hc_post")
@@ -497,5 +521,6 @@ sparse_attention = _registry.dispatch("sparse_attention")
 dsa_indexer_topk_decode = _registry.dispatch("dsa_indexer_topk_decode")
 latent_attention_decode = _registry.dispatch("latent_attention_decode")
 
-__all__ = ["moe_router", "moe_experts", "kda_recurrent", "kda_chunk", "causal_conv1d", "gated_rms_norm", "hc_pre",
+__all__ = ["moe_router", "moe_experts", "kda_recurrent", "kda_chunk", "causal_conv1d", "causal_conv1d_update",
+           "gated_rms_norm", "hc_pre",
            "hc_post", "dsa_indexer_topk", "sparse_attention", "dsa_indexer_topk_decode", "latent_attention_decode"]
