@@ -19,11 +19,11 @@ step with these kernels is captured in the CUDA graph. With `TRITON_INTERPRET=1`
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from flagdeploy.ops.weights import FP8_E4M3_MAX, Fp8BlockWeight
+
+from .triton_decode import _runs_here
 
 try:
     import triton
@@ -103,7 +103,7 @@ if triton is not None:
 
 def supports(x: torch.Tensor, gate_up, down, top_k: int | None) -> bool:
     """FP8 banks whose scale blocks the kernels can walk, CUDA (or interpreted CPU) tensors."""
-    if triton is None or top_k is None or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if top_k is None or not _runs_here(x):
         return False
     if not (isinstance(gate_up, Fp8BlockWeight) and isinstance(down, Fp8BlockWeight)):
         return False
@@ -114,7 +114,7 @@ def supports(x: torch.Tensor, gate_up, down, top_k: int | None) -> bool:
 
 
 def _launch(x, ids, bank: Fp8BlockWeight, out, n, top_k, gated, limit):
-    e, rows, k = bank.q.shape
+    _, rows, k = bank.q.shape
     br, bc = bank.block
     s = bank.scale_inv.float().contiguous()
     cfg = launch_config(ids.numel())
@@ -134,7 +134,8 @@ def moe_fp8_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: Fp8BlockWei
     picked = routing.abs().topk(top_k, dim=-1).indices
     weight = routing.gather(1, picked)
     ids = picked.flatten().to(torch.int32).contiguous()
-    h = torch.empty(t * top_k, inter, dtype=torch.float32, device=x.device)  # re-quantised below: no 16-bit rounding first
+    # float32: down re-quantises it, a 16-bit rounding first would move values across e4m3 steps
+    h = torch.empty(t * top_k, inter, dtype=torch.float32, device=x.device)
     _launch(x, ids, gate_up, h, inter, top_k, True, limit)
     y = torch.empty(t * top_k, hidden, dtype=torch.float32, device=x.device)
     _launch(h, ids, down, y, hidden, top_k, False, None)
