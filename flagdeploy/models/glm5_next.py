@@ -199,11 +199,20 @@ class KdaState:
     recurrent: torch.Tensor | None = None  # [heads, head_dim, head_dim]
 
 
+def _pool_row(key: str) -> property:
+    """A view of this state's row of pool `key`; assigning copies into the row."""
+    return property(lambda self: self._pool[key][self.slot],
+                    lambda self, value: self._pool[key][self.slot].copy_(value))
+
+
 class PooledKdaState:
     """A KDA state held as one row (`slot`) of the engine's state pools [max_seqs, ...], so that a decode
     step can gather and scatter every sequence's state by row index (`KdaAttention.decode`). Reads are
     views of the row; assignments copy into it. A new sequence's row is zeroed (`reset`): a zero state is
     what a fresh `KdaState` means."""
+
+    conv = _pool_row("conv")
+    recurrent = _pool_row("recurrent")
 
     def __init__(self, pool: dict[str, torch.Tensor], slot: int):
         self._pool, self.slot = pool, slot
@@ -211,22 +220,6 @@ class PooledKdaState:
     def reset(self) -> None:
         self._pool["conv"][self.slot].zero_()
         self._pool["recurrent"][self.slot].zero_()
-
-    @property
-    def conv(self) -> torch.Tensor:
-        return self._pool["conv"][self.slot]
-
-    @conv.setter
-    def conv(self, value: torch.Tensor) -> None:
-        self._pool["conv"][self.slot].copy_(value)
-
-    @property
-    def recurrent(self) -> torch.Tensor:
-        return self._pool["recurrent"][self.slot]
-
-    @recurrent.setter
-    def recurrent(self, value: torch.Tensor) -> None:
-        self._pool["recurrent"][self.slot].copy_(value)
 
 
 class TokenRows:
