@@ -15,7 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from flagdeploy.ops import reference
+from flagdeploy.ops import glm, reference
 from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight, fp8_quant_groups, stripped
 
@@ -101,16 +101,9 @@ _FP8_KERNEL_MAX_PAIRS = 512  # (token, expert) pairs: beyond, an expert's weight
 
 
 def _fp8_expert_loop(x, routing, gate_up: Fp8BlockWeight, down: Fp8BlockWeight, limit):
-    """The reference's per-expert loop on the FP8 tensor cores (prefill with FP8 experts)."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    for e in (routing != 0).any(0).nonzero().flatten().tolist():
-        rows = (routing[:, e] != 0).nonzero().flatten()
-        gate, up = linear_fp8_block(x[rows], gate_up.expert(e)).chunk(2, dim=-1)
-        if limit is not None:
-            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        y = linear_fp8_block(F.silu(gate) * up, down.expert(e))
-        out.index_add_(0, rows, y.float() * routing[rows, e, None].float())
-    return out.to(x.dtype)
+    """The reference's per-expert loop on the FP8 tensor cores (prefill with FP8 experts), summed in float32."""
+    return glm.experts_loop(x, routing, gate_up, down, limit, lambda v, bank, e: linear_fp8_block(v, bank.expert(e)),
+                            torch.float32)
 
 
 def _gather_ok(x, gate_up, down, top_k) -> bool:

@@ -40,9 +40,9 @@ class DecodeInputs:
     def build(cls, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], ctx: list[int],
               state_slots: list[int] | None, device) -> "DecodeInputs":
         """The eager step's inputs (no padding rows; tables padded to the widest with block 0)."""
-        t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         width = max(len(b) for b in tables)
-        return cls(t(ids), t(positions), t(slots), t([b + [0] * (width - len(b)) for b in tables]), t(ctx, torch.int32),
+        return cls(t(ids), t(positions), t(slots), t([b + [0] * (width - len(b)) for b in tables]), t(ctx),
                    t(state_slots if state_slots is not None else [0] * len(ids)), torch.arange(len(ids), device=device))
 
 

@@ -85,15 +85,21 @@ def moe_experts(
     nonzero weights per row (the router's k): a backend may size its dispatch by it instead of reading
     the routing back to the host, which a captured graph cannot do. The result does not depend on it.
     """
-    out = torch.zeros_like(x)
+    return experts_loop(x, routing, gate_up, down, limit, _expert_linear, x.dtype)
+
+
+def experts_loop(x, routing, gate_up, down, limit, linear, acc_dtype: torch.dtype) -> torch.Tensor:
+    """The per-expert loop of `moe_experts` with the expert linears given (`linear(rows, bank, e)`), summed
+    in `acc_dtype`: a backend runs it with its own kernels where it has no batched form."""
+    out = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
     for e in (routing != 0).any(0).nonzero().flatten().tolist():
         rows = (routing[:, e] != 0).nonzero().flatten()
-        gate, up = _expert_linear(x[rows], gate_up, e).chunk(2, dim=-1)
+        gate, up = linear(x[rows], gate_up, e).chunk(2, dim=-1)
         if limit is not None:
             gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        y = _expert_linear(F.silu(gate) * up, down, e)
-        out.index_add_(0, rows, (y * routing[rows, e, None]).to(out.dtype))
-    return out
+        y = linear(F.silu(gate) * up, down, e)
+        out.index_add_(0, rows, (y.to(acc_dtype) * routing[rows, e, None].to(acc_dtype)))
+    return out.to(x.dtype)
 
 
 # ---- KDA (Kimi delta attention) ---------------------------------------------------------------------
