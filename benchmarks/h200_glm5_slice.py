@@ -248,24 +248,25 @@ def compare(a: tuple, b: tuple) -> tuple[float, float, float]:
     return rel_rms(a[0], b[0]), rel_rms(a[1], b[1]), cos
 
 
-def check_moe_override(model: Glm5NextForCausalLM, device: str, dtype: torch.dtype, tol: float) -> str:
-    """The active backend's moe_experts (grouped GEMM on Hopper) against the op's reference, true dims."""
-    bank = next(m for m in model.modules() if isinstance(m, ExpertBank))
+def check_moe_override(model: Glm5NextForCausalLM, device: str, dtype: torch.dtype, gate_up, down, what: str,
+                       tokens: tuple[int, ...], top_k: int | None = None, tol: float = 0.02) -> str:
+    """The active backend's moe_experts on the banks given (bf16: grouped GEMM on Hopper; FP8: the Triton
+    kernels at decode sizes) against the op's reference, true dims."""
     c = model.cfg
     out = []
-    for t in (1, 8, 64):
+    for t in tokens:
         g = torch.Generator(device=device).manual_seed(t)
         x = torch.randn(t, c.hidden_size, generator=g, device=device, dtype=dtype)
         w = torch.randn(t, c.n_routed_experts, generator=g, device=device, dtype=torch.float32)
         top = w.topk(c.num_experts_per_tok, dim=-1)
         routing = torch.zeros_like(w).scatter_(1, top.indices, top.values.abs()).to(dtype)
-        fast = glm_ops.moe_experts(x, routing, bank.gate_up, bank.down, c.swiglu_limit)
-        ref = OPS["moe_experts"].reference(x, routing, bank.gate_up, bank.down, c.swiglu_limit)
+        fast = glm_ops.moe_experts(x, routing, gate_up, down, c.swiglu_limit, top_k=top_k)
+        ref = OPS["moe_experts"].reference(x, routing, gate_up, down, c.swiglu_limit)
         err = rel_rms(fast, ref)
         if err > tol:
-            raise SystemExit(f"MISMATCH: moe_experts ({ops.active_backend().name}) vs reference at {t} tokens: {err:.2e}")
+            raise SystemExit(f"MISMATCH: {what} ({ops.active_backend().name}) vs reference at {t} tokens: {err:.2e}")
         out.append(f"{t} tok {err:.1e}")
-    return f"moe_experts ({ops.active_backend().name}) vs its reference, rel RMS err: " + ", ".join(out)
+    return f"{what} ({ops.active_backend().name}) vs its reference, rel RMS err: " + ", ".join(out)
 
 
 def fp8_expert_banks(model: Glm5NextForCausalLM) -> list[tuple]:
@@ -287,25 +288,6 @@ def use_experts(fp8: list[tuple], on: bool, dense: dict) -> None:
         else:
             del bank.gate_up, bank.down
             bank.gate_up, bank.down = dense[bank]
-
-
-def check_fp8_experts(fp8: list[tuple], model: Glm5NextForCausalLM, device: str, dtype: torch.dtype) -> str:
-    """The backend's moe_experts on FP8 banks (Triton kernels at decode sizes) against the op's reference."""
-    c, (_, gate_up, down) = model.cfg, fp8[0]
-    out = []
-    for t in (1, 8):
-        g = torch.Generator(device=device).manual_seed(t)
-        x = torch.randn(t, c.hidden_size, generator=g, device=device, dtype=dtype)
-        w = torch.randn(t, c.n_routed_experts, generator=g, device=device, dtype=torch.float32)
-        top = w.topk(c.num_experts_per_tok, dim=-1)
-        routing = torch.zeros_like(w).scatter_(1, top.indices, top.values.abs()).to(dtype)
-        fast = glm_ops.moe_experts(x, routing, gate_up, down, c.swiglu_limit, top_k=c.num_experts_per_tok)
-        ref = OPS["moe_experts"].reference(x, routing, gate_up, down, c.swiglu_limit)
-        err = rel_rms(fast, ref)
-        if err > 0.02:
-            raise SystemExit(f"MISMATCH: FP8 moe_experts ({ops.active_backend().name}) vs reference at {t} tokens: {err:.2e}")
-        out.append(f"{t} tok {err:.1e}")
-    return f"moe_experts on FP8 banks ({ops.active_backend().name}) vs its reference, rel RMS err: " + ", ".join(out)
 
 
 def check_new_overrides(model: Glm5NextForCausalLM, device: str, dtype: torch.dtype) -> str:
@@ -529,10 +511,12 @@ def main() -> None:
                   f"reference: rel RMS err {g_dec:.3f}")
     if g_dec > max(2 * max(t_pre, t_dec), 0.02):
         raise SystemExit("MISMATCH: " + checks[-1])
-    checks.append(check_moe_override(model, device, dtype, 0.02))
+    bank = next(m for m in model.modules() if isinstance(m, ExpertBank))
+    checks.append(check_moe_override(model, device, dtype, bank.gate_up, bank.down, "moe_experts", (1, 8, 64)))
     fp8 = fp8_expert_banks(model)
     dense_banks: dict = {}
-    checks.append(check_fp8_experts(fp8, model, device, dtype))
+    checks.append(check_moe_override(model, device, dtype, fp8[0][1], fp8[0][2], "moe_experts on FP8 banks", (1, 8),
+                                     top_k=model.cfg.num_experts_per_tok))
     checks.append(check_new_overrides(model, device, dtype))
     for line in checks:
         print(line, flush=True)
