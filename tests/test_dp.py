@@ -61,6 +61,9 @@ def test_launch_plan_argv_and_devices(default_model):
     assert _flag(argv, "--chip") == "cpu" and _flag(argv, "--dp") == "1"
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--served-model-name"] == ["tiny", "Tiny2"]
     assert "--api-key" not in argv and "--request-timeout" not in argv  # the gateway checks the key
+    assert "--compile" not in argv and "--no-compile" not in argv  # unset: the replica's default
+    switched = [launch_plan(_entry(compile=on), 9100, 0).argv for on in (True, False)]
+    assert "--compile" in switched[0] and "--no-compile" in switched[1]  # switches, not "--compile True"
     for plan in plans:  # the cpu: no device variable, the cores split between the replicas
         assert not set(plan.env) & set(DEVICE_VARS)
         assert int(plan.env["OMP_NUM_THREADS"]) == max(1, len(os.sched_getaffinity(0)) // 2)

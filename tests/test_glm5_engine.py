@@ -61,6 +61,33 @@ def test_engine_greedy_matches_transformers(glm_dir, budget, blocks):
     assert engine.stats()["prefix_cache_hit_tokens"] == 0  # KDA state is never resumed from shared blocks
 
 
+def test_compiled_decode_step_gives_transformers_tokens(glm_dir, monkeypatch, tmp_path):
+    """`--compile`: one torch.compile graph (built at start-up on two rows of two blocks) serves batches of
+    3 and 1 (a padding row) and block tables of 2 to 9 blocks, on both sides of the width where the
+    indexer's pools (4 per block here) outnumber its top-k (16 tokens = 4 pools). Guards are skipped once
+    the graph exists: one that had specialised a size would be refused a recompile or give other tokens."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile, as on a fresh host
+    hf = _hf_model(index_topk=16)
+    hf.config.text_config.eos_token_id = None
+    hf.save_pretrained(tmp_path / "ckpt")
+    write_word_tokenizer(tmp_path / "ckpt", TEXT["vocab_size"])
+    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    want = [_greedy_by_full_forward(hf, p) for p in PROMPTS]
+    engine = build_llm_engine(tmp_path / "ckpt", "safetensors", EngineConfig(max_model_len=40, block_size=4, compile=True),
+                              chip="cpu", progress=False)
+    assert engine.runner.compiled is not None and engine.runner.compiled.ready  # compiled before any request
+    assert engine.generate(PROMPTS, params) == want
+    assert engine.generate(PROMPTS[1:2], params) == want[1:2]
+
+    # blocks of 2 tokens under pools of 4 (the default tiny model): the pool count is a floor of the width
+    # that the trace fixes; it says so at start-up and the engine decodes eagerly
+    path, hf = glm_dir
+    engine = build_llm_engine(path, "safetensors", EngineConfig(max_model_len=40, block_size=2, compile=True),
+                              chip="cpu", progress=False)
+    assert engine.runner.compiled is None
+    assert engine.generate(PROMPTS[:1], params) == [_greedy_by_full_forward(hf, PROMPTS[0])]
+
+
 def test_serve_answers_chat_with_a_glm5_next_directory(glm_dir):
     path, _ = glm_dir
     port = _free_port()

@@ -229,3 +229,108 @@ def test_fp8_expert_kernels_match_the_reference(dtype, limit):
     got = tm.moe_fp8_experts(x, routing.to(dtype), gate_up, down, limit, k)
     want = moe_experts(x.double(), routing, gate_up, down, limit)
     _close(got, want, torch.bfloat16)  # the reference's FP8 linears return 16-bit values whatever x's dtype
+
+
+# ---- GLM-5.3-Flash's DSA decode kernels (backends/cuda/triton_glm.py) --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tg():
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreter subprocess")
+    return importlib.import_module("backends.cuda.triton_glm")
+
+
+def _glm_reference(name):
+    from flagdeploy.ops.registry import OPS  # (importing flagdeploy.ops declares the GLM ops)
+
+    return OPS[name].reference
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-program"])
+@pytest.mark.parametrize("heads,rank", [(4, 32), (20, 8)], ids=["h4-r32", "h20-r8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_latent_attention_decode(tg, dtype, heads, rank, split, monkeypatch):
+    """48 latent rows in tiles of 16, over three splits or one program: a sequence selecting only within
+    its first 20 rows (its last tile is skipped, its last split empty), one selecting all over, one
+    selecting nothing (zeros), one selecting a single row of the last split. 20 heads take two head
+    blocks, one partly masked; a rank of 8 is padded to the dot's 16."""
+    monkeypatch.setattr(tg, "_LATENT_SMALL", (16, 16, 4))  # small shapes: tiles of 16 rows
+    monkeypatch.setattr(tg, "_SPLIT_ROWS", 16 if split else 1 << 30)
+    b, s = 4, 48
+    assert tg._latent_launch(b, heads, s) == (16, 16, 4, 16 if split else 48)
+    g = torch.Generator().manual_seed(7)
+    q, lat = _r(g, b, heads, rank, dtype=dtype), _r(g, b, s, rank, dtype=dtype)
+    mask = torch.rand(b, s, generator=g) < 0.5
+    mask[0, 20:] = False
+    mask[1, [0, 40]] = True
+    mask[2] = False
+    mask[3] = False
+    mask[3, 40] = True
+    got = tg.latent_attention_decode(q, lat, mask.to(dtype), 0.3)
+    want = _glm_reference("latent_attention_decode")(q.double(), lat.double(), mask.double(), 0.3)
+    _close(got, want, dtype)
+    assert got.dtype == dtype and not got[2].any()
+
+
+def _indexer_case(dtype):
+    """4 sequences in rows of 22 (5 complete pools of 4): lengths 22, 13 (a tail of 1), 3 (shorter than a
+    pool) and 16 (a pool boundary). Sequence 1's padding is NaN: it must never be read into a result."""
+    g = torch.Generator().manual_seed(8)
+    b, s, hi, d, p = 4, 22, 4, 16, 4
+    q, w = _r(g, b, hi, d, dtype=dtype), _r(g, b, hi, dtype=dtype)
+    keys, gate, ape = _r(g, b, s, d, dtype=dtype), _r(g, b, s, d, dtype=dtype), _r(g, p, d, dtype=dtype)
+    lengths = torch.tensor([22, 13, 3, 16])
+    keys[1, 13:] = gate[1, 13:] = float("nan")
+    return q, w, keys, gate, ape, lengths
+
+
+# the interpreter's numpy warns about the NaN padding in the (never visible) pools it scores
+_NAN_PADDING_OK = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@_NAN_PADDING_OK
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pool_scores_match_float64_and_are_well_separated(tg, dtype):
+    """The scoring kernel against the reference's maths in float64 (-inf where a pool ends after the
+    query); the two best visible pools are well clear of the third, so the selection test below is exact."""
+    q, w, keys, gate, ape, lengths = _indexer_case(dtype)
+    p, (b, s, d), hi = ape.shape[0], keys.shape, q.shape[1]
+    n = s // p
+    logits = gate[:, : n * p].double().view(b, n, p, d) + ape.double()
+    pool_keys = (logits.softmax(2) * keys[:, : n * p].double().view(b, n, p, d)).sum(2)
+    per_head = torch.relu(torch.einsum("bhd,bpd->bhp", q.double(), pool_keys) * d**-0.5)
+    want = torch.einsum("bh,bhp->bp", w.double() * hi**-0.5, per_head)
+    visible = (torch.arange(n) + 1) * p <= lengths[:, None]
+    want = want.masked_fill(~visible, float("-inf"))
+    got = tg._pool_scores(q, w, keys, gate, ape, lengths)
+    _close(got, want, torch.float32)  # float32 maths whatever the input dtype
+    for row in want:
+        best = row[row.isfinite()].sort(descending=True).values
+        if len(best) > 2:
+            assert best[1] - best[2] > 1e-3
+
+
+@_NAN_PADDING_OK
+@pytest.mark.parametrize("tail", [True, False], ids=["tail", "no-tail"])
+@pytest.mark.parametrize("index_topk", [8, 32, 2], ids=["top2-pools", "all-fit", "none-fit"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dsa_indexer_topk_decode(tg, dtype, index_topk, tail):
+    """The 0/1 mask equals the reference's exactly: the top 2 pools by rank, every visible pool when the
+    budget holds them all (no scoring), none when it holds less than a pool; with or without the tail."""
+    args = _indexer_case(dtype)
+    got = tg.dsa_indexer_topk_decode(*args, index_topk, tail)
+    want = _glm_reference("dsa_indexer_topk_decode")(*args, index_topk, tail)
+    assert got.dtype == want.dtype == dtype
+    assert torch.equal(got, want)
+
+
+def test_glm_decode_kernels_fall_back_on_unhandled_inputs(tg):
+    """float64 and a latent rank that is not a power of two run the references."""
+    g = torch.Generator().manual_seed(9)
+    q, lat, mask = _r(g, 2, 3, 12, dtype=torch.float32), _r(g, 2, 5, 12, dtype=torch.float32), torch.ones(2, 5)
+    want = _glm_reference("latent_attention_decode")(q, lat, mask, 0.3)
+    assert torch.equal(tg.latent_attention_decode(q, lat, mask, 0.3), want)
+    args = tuple(x.double() if x.is_floating_point() else x for x in _indexer_case(torch.float32))
+    want = _glm_reference("dsa_indexer_topk_decode")(*args, 8, True)
+    assert torch.equal(tg.dsa_indexer_topk_decode(*args, 8, True), want)

@@ -5,7 +5,7 @@ import torch
 from flagdeploy.ops import fused
 from flagdeploy.ops.registry import Backend
 
-from . import ops, triton_decode
+from . import ops, triton_decode, triton_glm
 
 
 def _detect() -> bool:
@@ -41,6 +41,9 @@ backend = Backend(
         "moe_router": ops.moe_router,
         "dsa_indexer_topk": ops.dsa_indexer_topk,
         "gated_rms_norm": ops.gated_rms_norm,
+        # GLM-5.3-Flash's DSA decode step, Triton kernels (backends/cuda/triton_glm.py), the references as fallback
+        "dsa_indexer_topk_decode": triton_glm.dsa_indexer_topk_decode,
+        "latent_attention_decode": triton_glm.latent_attention_decode,
     },
     prepare={"linear_w4a16": ops.prepare_dense, "linear_w8a16": ops.prepare_dense},
     priority=20,

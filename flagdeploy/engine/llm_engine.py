@@ -38,6 +38,7 @@ class EngineConfig:
     load_format: str = "auto"  # or "dummy": random weights from the config (benchmarks without a checkpoint)
     device: str = "cpu"
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs where the device is a GPU (paged models)
+    compile: bool = False  # run decode steps through torch.compile where no graph replays them (engine/compiled_step.py)
     tp: int = 1  # tensor-parallel ranks of this replica (flagdeploy.parallel)
     ep: int = 1  # expert-parallel ranks of this replica
 

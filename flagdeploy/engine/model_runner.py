@@ -10,14 +10,18 @@ One process runs both; several run `execute` in lock-step (flagdeploy/engine/loc
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from flagdeploy.models.attention import AttentionMetadata
 
+from .compiled_step import CompiledDecode
 from .cuda_graphs import DecodeGraphs, DecodeInputs
 from .scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -169,11 +173,12 @@ class SequenceStateRunner(_Runner):
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, device: str, max_seqs: int,
-                 graphs: dict | None = None):
-        """graphs: {"max_model_len"} to replay decode steps as CUDA graphs (cuda only); the pools then get
-        one extra block and one extra state row, never handed out, for the graphs' padded rows."""
+                 graphs: dict | None = None, compile: bool = False):
+        """graphs: {"max_model_len"} to replay decode steps as CUDA graphs (cuda only); compile: run them
+        through torch.compile instead (engine/compiled_step.py). Either way the pools get one extra block
+        and one extra state row, never handed out, for padding rows."""
         self.model, self.device, self.block_size = model, device, block_size
-        extra = 1 if graphs else 0
+        extra = 1 if graphs or compile else 0
         with torch.device(device):
             self.pools = model.cache_pools(num_blocks + extra, block_size, max_seqs + extra)
         self.free_rows = list(range(max_seqs - 1, -1, -1))
@@ -183,6 +188,9 @@ class SequenceStateRunner(_Runner):
         if graphs and self.batched_decode:
             self.graphs = DecodeGraphs(self._decode, device, max_seqs, -(-graphs["max_model_len"] // block_size),
                                        block_size, num_blocks, max_seqs)
+        self.compiled = None
+        if compile and self.batched_decode and not self.graphs:
+            self.compiled = CompiledDecode(self._decode, device, block_size, num_blocks, max_seqs)
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
@@ -231,9 +239,12 @@ class SequenceStateRunner(_Runner):
         tables = [table for _, _, table, _, _ in step.seqs]
         ctx = [p + 1 for p in positions]
         state_rows = [row for _, row, _, _, _ in step.seqs]
-        if self.graphs is not None and len(ids) <= self.graphs.max_batch:
-            return self.graphs.run(ids, positions, slots, tables, ctx, state_rows)
-        return self._decode(DecodeInputs.build(ids, positions, slots, tables, ctx, state_rows, self.device))
+        if self.compiled is not None:
+            return self.compiled.run(ids, positions, slots, tables, ctx, state_rows)
+        with torch.inference_mode():
+            if self.graphs is not None and len(ids) <= self.graphs.max_batch:
+                return self.graphs.run(ids, positions, slots, tables, ctx, state_rows)
+            return self._decode(DecodeInputs.build(ids, positions, slots, tables, ctx, state_rows, self.device))
 
     def _decode(self, d: DecodeInputs) -> torch.Tensor:
         """The pure-decode step on `DecodeInputs` (what the CUDA graphs capture)."""
@@ -274,7 +285,16 @@ def build_runner(model, config) -> tuple[_Runner, int, int]:
     if config.cuda_graphs and config.device == "cuda" and config.tp * config.ep == 1:
         graphs = {"max_batch": config.max_num_seqs, "max_model_len": config.max_model_len}
     if cls is SequenceStateRunner:
-        runner = SequenceStateRunner(model, num_blocks, config.block_size, config.device, config.max_num_seqs, graphs)
+        runner = SequenceStateRunner(model, num_blocks, config.block_size, config.device, config.max_num_seqs, graphs,
+                                     config.compile and config.tp * config.ep == 1)
     else:
         runner = PagedRunner(model, num_blocks, config.block_size, config.device, graphs)
+    compiled = getattr(runner, "compiled", None)
+    if compiled is not None:
+        if not compiled.warm_up():
+            runner.compiled = None
+    elif config.compile:
+        log.warning("--compile is not used here: it compiles the fixed-shape decode step of sequence-state models "
+                    "(glm5_next) on one process without CUDA graphs; llama's CPU step is no faster compiled "
+                    "(its packed weight kernels do not trace). Running eagerly.")
     return runner, num_blocks, per_block

@@ -46,6 +46,7 @@ SERVE_FLAGS = {
     "max_waiting": "--max-waiting",
     "tp": "--tp",
     "ep": "--ep",
+    "compile": "--compile",  # a switch: True → --compile, False → --no-compile
 }
 READY_PATH = "/ready"  # the builtin app answers /health and /v1/models while it loads; /ready only once loaded
 PARENT_ENV = "FLAGDEPLOY_PARENT_PID"  # set for each replica: the gateway whose end it outlives by a second at most
@@ -91,7 +92,9 @@ def builtin_launch_plan(entry: ModelConfig, port: int, replica: int = 0, *,
     for name in names:
         argv += ["--served-model-name", name]
     for key, value in args.items():
-        if value is not None:
+        if isinstance(value, bool):
+            argv.append(SERVE_FLAGS[key] if value else SERVE_FLAGS[key].replace("--", "--no-", 1))
+        elif value is not None:
             argv += [SERVE_FLAGS[key], str(value)]
     argv += ["--dp", "1"]  # a replica is one engine; only the gateway fans out
     per_replica = _int(args.get("tp", 1), "tp") * _int(args.get("ep", 1), "ep")

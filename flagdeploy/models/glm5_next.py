@@ -913,14 +913,15 @@ class Glm5NextForCausalLM(nn.Module):
         h = ops.rms_norm(streams.mean(1), self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(h)[..., : self.cfg.vocab_size].float()
 
-    @torch.inference_mode()
     def forward_decode(self, input_ids: torch.Tensor, pools: dict, state_slots: torch.Tensor, slots: torch.Tensor,
                        block_tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] for one new token of each of B sequences held in the engine's pools (the
         fields of `DecodeBatch`).
 
         Same result as `forward_packed` on one-token spans, but in fixed shapes with no host reads, so the
-        engine can capture it as a CUDA graph (flagdeploy/engine/cuda_graphs.py).
+        engine can capture it as a CUDA graph (flagdeploy/engine/cuda_graphs.py) or compile it whole
+        (engine/compiled_step.py). The caller enters inference mode: torch.compile cannot trace a step that
+        enters it itself.
         """
         c = self.cfg
         batch = DecodeBatch(pools, state_slots, slots, block_tables, lengths)

@@ -347,7 +347,7 @@ def dsa_indexer_topk_decode(
     pos = lengths.to(q.device).long() - 1  # [B]
     cols = torch.arange(s_len, device=q.device)
     mask = torch.zeros(b_len, s_len, dtype=q.dtype, device=q.device)
-    k_sel = min(index_topk // p, n_pools)
+    k_sel = index_topk // p
     if k_sel:
         kp = keys[:, : n_pools * p].to(acc).view(b_len, n_pools, p, dim)
         logits = gate[:, : n_pools * p].to(acc).view(b_len, n_pools, p, dim) + ape.to(acc)
@@ -356,9 +356,12 @@ def dsa_indexer_topk_decode(
         scores = torch.einsum("bh,bhp->bp", head_weights.to(acc) * heads**-0.5, per_head)
         pool_end = (torch.arange(n_pools, device=q.device) + 1) * p - 1
         visible = pool_end[None, :] <= pos[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        # k_sel -inf columns past the last pool: topk never runs short of pools, whatever the width, so the
+        # step has one shape logic for every table width (no min(k, n_pools): a compiled step would
+        # otherwise need one graph per side of it); the padding is never visible, so never chosen
+        scores = F.pad(scores.masked_fill(~visible, float("-inf")), (0, k_sel), value=float("-inf"))
         best = scores.topk(k_sel, dim=-1).indices
-        chosen = torch.zeros_like(visible).scatter_(1, best, True) & visible
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, best, True)[:, :n_pools] & visible
         mask[:, : n_pools * p] = chosen.repeat_interleave(p, dim=1).to(q.dtype)
     if select_tail:
         tail_start = pos + 1 - (pos + 1) % p
