@@ -41,7 +41,9 @@ class CompiledDecode:
 
         # compiled kernels are kept with the models, so that the next start (of any process) reuses them
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-        self.compiled = torch.compile(_own_code(step))
+        # cpp_wrapper: the generated code that calls the kernels is C++ too, not Python (~10% of this
+        # step at glm5_next's small sizes, for a longer first compile)
+        self.compiled = torch.compile(_own_code(step), options={"cpp_wrapper": True})
         self.device = device
         self.scratch_block, self.scratch_slot, self.scratch_state = scratch_block, scratch_block * block_size, scratch_state
         self.ready = False
