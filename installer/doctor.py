@@ -10,6 +10,7 @@ from pathlib import Path
 
 from flagdeploy.chips import get_chip
 
+from . import hdk
 from .detect import SystemInfo
 
 
@@ -39,11 +40,8 @@ def _ascend(info: SystemInfo, chip) -> list[Finding]:
     if not info.cann:
         out.append(Finding("fail", "CANN toolkit not found", "torch_npu's kernels come from CANN",
                            "install Ascend-cann-toolkit and `source /usr/local/Ascend/ascend-toolkit/set_env.sh`"))
-    elif info.ascend_driver:  # no stored copy of Huawei's HDK pairing table: say what to compare
-        out.append(Finding("warn", f"CANN {info.cann} with driver {info.ascend_driver}: pairing not checked",
-                           "a CANN newer than its driver fails at device init with an opaque error, and flagdeploy has "
-                           "no source for Huawei's driver/CANN table yet",
-                           "compare both versions with the HDK compatibility table on hiascend.com"))
+    elif info.ascend_driver:
+        out.append(_driver_pairing(info.cann, info.ascend_driver))
     if not info.nnal:
         out.append(Finding("warn", "NNAL (libatb) not installed", "torch_npu's _npu_* ATB ops and vLLM-Ascend need it",
                            "install Ascend-cann-nnal and `source /usr/local/Ascend/nnal/atb/set_env.sh`"))
@@ -52,6 +50,24 @@ def _ascend(info: SystemInfo, chip) -> list[Finding]:
                            "multi-node HCCL picks the first interface, often not the RoCE one, and hangs at init",
                            "for multi-node serving export HCCL_SOCKET_IFNAME=<the RoCE NIC> (and GLOO_SOCKET_IFNAME)"))
     return out
+
+
+def _driver_pairing(cann: str, driver: str) -> Finding:
+    p = hdk.pairing(cann, driver)
+    if p.supported is None:
+        return Finding("warn", f"CANN {cann} with driver {driver}: pairing not checked",
+                       "a CANN newer than its driver fails at device init with an opaque error, and flagdeploy's "
+                       "table (installer/hdk.yaml) has no row for this CANN",
+                       "compare both versions with the CANN release notes on hiascend.com ('CANN and Ascend HDK "
+                       "Version Compatibility')")
+    if p.supported:
+        return Finding("ok", f"CANN {cann} with driver {driver}: a listed pairing", "; ".join(p.sources))
+    other = hdk.cann_for(driver)
+    return Finding("fail", f"driver {driver} is not one CANN {cann} supports",
+                   f"CANN {cann} is listed with Ascend HDK {', '.join(p.drivers)} (installer/hdk.yaml, from Huawei's "
+                   "release notes); with another driver it fails at device init with an opaque error",
+                   "install an Ascend HDK driver and firmware from that list"
+                   + (f", or a CANN this driver is listed with ({', '.join(other)})" if other else ""))
 
 
 def run(info: SystemInfo, chip_id: str, model: str | None = None, devices: int | None = None,

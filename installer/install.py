@@ -26,6 +26,7 @@ from packaging.requirements import Requirement
 from flagdeploy.chips import get_chip
 from flagdeploy.errors import FlagdeployError
 
+from . import hdk
 from .detect import SystemInfo, chip_family
 from .matrix import StackRow, resolve
 
@@ -115,6 +116,8 @@ def make_plan(info: SystemInfo, chip_id: str, engine: str = "builtin") -> Instal
     missing = []
     for key, what, how in _HOST.get(chip.backend, []):
         if not _host_present(info, key):
+            if key == "ascend_driver" and row.cann_min and (listed := hdk.drivers_for(row.cann_min)).drivers:
+                what = f"{what}: for CANN {row.cann_min}, Ascend HDK {', '.join(listed.drivers)}"
             missing.append((what, how))
     env = _ENV.get(chip.backend, {"source": [], "vars": {}})
     return InstallPlan(chip.id, chip.backend, row, present, todo, missing, dict(env["vars"]), list(env["source"]))

@@ -80,6 +80,38 @@ def test_doctor_finds_the_container_without_devices(tmp_path):
     assert "device nodes" not in r.stdout
 
 
+@pytest.mark.parametrize("cann,driver,supported", [
+    ("9.2.0", "25.3.RC1", True), ("9.2.0", "25.2.0", False),  # 9.2 dropped the 25.2 drivers
+    ("9.1.0", "25.2.1", True), ("9.1.0", "26.1.0", True), ("9.1.0", "25.0.rc1.1", False),
+    ("8.5.0", "25.0.RC1", True), ("8.2.RC1", "24.1.rc2", True), ("8.2.RC1", "25.3.RC1", False),
+    ("8.0.RC3", "24.1.rc2", None),  # no row: nothing is claimed
+])
+def test_driver_and_cann_pairing_from_the_sourced_table(cann, driver, supported):
+    from flagdeploy.installer import hdk
+
+    p = hdk.pairing(cann, driver)
+    assert p.supported is supported
+    assert bool(p.sources) is (supported is not None) and all("hiascend.com" in s or "release notes" in s for s in p.sources)
+
+
+def test_doctor_checks_the_driver_against_the_cann(tmp_path):
+    """The recorded A3 box pairs CANN 9.1.0 with driver 25.0.rc1.1, which CANN 9.1's table does not list."""
+    r = _cli("doctor", "--chip", "ascend910c", "--root", str(SYSTEMS / "a3"))
+    assert r.returncode == 1
+    assert "driver 25.0.rc1.1 is not one CANN 9.1.0 supports" in r.stdout
+    assert "25.2.X" in r.stdout and "9.0.X" in r.stdout  # the drivers to install, or the CANN that fits
+    box = tmp_path / "a3"
+    shutil.copytree(SYSTEMS / "a3", box)
+    info = box / "usr/local/Ascend/driver/version.info"
+    info.write_text(info.read_text().replace("25.0.rc1.1", "25.3.rc1"))
+    r = _cli("doctor", "--chip", "ascend910c", "--root", str(box))
+    assert "CANN 9.1.0 with driver 25.3.rc1: a listed pairing" in r.stdout and "is not one" not in r.stdout
+    info.unlink()  # no driver at all: the plan names the drivers for its CANN
+    (box / ".commands" / "npu-smi_info.txt").unlink()
+    r = _cli("install", "--chip", "ascend910c", "--dry-run", "--root", str(box))
+    assert "for CANN 9.1.0, Ascend HDK 25.2.X" in r.stdout, r.stdout
+
+
 def test_deploy_writes_the_planned_manifests(tmp_path):
     r = _cli("deploy", "k8s", "--chip", "h200", "--model", "glm-5.3-flash", "--devices", "8", "-o", str(tmp_path))
     assert r.returncode == 0, r.stderr
