@@ -9,6 +9,7 @@ import torch
 from test_cli import _free_port, _serve, wait_ready
 from test_glm5_next import TEXT, _hf_model
 
+from flagdeploy.backends.cpu import ops as cpu_ops
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine.loader import build_llm_engine
 from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
@@ -86,6 +87,12 @@ def test_compiled_decode_step_gives_transformers_tokens(glm_dir, monkeypatch, tm
                               chip="cpu", progress=False)
     assert engine.runner.compiled is None
     assert engine.generate(PROMPTS[:1], params) == [_greedy_by_full_forward(hf, PROMPTS[0])]
+    # a step that would break into several graphs (the cpu MoE's per-expert loop reads the routing on the
+    # host) is refused at start-up too, not compiled piecewise behind guard-free calls
+    monkeypatch.setitem(cpu_ops.TUNE["moe_experts"], "dense_max_token_experts", 0)
+    engine = build_llm_engine(path, "safetensors", EngineConfig(max_model_len=40, block_size=4, compile=True),
+                              chip="cpu", progress=False)
+    assert engine.runner.compiled is None
 
 
 def test_serve_answers_chat_with_a_glm5_next_directory(glm_dir):

@@ -24,7 +24,7 @@ import types
 
 import torch
 import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, patched below)
-from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, GuardOnDataDependentSymNode
 
 from .cuda_graphs import DecodeInputs, Step
 
@@ -43,7 +43,9 @@ class CompiledDecode:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         # cpp_wrapper: the generated code that calls the kernels is C++ too, not Python (~10% of this
         # step at glm5_next's small sizes, for a longer first compile)
-        self.compiled = torch.compile(_own_code(step), options={"cpp_wrapper": True})
+        # fullgraph: a step that breaks into several graphs (a host read, an op dynamo cannot trace) is
+        # refused at warm-up instead of compiled piecewise; the guard-free calls rely on one graph
+        self.compiled = torch.compile(_own_code(step), fullgraph=True, options={"cpp_wrapper": True})
         self.device = device
         self.scratch_block, self.scratch_slot, self.scratch_state = scratch_block, scratch_block * block_size, scratch_state
         self.ready = False
@@ -61,6 +63,11 @@ class CompiledDecode:
             log.warning("the decode step depends on the batch size or block-table width in a way one compiled "
                         "graph cannot follow (%s); running it eagerly. A --block-size that is a multiple of the "
                         "model's pooling avoids this.", str(exc).splitlines()[0])
+            return False
+        except (torch._dynamo.exc.Unsupported, GuardOnDataDependentSymNode) as exc:
+            # e.g. the cpu backend's per-expert MoE loop (many experts), which reads the routing on the host
+            log.warning("the decode step does not trace to one graph on this backend (%s); running it eagerly.",
+                        str(exc).splitlines()[0])
             return False
         log.warning("decode step compiled in %.0f s", time.perf_counter() - t)
         return True
