@@ -45,19 +45,22 @@ def _covers(pattern: str, version: str) -> bool:
     return v == p or v.startswith(p + ".")
 
 
-def drivers_for(cann: str) -> Pairing:
-    """The HDK versions listed for `cann` (supported=None: no row covers it)."""
-    rows = [r for r in _rows() if _covers(r.cann, cann)]
-    drivers = tuple(dict.fromkeys(d for r in rows for d in r.hdk))
-    return Pairing(True if rows else None, drivers, tuple(dict.fromkeys(r.source for r in rows)))
+def _rows_for(cann: str) -> list[_Row]:
+    return [r for r in _rows() if _covers(r.cann, cann)]
+
+
+def drivers_for(cann: str) -> tuple[str, ...]:
+    """The HDK versions listed for `cann` (empty: no row covers it)."""
+    return tuple(dict.fromkeys(d for r in _rows_for(cann) for d in r.hdk))
 
 
 def pairing(cann: str, driver: str) -> Pairing:
     """Whether the installed driver is one the tables list for the installed CANN."""
-    listed = drivers_for(cann)
-    if listed.supported is None:
-        return listed
-    return Pairing(any(_covers(d, driver) for d in listed.drivers), listed.drivers, listed.sources)
+    rows = _rows_for(cann)
+    if not rows:
+        return Pairing(None, (), ())
+    drivers = tuple(dict.fromkeys(d for r in rows for d in r.hdk))
+    return Pairing(any(_covers(d, driver) for d in drivers), drivers, tuple(dict.fromkeys(r.source for r in rows)))
 
 
 def cann_for(driver: str) -> tuple[str, ...]:

@@ -116,8 +116,8 @@ def make_plan(info: SystemInfo, chip_id: str, engine: str = "builtin") -> Instal
     missing = []
     for key, what, how in _HOST.get(chip.backend, []):
         if not _host_present(info, key):
-            if key == "ascend_driver" and row.cann_min and (listed := hdk.drivers_for(row.cann_min)).drivers:
-                what = f"{what}: for CANN {row.cann_min}, Ascend HDK {', '.join(listed.drivers)}"
+            if key == "ascend_driver" and row.cann_min and (drivers := hdk.drivers_for(row.cann_min)):
+                what = f"{what}: for CANN {row.cann_min}, Ascend HDK {', '.join(drivers)}"
             missing.append((what, how))
     env = _ENV.get(chip.backend, {"source": [], "vars": {}})
     return InstallPlan(chip.id, chip.backend, row, present, todo, missing, dict(env["vars"]), list(env["source"]))

@@ -531,5 +531,5 @@ dsa_indexer_topk_decode = _registry.dispatch("dsa_indexer_topk_decode")
 latent_attention_decode = _registry.dispatch("latent_attention_decode")
 
 __all__ = ["moe_router", "moe_experts", "kda_recurrent", "kda_chunk", "causal_conv1d", "causal_conv1d_update",
-           "gated_rms_norm", "hc_pre",
-           "hc_post", "dsa_indexer_topk", "sparse_attention", "dsa_indexer_topk_decode", "latent_attention_decode"]
+           "gated_rms_norm", "hc_pre", "hc_post", "dsa_indexer_topk", "sparse_attention", "dsa_indexer_topk_decode",
+           "latent_attention_decode"]
