@@ -133,7 +133,7 @@ def test_w8a8_expert_bank_through_gmm(npu, dtype):
     gate_up = W8A8Weight.quantize(torch.randn(5, 24, 16, generator=g) * 0.5)
     down = W8A8Weight.quantize(torch.randn(5, 16, 12, generator=g) * 0.3)
     npu.CALLS.clear()
-    got = aops.moe_experts(x, routing, aops.prepare_moe_bank(gate_up), aops.prepare_moe_bank(down), limit)
+    got = aops.moe_experts(x, routing, *aops.prepare_moe_banks((gate_up, down)), limit)
     assert npu.CALLS["npu_grouped_matmul"] == 2 and npu.CALLS["npu_dynamic_quant"] == 1
     want = spec.reference(x.double(), routing.double(), gate_up, down, limit)
     tol = spec.tolerance[torch.bfloat16]

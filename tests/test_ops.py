@@ -169,6 +169,32 @@ def test_cpu_groupwise_w8a16_matches_reference(rows):
     torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
 
 
+def test_cpu_prepared_dense_layouts_change_strides_not_results():
+    """The cpu backend stores wide dense weights column-major and expert banks so that its two all-expert
+    matmuls read them as views: every reader still sees the same [N, K] / [E, 2I, H] / [E, H, I] values."""
+    g = torch.Generator().manual_seed(3)
+    be = ops.get_backend("cpu")
+    wide, narrow = torch.randn(512, 64, generator=g), torch.randn(8, 64, generator=g)
+    x = torch.randn(5, 64, generator=g)
+    for w in (wide, narrow):
+        p = be.prepare["linear"](w)
+        assert torch.equal(p, w) and p.is_contiguous() == (w.shape[0] < 256)
+        torch.testing.assert_close(ops.linear(x, p), ops.linear(x, w))
+    e, i, h = 6, 16, 32
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    pg, pd = be.prepare["moe_experts"]((gate_up, down))
+    assert torch.equal(pg, gate_up) and torch.equal(pd, down)
+    # the all-expert weights are views of the prepared banks, not per-call copies
+    assert pg.permute(2, 0, 1).reshape(h, e * 2 * i).data_ptr() == pg.data_ptr()
+    assert pd.permute(1, 0, 2).reshape(h, e * i).data_ptr() == pd.data_ptr()
+    xs = torch.randn(3, h, generator=g)
+    routing = torch.zeros(3, e).scatter_(1, torch.tensor([[0, 2], [1, 5], [2, 3]]), torch.rand(3, 2, generator=g))
+    want = OPS["moe_experts"].reference(xs.double(), routing.double(), gate_up.double(), down.double(), 7.0)
+    for banks in ((pg, pd), (gate_up, down)):
+        got = be.overrides["moe_experts"](xs, routing, *banks, 7.0)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
 # ---- per-op evidence: ops check and selftest --------------------------------------------------------------
 
 

@@ -231,6 +231,52 @@ def test_fp8_expert_kernels_match_the_reference(dtype, limit):
     _close(got, want, torch.bfloat16)  # the reference's FP8 linears return 16-bit values whatever x's dtype
 
 
+@pytest.mark.parametrize("launch", [((16, 4, 2, 1), (16, 4, 2, 1)), ((64, 4, 2, 2), (32, 4, 2, 3))],
+                         ids=["unsplit", "split"])
+def test_fp8_expert_kernels_share_an_expert_between_tokens(launch, monkeypatch):
+    """20 tokens that all pick expert 3 and one other of 5: 20 pairs of one expert, more than a program's
+    BLOCK_M, so two programs share it, and one program for the several pairs of each other expert; with
+    the input split over programs (gate_up's raw sums added up by the down kernel, down's by the caller;
+    down's third split is empty) or not."""
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreter subprocess")
+    from flagdeploy.ops.glm import moe_experts
+    from flagdeploy.ops.weights import Fp8BlockWeight
+
+    tm = importlib.import_module("backends.cuda.triton_moe")
+    monkeypatch.setattr(tm, "FORCED", {"gate_up": launch[0], "down": launch[1]})
+    g = torch.Generator().manual_seed(6)
+    t, e, hidden, inter, k = 20, 5, 40, 32, 2
+    x = _r(g, t, hidden, dtype=torch.bfloat16)
+    other = torch.tensor([0, 1, 2, 4])[torch.randint(0, 4, (t,), generator=g)]
+    ids = torch.stack([torch.full((t,), 3), other], 1)
+    routing = torch.zeros(t, e, dtype=torch.float64).scatter_(1, ids, torch.rand(t, k, generator=g, dtype=torch.float64))
+    routing[0, other[0]] = 0.0  # a token with one expert only, and one with none: picks of weight zero
+    routing[1] = 0.0
+    gate_up = Fp8BlockWeight.quantize(torch.randn(e, 2 * inter, hidden, generator=g) * 0.3, (16, 16))
+    down = Fp8BlockWeight.quantize(torch.randn(e, hidden, inter, generator=g) * 0.3, (16, 32))
+    assert t > tm.BLOCK_M
+    got = tm.moe_fp8_experts(x, routing.to(torch.bfloat16), gate_up, down, 1.5, k)
+    want = moe_experts(x.double(), routing.to(torch.bfloat16).double(), gate_up, down, 1.5)
+    _close(got, want, torch.bfloat16)
+
+
+def test_fp8_expert_kernels_pick_the_largest_routing_weights():
+    """The picks are topk of |routing| (its weights signed as given); a token with fewer nonzeros than
+    top_k repeats its first pick with weight zero (no other expert's weights read for it), one with none
+    picks expert 0."""
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreter subprocess")
+    tm = importlib.import_module("backends.cuda.triton_moe")
+    routing = torch.tensor([[0.0, -0.5, 0.25, 0.0, 0.75, 0.125, 0.0],
+                            [0.0, 0.0, 0.0, -0.5, 0.0, 0.0, 0.0],
+                            [0.0] * 7], dtype=torch.bfloat16)
+    x = torch.ones(3, 32)
+    _, _, ids, wts = tm._quantise(x, 3, 32, 16, 1, False, None, routing, 3)
+    assert ids.view(3, 3).tolist() == [[4, 1, 2], [3, 3, 3], [0, 0, 0]]
+    assert wts.view(3, 3).tolist() == [[0.75, -0.5, 0.25], [-0.5, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
 # ---- GLM-5.3-Flash's DSA decode kernels (backends/cuda/triton_glm.py) --------------------------------------
 
 

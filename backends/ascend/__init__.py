@@ -54,7 +54,7 @@ backend = Backend(
     prepare={
         "linear_w8a8_dynamic": ops.prepare_w8a8,
         "linear_w8a16": ops.prepare_w8a16,
-        "moe_experts": ops.prepare_moe_bank,
+        "moe_experts": ops.prepare_moe_banks,
     },
     priority=10,
     visible_devices_env="ASCEND_RT_VISIBLE_DEVICES",

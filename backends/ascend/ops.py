@@ -250,12 +250,10 @@ def moe_router(x, weight, correction_bias, top_k, n_group, topk_group, norm_topk
     return torch.zeros_like(logits).scatter_(1, idx.long(), y.float()).to(x.dtype)
 
 
-def prepare_moe_bank(w):
-    """An expert bank in the layout npu_grouped_matmul reads: weight [E, K, N] (a W8A8 bank also cast to
+def prepare_moe_banks(banks):
+    """(gate_up, down) in the layout npu_grouped_matmul reads: weight [E, K, N] (a W8A8 bank also cast to
     NZ, scales [E, N] float32). Dense banks stay as they are and are transposed as a view per call."""
-    if isinstance(w, W8A8Weight):
-        return stripped(w, **_w8a8_layout(w.q, w.scales))
-    return w
+    return tuple(stripped(w, **_w8a8_layout(w.q, w.scales)) if isinstance(w, W8A8Weight) else w for w in banks)
 
 
 def _bank(w):

@@ -24,7 +24,8 @@ backend = Backend(
         "moe_experts": ops.moe_experts,
         "hc_pre": ops.hc_pre,
     },
-    prepare={"linear_w4a16": ops.prepare_w4a16, "linear_w8a16": ops.prepare_w8a16},
+    prepare={"linear_w4a16": ops.prepare_w4a16, "linear_w8a16": ops.prepare_w8a16, "moe_experts": ops.prepare_moe_banks,
+             "linear": ops.prepare_linear},
     priority=0,
     description="torch CPU kernels (oneDNN / AMX, fused SDPA, packed int4/int8 GEMV, int8 x int8 matmul)",
 )

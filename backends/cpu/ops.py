@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 import yaml
 
 from flagdeploy.ops import glm, reference
@@ -102,20 +103,57 @@ def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
     return glm.hc_collapse(streams, pre, post, comb)
 
 
+def prepare_linear(w: torch.Tensor) -> torch.Tensor:
+    """A dense weight [N, K] stored column-major (a view of a [K, N] buffer) where the tune table says
+    MKL's GEMM reads it faster at decode's few rows: many outputs from few inputs. The same [N, K] tensor
+    for every reader; only its strides change."""
+    t = TUNE["linear"]
+    if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] >= t["column_major_min_out"]
+            and w.shape[1] <= t["column_major_max_in"]):
+        return w.t().contiguous().t()
+    return w
+
+
+def _relaid(t: torch.Tensor, order: tuple[int, ...]) -> nn.Parameter:
+    """`t` with its memory in dimension order `order`, indexed as before."""
+    return nn.Parameter(t.permute(*order).contiguous().permute(*(order.index(d) for d in range(t.dim()))),
+                        requires_grad=False)
+
+
+def prepare_moe_banks(banks):
+    """Dense banks in the layout `dense_experts`' two matmuls read without a copy: gate_up [E, 2I, H] as a
+    view of an [H, E, 2I] buffer (one [H, E * 2I] column-major weight, see `prepare_linear`), down
+    [E, H, I] of an [H, E, I] buffer (its rows, [H, E * I], take all experts' weighted SwiGLU outputs at
+    once). Still [E, 2I, H] / [E, H, I] tensors for the reference and every other reader. Banks too large
+    for the dense path (or quantized) stay as they are."""
+    gate_up, down = banks
+    if isinstance(down, torch.Tensor) and gate_up.shape[0] <= TUNE["moe_experts"]["dense_max_token_experts"]:
+        gate_up, down = _relaid(gate_up, (2, 0, 1)), _relaid(down, (1, 0, 2))
+    return gate_up, down
+
+
 def moe_experts(x, routing, gate_up, down, limit, top_k=None):
-    """Few tokens (decode): every expert on every token in three batched matmuls, weighted by the
-    (mostly zero) routing — far fewer ops than the reference's per-expert gather/scatter loop, which
-    more tokens (prefill) still use, where computing unpicked experts would waste real work. W8A8 expert
-    banks run integer matmuls per picked expert; W8A16 banks the reference."""
+    """Few tokens (decode): every expert on every token, weighted by the (mostly zero) routing, in two
+    matmuls over all experts at once — far fewer ops than the reference's per-expert gather/scatter loop,
+    which more tokens (prefill) still use, where computing unpicked experts would waste real work. W8A8
+    expert banks run integer matmuls per picked expert; W8A16 banks the reference."""
     if isinstance(gate_up, W8A8Weight) and isinstance(down, W8A8Weight):
         return _moe_experts_w8a8(x, routing, gate_up, down, limit)
     if not isinstance(gate_up, torch.Tensor) or x.shape[0] * gate_up.shape[0] > TUNE["moe_experts"]["dense_max_token_experts"]:
         return OPS["moe_experts"].reference(x, routing, gate_up, down, limit)
-    gate, up = torch.einsum("th,eoh->eto", x, gate_up).chunk(2, dim=-1)
+    return dense_experts(x, routing, gate_up, down, limit)
+
+
+def dense_experts(x, routing, gate_up, down, limit=None):
+    """sum_e routing[:, e] * down_e(swiglu(gate_up_e x)) as x [T, H] @ [H, E * 2I], the routing-weighted
+    SwiGLU [T, E * I] @ [E * I, H] (the weighting moved before down: it is linear). Both weights are views
+    of banks laid out by `prepare_moe_banks` (copies of others)."""
+    (t, h), (e, i2) = x.shape, gate_up.shape[:2]
+    gate, up = (x @ gate_up.permute(2, 0, 1).reshape(h, e * i2)).view(t, e, i2).chunk(2, dim=-1)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down)
-    return torch.einsum("eth,te->th", y, routing.to(y.dtype)).to(x.dtype)
+    act = (F.silu(gate) * up * routing.to(x.dtype)[..., None]).reshape(t, e * (i2 // 2))
+    return F.linear(act, down.permute(1, 0, 2).reshape(h, e * (i2 // 2)))
 
 
 def _moe_experts_w8a8(x, routing, gate_up: W8A8Weight, down: W8A8Weight, limit):

@@ -1,7 +1,8 @@
 """`flagdeploy ops tune --chip cpu`: measure this CPU and return the shape buckets of tune.yaml.
 
 Each tunable is a crossover: up to some row count the packed GEMV kernel beats the oneDNN bf16 copy;
-up to some tokens x experts the dense all-experts MoE beats the per-expert loop. They are measured at
+up to some tokens x experts the dense all-experts MoE beats the per-expert loop; from some output
+width (and up to some input width) a column-major dense weight beats the row-major one. They are measured at
 SmolLM2-135M's linear shapes and a small MoE's, and returned as data for `ops tune` to write.
 """
 
@@ -19,6 +20,7 @@ from . import ops
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 LINEAR_SHAPES = ((960, 576), (3072, 576), (576, 1536))
+WIDTHS = (16, 32, 64, 128, 256, 512, 1024, 4096)  # weight widths tried for the dense weights' layout
 
 
 def _best(fn, repeat: int = 7) -> float:
@@ -65,10 +67,27 @@ def _linear_crossover(op: str) -> int:
     return last
 
 
-def _dense_moe(x, routing, gate_up, down):
-    gate, up = torch.einsum("th,eoh->eto", x, gate_up).chunk(2, dim=-1)
-    y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down)
-    return torch.einsum("eth,te->th", y, routing)
+def _column_major_wins(n: int, k: int, g: torch.Generator) -> bool:
+    """Whether a column-major float32 [n, k] weight multiplies decode's rows (1, 4, 8) at least as fast."""
+    xs = [torch.randn(m, k, generator=g) for m in (1, 4, 8)]
+    w = torch.randn(n, k, generator=g)
+    col = w.t().contiguous().t()
+    return _best(lambda: [F.linear(x, col) for x in xs]) <= _best(lambda: [F.linear(x, w) for x in xs])
+
+
+def _layout_crossovers() -> dict:
+    """The smallest output width (at 256 inputs) from which column-major wins at every width tested above
+    it too, and the largest input width (at 1024 outputs) up to which it wins at every width below."""
+    g = torch.Generator().manual_seed(0)
+    min_out = None
+    for n in WIDTHS:
+        min_out = (min_out or n) if _column_major_wins(n, 256, g) else None
+    max_in = 0
+    for k in WIDTHS[3:]:
+        if not _column_major_wins(1024, k, g):
+            break
+        max_in = k
+    return {"column_major_min_out": min_out or 2 * WIDTHS[-1], "column_major_max_in": max_in}
 
 
 def _moe_crossover() -> int:
@@ -76,12 +95,13 @@ def _moe_crossover() -> int:
     g = torch.Generator().manual_seed(0)
     e, h, i = 16, 256, 128
     gate_up, down = torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.randn(e, h, i, generator=g) * 0.05
+    dense = ops.prepare_moe_banks((gate_up, down))
     last = 0
     for t in (1, 2, 4, 8, 16, 32, 64):
         x = torch.randn(t, h, generator=g)
         picks = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(t)])
         routing = torch.zeros(t, e).scatter_(1, picks, 0.5)
-        if _best(lambda: _dense_moe(x, routing, gate_up, down)) <= _best(
+        if _best(lambda: ops.dense_experts(x, routing, *dense)) <= _best(
                 lambda: OPS["moe_experts"].reference(x, routing, gate_up, down, None)):
             last = t * e
     return last
@@ -89,6 +109,7 @@ def _moe_crossover() -> int:
 
 def measure() -> dict:
     """The tune table's values as measured on this machine (the keys of tune.yaml)."""
-    return {"linear_w4a16": {"packed_max_m": _linear_crossover("linear_w4a16")},
+    return {"linear": _layout_crossovers(),
+            "linear_w4a16": {"packed_max_m": _linear_crossover("linear_w4a16")},
             "linear_w8a16": {"packed_max_m": _linear_crossover("linear_w8a16")},
             "moe_experts": {"dense_max_token_experts": _moe_crossover()}}

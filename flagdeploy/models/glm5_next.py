@@ -644,6 +644,14 @@ class ExpertBank(nn.Module):
             self._pending[part] = value
 
     def finalize(self) -> None:
+        self._join_pending()
+        # the backend lays the banks out for its kernels (a Parameter stays a Parameter)
+        banks = ops.prepare_weight("moe_experts", (self.gate_up, self.down))
+        if banks[0] is not self.gate_up or banks[1] is not self.down:
+            del self.gate_up, self.down
+            self.gate_up, self.down = banks
+
+    def _join_pending(self) -> None:
         if not self._pending:
             return
         bundles = list(self._pending.values())

@@ -70,6 +70,7 @@ class Linear(nn.Module):
             short = self.out_features - self.weight.shape[0]
             if self.gather and short > 0:  # the last vocabulary shard: zero rows up to the common width
                 self.weight = torch.cat([self.weight, self.weight.new_zeros(short, self.weight.shape[1])])
+            self.weight = ops.prepare_weight("linear", self.weight)
         else:
             self._op = _OP[type(q)]
             self.qweight = ops.prepare_weight(self._op, q)

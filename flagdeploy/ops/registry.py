@@ -67,8 +67,9 @@ class Backend:
     collective: str
     detect: Callable[[], bool]
     overrides: dict[str, Callable] = field(default_factory=dict)
-    # op name → converts a canonical weight bundle (flagdeploy.ops.weights) into the layout the
-    # override reads; applied once at load time, only for ops this backend overrides.
+    # op name → lays a weight (a dense tensor or a canonical bundle of flagdeploy.ops.weights) out for
+    # this backend's kernels, once at load time. What it returns must still be read correctly by the op's
+    # override where the backend has one, else by the reference (e.g. a dense tensor with other strides).
     prepare: dict[str, Callable] = field(default_factory=dict)
     priority: int = 0  # higher wins when several backends detect their chip
     description: str = ""
@@ -173,9 +174,8 @@ def active_backend() -> Backend:
 
 
 def prepare_weight(op: str, weight):
-    """Hand a canonical weight bundle to the active backend for its own layout (if it runs `op`)."""
-    be = active_backend()
-    fn = be.prepare.get(op) if op in be.overrides else None
+    """Hand a weight to the active backend for its own layout (see `Backend.prepare`)."""
+    fn = active_backend().prepare.get(op)
     return fn(weight) if fn else weight
 
 
