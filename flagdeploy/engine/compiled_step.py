@@ -39,8 +39,12 @@ class CompiledDecode:
         the pool block and state row reserved for padding."""
         from flagdeploy.loaders.source import cache_dir
 
-        # compiled kernels are kept with the models, so that the next start (of any process) reuses them
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        # compiled kernels are kept with the models, so that the next start (of any process) reuses them,
+        # unless the user chose a directory (torch writes its /tmp default into the variable on first use)
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
         # cpp_wrapper: the generated code that calls the kernels is C++ too, not Python (~10% of this
         # step at glm5_next's small sizes, for a longer first compile)
         # fullgraph: a step that breaks into several graphs (a host read, an op dynamo cannot trace) is
