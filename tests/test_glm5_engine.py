@@ -13,6 +13,7 @@ from flagdeploy.backends.cpu import ops as cpu_ops
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine.loader import build_llm_engine
 from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+from flagdeploy.ops.registry import OPS
 
 PROMPTS = [[5, 9, 13, 22, 7, 31, 40, 3, 11, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 6, 8],
            [12, 14, 16],
@@ -87,9 +88,16 @@ def test_compiled_decode_step_gives_transformers_tokens(glm_dir, monkeypatch, tm
                               chip="cpu", progress=False)
     assert engine.runner.compiled is None
     assert engine.generate(PROMPTS[:1], params) == [_greedy_by_full_forward(hf, PROMPTS[0])]
-    # a step that would break into several graphs (the cpu MoE's per-expert loop reads the routing on the
-    # host) is refused at start-up too, not compiled piecewise behind guard-free calls
+    # many experts (here: the dense all-expert path turned off): the per-expert loop, which reads the
+    # routing on the host, is one opaque op inside the one graph, not a break into pieces
     monkeypatch.setitem(cpu_ops.TUNE["moe_experts"], "dense_max_token_experts", 0)
+    engine = build_llm_engine(path, "safetensors", EngineConfig(max_model_len=40, block_size=4, compile=True),
+                              chip="cpu", progress=False)
+    assert engine.runner.compiled is not None and engine.runner.compiled.ready
+    assert engine.generate(PROMPTS, params) == [_greedy_by_full_forward(hf, p) for p in PROMPTS]
+    # a step that does break (a host read in the step itself) is refused at start-up, not compiled
+    # piecewise behind guard-free calls
+    monkeypatch.setattr(cpu_ops, "looped_experts", lambda x, routing, *banks: OPS["moe_experts"].reference(x, routing, *banks))
     engine = build_llm_engine(path, "safetensors", EngineConfig(max_model_len=40, block_size=4, compile=True),
                               chip="cpu", progress=False)
     assert engine.runner.compiled is None

@@ -135,13 +135,30 @@ def prepare_moe_banks(banks):
 def moe_experts(x, routing, gate_up, down, limit, top_k=None):
     """Few tokens (decode): every expert on every token, weighted by the (mostly zero) routing, in two
     matmuls over all experts at once — far fewer ops than the reference's per-expert gather/scatter loop,
-    which more tokens (prefill) still use, where computing unpicked experts would waste real work. W8A8
-    expert banks run integer matmuls per picked expert; W8A16 banks the reference."""
+    which more tokens (prefill) and many experts still use (as one opaque op: `looped_experts`), where
+    computing unpicked experts would waste real work. W8A8 expert banks run integer matmuls per picked
+    expert; W8A16 banks the reference."""
     if isinstance(gate_up, W8A8Weight) and isinstance(down, W8A8Weight):
         return _moe_experts_w8a8(x, routing, gate_up, down, limit)
-    if not isinstance(gate_up, torch.Tensor) or x.shape[0] * gate_up.shape[0] > TUNE["moe_experts"]["dense_max_token_experts"]:
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return OPS["moe_experts"].reference(x, routing, gate_up, down, limit)
+    if x.shape[0] * gate_up.shape[0] > TUNE["moe_experts"]["dense_max_token_experts"]:
+        return looped_experts(x, routing, gate_up, down, limit)
     return dense_experts(x, routing, gate_up, down, limit)
+
+
+@torch.library.custom_op("flagdeploy_cpu::looped_experts", mutates_args=())
+def looped_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 limit: float | None) -> torch.Tensor:
+    """The reference's per-expert loop (only the picked experts, each on its own tokens) as one op that
+    torch.compile does not look into: the loop reads the routing on the host, which would otherwise
+    break a compiled decode step into pieces (GLM-5.3-Flash's 288 experts at any batch)."""
+    return OPS["moe_experts"].reference(x, routing, gate_up, down, limit)
+
+
+@looped_experts.register_fake
+def _(x, routing, gate_up, down, limit):
+    return torch.empty_like(x)
 
 
 def dense_experts(x, routing, gate_up, down, limit=None):

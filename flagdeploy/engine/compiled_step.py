@@ -69,7 +69,7 @@ class CompiledDecode:
                         "model's pooling avoids this.", str(exc).splitlines()[0])
             return False
         except (torch._dynamo.exc.Unsupported, GuardOnDataDependentSymNode) as exc:
-            # e.g. the cpu backend's per-expert MoE loop (many experts), which reads the routing on the host
+            # e.g. the cpu backend's loop over W8A8 expert banks, which reads the routing on the host
             log.warning("the decode step does not trace to one graph on this backend (%s); running it eagerly.",
                         str(exc).splitlines()[0])
             return False
