@@ -127,7 +127,8 @@ def prepare_moe_banks(banks):
     once). Still [E, 2I, H] / [E, H, I] tensors for the reference and every other reader. Banks too large
     for the dense path (or quantized) stay as they are."""
     gate_up, down = banks
-    if isinstance(down, torch.Tensor) and gate_up.shape[0] <= TUNE["moe_experts"]["dense_max_token_experts"]:
+    dense = isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+    if dense and gate_up.shape[0] <= TUNE["moe_experts"]["dense_max_token_experts"]:
         gate_up, down = _relaid(gate_up, (2, 0, 1)), _relaid(down, (1, 0, 2))
     return gate_up, down
 
@@ -149,7 +150,7 @@ def moe_experts(x, routing, gate_up, down, limit, top_k=None):
 
 @torch.library.custom_op("flagdeploy_cpu::looped_experts", mutates_args=())
 def looped_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 limit: float | None) -> torch.Tensor:
+                   limit: float | None) -> torch.Tensor:
     """The reference's per-expert loop (only the picked experts, each on its own tokens) as one op that
     torch.compile does not look into: the loop reads the routing on the host, which would otherwise
     break a compiled decode step into pieces (GLM-5.3-Flash's 288 experts at any batch)."""
