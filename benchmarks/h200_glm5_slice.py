@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import time
 
 import torch
@@ -54,7 +55,8 @@ from flagdeploy.ops.registry import OPS
 
 LAYERS = 4
 # CUDA overrides added for this benchmark: also timed on their references (an A/B in the same run)
-NEW_OVERRIDES = ["hc_pre", "kda_recurrent", "sparse_attention", "moe_router", "gated_rms_norm", "dsa_indexer_topk"]
+NEW_OVERRIDES = ["hc_pre", "hc_post", "kda_gates", "kda_recurrent", "kda_recurrent_update", "sparse_attention",
+                 "moe_router", "gated_rms_norm", "dsa_indexer_topk"]
 TRUE = dict(num_hidden_layers=LAYERS, vocab_size=154880,  # noqa: C408
             layer_types=["linear_attention"] * 3 + ["indexed_attention"],
             mlp_layer_types=["sparse"] * LAYERS, pad_token_id=0)
@@ -116,13 +118,11 @@ def build_ours(text: dict, dtype: torch.dtype, device: str, seed: int = 0) -> Gl
 
 
 def linear_part(lin: Linear, part: str) -> torch.Tensor:
-    """Rows of a fused Linear's weight belonging to checkpoint part `part` (a view)."""
-    rows = {"q_proj": lin.out_features // 3, "k_proj": lin.out_features // 3, "v_proj": lin.out_features // 3,
-            "gate_proj": lin.out_features // 2, "up_proj": lin.out_features // 2}
+    """Rows of a fused Linear's weight belonging to checkpoint part `part` (a view; one process, no TP)."""
     if len(lin.parts) == 1:
         return lin.weight
-    start = sum(rows[p] for p in lin.parts[: lin.parts.index(part)])
-    return lin.weight[start: start + rows[part]]
+    start = sum(lin.part_rows[p] for p in lin.parts[: lin.parts.index(part)])
+    return lin.weight[start: start + lin.part_rows[part]]
 
 
 def ours_for_hf_name(model: Glm5NextForCausalLM, slots: dict, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -305,6 +305,13 @@ def check_new_overrides(model: Glm5NextForCausalLM, device: str, dtype: torch.dt
         h, dk, s = c.linear_num_heads, c.linear_head_dim, 300
         yield "hc_pre", (rnd(t, c.hc_mult, c.hidden_size), hc.fn, hc.base, hc.scale, c.rms_norm_eps, c.hc_eps,
                          c.hc_sinkhorn_iters)
+        yield "hc_post", (rnd(t, c.hidden_size), rnd(t, c.hc_mult, c.hidden_size), rnd(t, c.hc_mult),
+                          torch.rand(t, c.hc_mult, c.hc_mult, generator=g, device=device).to(dtype))
+        yield "kda_gates", (rnd(t, h * dk), rnd(t, h), kda.dt_bias, kda.A_log, c.linear_lower_bound)
+        yield "kda_recurrent_update", (rnd(t, h, dk), rnd(t, h, dk), rnd(t, h, dk),
+                                       -5 * torch.sigmoid(rnd(t, h, dk, dt=torch.float32)), torch.sigmoid(rnd(t, h)),
+                                       rnd(t + 3, h, dk, dk, dt=torch.float32, scale=0.3),
+                                       torch.randperm(t + 3, generator=g, device=device)[:t])
         yield "kda_recurrent", (rnd(t, h, dk), rnd(t, h, dk), rnd(t, h, dk),
                                 -5 * torch.sigmoid(rnd(t, h, dk, dt=torch.float32)), torch.sigmoid(rnd(t, h)),
                                 rnd(h, dk, dk, dt=torch.float32, scale=0.3))
@@ -325,8 +332,13 @@ def check_new_overrides(model: Glm5NextForCausalLM, device: str, dtype: torch.dt
     worst: dict[str, float] = {}
     for t in (1, 8, 64):
         for name, args in cases(t):
-            fast, ref = registry._active[name](*args), OPS[name].reference(*args)
-            fast, ref = (fast,) if isinstance(fast, torch.Tensor) else fast, (ref,) if isinstance(ref, torch.Tensor) else ref
+            spec = OPS[name]
+
+            def call(fn):  # on copies of what the op writes in place (a state pool); those compared too
+                a = [x.clone() if i in spec.writes else x for i, x in enumerate(args)]
+                return spec.outputs(fn(*a), a)
+
+            fast, ref = call(registry._active[name]), call(spec.reference)
             err = max((a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1e-30)
                       for a, b in zip(fast, ref))
             if err > (1e-5 if dtype == torch.float32 else 2e-2):
@@ -433,7 +445,7 @@ def touched_experts(ours: Ours, batch: int, context: int, vocab: int, device: st
     return seen
 
 
-def profile_step(ours, batch: int, context: int, vocab: int, device: str, top: int = 15) -> str:
+def profile_step(ours, batch: int, context: int, vocab: int, device: str, top: int = 15, trace: str | None = None) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     ours.prefill(prompts(batch, context, vocab, device, seed=7))
@@ -445,6 +457,8 @@ def profile_step(ours, batch: int, context: int, vocab: int, device: str, top: i
             for i in range(1, 4):
                 ours.step(toks[:, i: i + 1])
             sync()
+    if trace:  # every kernel in order, for chrome://tracing or a script that groups them by layer
+        prof.export_chrome_trace(os.path.join(trace, f"glm5_slice_decode_batch{batch}.json"))
     events = prof.key_averages()
     key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     table = events.table(sort_by=key, row_limit=top, max_name_column_width=60)
@@ -462,6 +476,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps (ours)")
     ap.add_argument("--theirs-steps", type=int, default=5, help="timed decode steps (transformers, slow)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler top kernels of the CUDA-graph decode step")
+    ap.add_argument("--trace", metavar="DIR", help="with --profile: write each batch's chrome trace there")
     ap.add_argument("--tiny", action="store_true", help="toy size on the CPU in float32 (checks the script)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -546,7 +561,8 @@ def main() -> None:
     if args.profile:  # what the served decode step spends its time on: the graph's kernels (FP8 experts)
         use_experts(fp8, True, dense_banks)
         for b in batches:
-            print(profile_step(Engine(model, True, max_len), b, args.context, vocab, device, top=30))
+            print(profile_step(Engine(model, True, max_len), b, args.context, vocab, device, top=30,
+                                 trace=args.trace))
         use_experts(fp8, False, dense_banks)
 
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"

@@ -380,3 +380,147 @@ def test_glm_decode_kernels_fall_back_on_unhandled_inputs(tg):
     args = tuple(x.double() if x.is_floating_point() else x for x in _indexer_case(torch.float32))
     want = _glm_reference("dsa_indexer_topk_decode")(*args, 8, True)
     assert torch.equal(tg.dsa_indexer_topk_decode(*args, 8, True), want)
+
+
+# ---- GLM-5.3-Flash's hyper-connections and router (backends/cuda/triton_mhc.py, triton_router.py) ----------
+
+
+@pytest.fixture(scope="module")
+def tm():
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreter subprocess")
+    return importlib.import_module("backends.cuda.triton_mhc")
+
+
+def _hc_case(dtype, t=3, n=3, d=40):
+    g = torch.Generator().manual_seed(11)
+    return (_r(g, t, n, d, dtype=dtype), _r(g, (2 + n) * n, n * d, dtype=dtype, scale=0.1),
+            _r(g, (2 + n) * n, dtype=torch.float32, scale=0.3), 1.0 + _r(g, 3, dtype=torch.float32, scale=0.2))
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split-projection", "matmul-projection"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_hc_pre(tm, dtype, split, monkeypatch):
+    """3 streams (not a power of two) of 40 channels: the projection over 4 blocks of 32 input channels, the
+    last one partial, or as one matmul (prefill); the collapse in blocks of 16 (the last partial). Against
+    the reference in float64; outputs in the streams' dtype."""
+    monkeypatch.setattr(tm, "_BLOCK_K", 32)
+    monkeypatch.setattr(tm, "_BLOCK_D", 16)
+    monkeypatch.setattr(tm, "_SPLIT_TOKENS", 64 if split else 0)
+    streams, fn, base, scale = _hc_case(dtype)
+    got = tm.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 7)
+    want = _glm_reference("hc_pre")(streams.double(), fn.double(), base.double(), scale.double(), 1e-5, 1e-6, 7)
+    for a, b in zip(got, want):
+        assert a.dtype == dtype
+        _close(a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_hc_post(tm, dtype, monkeypatch):
+    monkeypatch.setattr(tm, "_BLOCK_D", 32)  # blocks of 16 channels: three, the last partial
+    g = torch.Generator().manual_seed(12)
+    h, streams, post = _r(g, 3, 40, dtype=dtype), _r(g, 3, 3, 40, dtype=dtype), _r(g, 3, 3, dtype=dtype)
+    comb = torch.rand(3, 3, 3, generator=g).to(dtype)
+    got = tm.hc_post(h, streams, post, comb)
+    want = _glm_reference("hc_post")(h.double(), streams.double(), post.double(), comb.double())
+    assert got.dtype == dtype
+    _close(got, want, dtype)
+
+
+def test_mhc_kernels_fall_back_on_unhandled_inputs(tm):
+    streams, fn, base, scale = (x.double() for x in _hc_case(torch.float32))
+    want = _glm_reference("hc_pre")(streams, fn, base, scale, 1e-5, 1e-6, 7)
+    for a, b in zip(tm.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 7), want):
+        assert torch.equal(a, b)
+    post, comb = want[0], want[1]
+    assert torch.equal(tm.hc_post(want[2], streams, post, comb),
+                       _glm_reference("hc_post")(want[2], streams, post, comb))
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["renormalised", "raw"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_router_kernels(dtype, norm):
+    """20 experts (a partial block of 8, a padded select row), hidden 600 (two partial steps of 512): the
+    same experts as the reference, weights within tolerance, zero elsewhere."""
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreter subprocess")
+    tr = importlib.import_module("backends.cuda.triton_router")
+    g = torch.Generator().manual_seed(13)
+    x, w = _r(g, 5, 600, dtype=dtype), _r(g, 20, 600, dtype=dtype, scale=0.05)
+    bias = _r(g, 20, dtype=torch.float32, scale=0.1)
+    assert tr.supports(x, w, bias, 4, 1) and not tr.supports(x, w, bias, 4, 2)
+    got = tr.moe_router(x, w, bias, 4, norm, 2.5)
+    want = _glm_reference("moe_router")(x.double(), w.double(), bias.double(), 4, 1, 1, norm, 2.5)
+    assert got.dtype == dtype
+    assert torch.equal(got != 0, want != 0) and ((got != 0).sum(1) == 4).all()
+    _close(got, want, dtype)
+
+
+# ---- KDA decode (backends/cuda/ops.py): the gates, the recurrence on pool rows in place ---------------------
+
+
+@pytest.fixture(scope="module")
+def cuda_ops():
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreter subprocess")
+    return importlib.import_module("backends.cuda.ops")
+
+
+@pytest.mark.parametrize("lower", [-5.0, None], ids=["lower-bound", "softplus"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kda_gates(cuda_ops, dtype, lower):
+    """3 tokens, 3 heads of 8 channels (two blocks of 16, the last partial); b a strided column slice of a
+    wider projection as the model passes it; dt_bias float32 as loaded: g float32, beta in b's dtype."""
+    g = torch.Generator().manual_seed(14)
+    f = _r(g, 3, 24, dtype=dtype, scale=3.0)
+    b = _r(g, 3, 40, dtype=dtype)[:, 30:33]
+    dt_bias, a_log = _r(g, 24, dtype=torch.float32), _r(g, 3, dtype=torch.float32, scale=0.5)
+    got = cuda_ops.kda_gates(f, b, dt_bias, a_log, lower)
+    want = _glm_reference("kda_gates")(f.double(), b.double(), dt_bias.double(), a_log.double(), lower)
+    assert got[0].dtype == torch.float32 and got[1].dtype == dtype
+    _close(got[0], want[0], torch.float32 if dtype == torch.float32 else dtype)
+    _close(got[1], want[1], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kda_recurrent_update_steps_pool_rows_in_place(cuda_ops, dtype):
+    """3 sequences of 2 heads (Dk 8, Dv 6: one partial value block) whose q/k/v are column slices of one conv
+    output, their states rows 4, 0, 2 of a pool of 5: those rows step once, the others stay as they were."""
+    g = torch.Generator().manual_seed(15)
+    n, h, dk, dv = 3, 2, 8, 6
+    conv = _r(g, n, h * (2 * dk + dv), dtype=dtype)
+    q, k, v = conv[:, : h * dk].view(n, h, dk), conv[:, h * dk: 2 * h * dk].view(n, h, dk), conv[:, 2 * h * dk:].view(n, h, dv)
+    gate = -5.0 * torch.sigmoid(_r(g, n, h, dk, dtype=torch.float32))
+    beta = torch.sigmoid(_r(g, n, h, dtype=dtype))
+    pool = _r(g, 5, h, dk, dv, dtype=torch.float32, scale=0.3)
+    slots = torch.tensor([4, 0, 2])
+    want_pool = pool.double()
+    want = _glm_reference("kda_recurrent_update")(q.double(), k.double(), v.double(), gate.double(), beta.double(),
+                                                  want_pool, slots)
+    before = pool.clone()
+    got = cuda_ops.kda_recurrent_update(q, k, v, gate, beta, pool, slots)
+    assert got.dtype == dtype
+    _close(got, want, dtype)
+    _close(pool, want_pool, torch.float32 if dtype == torch.float32 else dtype)
+    assert torch.equal(pool[[1, 3]], before[[1, 3]])
+
+
+@pytest.mark.parametrize("rows", [1, 5], ids=["1-row", "5-rows"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_skinny_linear_for_tuned_shapes(cuda_ops, dtype, rows, monkeypatch):
+    """A weight shape in the tune table runs the Triton kernel (70 outputs: three blocks of 32, the last
+    partial; 200 inputs: four steps of 64, the last partial), with and without bias; others the reference."""
+    tgv = importlib.import_module("backends.cuda.triton_gemv")
+    monkeypatch.setattr(tgv, "TUNED", {(70, 200): tgv._cfg(32, 64, 2)})
+    calls = []
+    monkeypatch.setattr(tgv, "skinny_linear", lambda *a, _f=tgv.skinny_linear: calls.append(1) or _f(*a))
+    g = torch.Generator().manual_seed(16)
+    x, w, b = _r(g, rows, 200, dtype=dtype), _r(g, 70, 200, dtype=dtype, scale=0.1), _r(g, 70, dtype=dtype)
+    for bias in (None, b):
+        got = cuda_ops.linear(x, w, bias)
+        want = ref.linear(x.double(), w.double(), None if bias is None else bias.double())
+        assert got.dtype == dtype and got.shape == (rows, 70)
+        _close(got, want, dtype)
+    assert len(calls) == 2
+    other = _r(g, 71, 200, dtype=dtype)
+    assert torch.equal(cuda_ops.linear(x, other), ref.linear(x, other)) and len(calls) == 2

@@ -5,7 +5,7 @@ import torch
 from flagdeploy.ops import fused
 from flagdeploy.ops.registry import Backend
 
-from . import ops, triton_decode, triton_glm
+from . import ops, triton_decode, triton_glm, triton_mhc
 
 
 def _detect() -> bool:
@@ -21,6 +21,7 @@ backend = Backend(
     detect=_detect,
     overrides={
         # one Triton kernel each (backends/cuda/triton_decode.py), the fused ones as their fallback
+        "linear": ops.linear,
         "rms_norm": triton_decode.rms_norm,
         "add_rms_norm": triton_decode.add_rms_norm,
         "rope": triton_decode.rope,
@@ -34,8 +35,11 @@ backend = Backend(
         "linear_w8a8_dynamic": ops.linear_w8a8_dynamic,
         "moe_experts": ops.moe_experts,
         "linear_fp8_block": ops.linear_fp8_block,
-        "hc_pre": ops.hc_pre,
+        "hc_pre": triton_mhc.hc_pre,
+        "hc_post": triton_mhc.hc_post,
         "kda_recurrent": ops.kda_recurrent,
+        "kda_recurrent_update": ops.kda_recurrent_update,
+        "kda_gates": ops.kda_gates,
         "causal_conv1d_update": ops.causal_conv1d_update,
         "sparse_attention": ops.sparse_attention,
         "moe_router": ops.moe_router,

@@ -19,12 +19,21 @@ from flagdeploy.ops import glm, reference
 from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight, fp8_quant_groups, stripped
 
-from . import triton_moe
+from . import triton_gemv, triton_moe, triton_router
 from .triton_decode import _runs_here
 
 log = logging.getLogger(__name__)
 
 _INT_MM_MIN_ROWS = 17  # cuBLASLt's int8 GEMM wants more than 16 rows: decode batches are padded up
+
+
+def linear(x, weight, bias=None):
+    """Decode-sized rows against a weight shape in triton_gemv.TUNED: the Triton kernel measured faster there;
+    anything else cuBLAS (the reference's F.linear)."""
+    cfg = triton_gemv.TUNED.get(tuple(weight.shape)) if weight.dim() == 2 else None
+    if cfg is not None and triton_gemv.supports(x, weight) and (bias is None or bias.dtype == weight.dtype):
+        return triton_gemv.skinny_linear(x, weight, bias, cfg)
+    return OPS["linear"].reference(x, weight, bias)
 
 
 def prepare_dense(w: Int4Weight | Int8Weight):
@@ -149,66 +158,11 @@ def linear_fp8_block(x, w: Fp8BlockWeight, bias=None):
     return y + bias.to(y.dtype) if bias is not None else y
 
 
-# ---- mHC: the Sinkhorn of hc_pre in one kernel ----------------------------------------------------------
-# The reference runs 20 Sinkhorn iterations as ~60 tiny kernels per call (two per layer, so ~1,000 launches
-# per decode step of a 4-layer slice, more than half of all): here one Triton program per token does the
-# gates, the softmax and every iteration in registers. The projection stays a cuBLAS matmul in float32.
-
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
     triton = None
-
-if triton is not None:
-
-    @triton.jit
-    def _hc_gates_kernel(proj, base, scale, pre_out, post_out, comb_out, hc_eps, iters,
-                         N: tl.constexpr, BN: tl.constexpr):
-        t = tl.program_id(0)
-        width = (2 + N) * N
-        row = proj + t * width
-        i = tl.arange(0, BN)
-        vi = i < N
-        s0 = tl.load(scale)
-        s1 = tl.load(scale + 1)
-        s2 = tl.load(scale + 2)
-        pre = tl.sigmoid(tl.load(row + i, mask=vi, other=0.0) * s0 + tl.load(base + i, mask=vi, other=0.0)) + hc_eps
-        post = 2.0 * tl.sigmoid(tl.load(row + N + i, mask=vi, other=0.0) * s1 + tl.load(base + N + i, mask=vi, other=0.0))
-        tl.store(pre_out + t * N + i, pre, mask=vi)
-        tl.store(post_out + t * N + i, post, mask=vi)
-        r = i[:, None]
-        c = i[None, :]
-        m = (r < N) & (c < N)
-        off = 2 * N + r * N + c
-        logits = tl.load(row + off, mask=m, other=0.0) * s2 + tl.load(base + off, mask=m, other=0.0)
-        logits = tl.where(m, logits, float("-inf"))
-        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        e = tl.where(m, e, 0.0)
-        comb = tl.where(m, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        for _ in range(iters - 1):
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        tl.store(comb_out + t * N * N + r * N + c, comb, mask=m)
-
-
-def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
-    """The reference's maths (float32), the per-token gates and Sinkhorn fused into one kernel."""
-    if triton is None or not streams.is_cuda or streams.dtype == torch.float64 or sinkhorn_iters < 1:
-        return OPS["hc_pre"].reference(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
-    t, n, _ = streams.shape
-    flat = streams.reshape(t, -1).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    proj = (flat @ fn.float().t()).contiguous()
-    pre = torch.empty(t, n, dtype=torch.float32, device=streams.device)
-    post = torch.empty_like(pre)
-    comb = torch.empty(t, n, n, dtype=torch.float32, device=streams.device)
-    if t:
-        _hc_gates_kernel[(t,)](proj, base.float().contiguous(), scale.float().contiguous(), pre, post, comb,
-                               float(hc_eps), int(sinkhorn_iters), N=n, BN=triton.next_power_of_2(n))
-    collapsed = torch.einsum("tn,tnd->td", pre, streams.float())
-    return post.to(streams.dtype), comb.to(streams.dtype), collapsed.to(streams.dtype)
 
 
 # ---- KDA: the gated delta rule token by token, state kept in registers ----------------------------------
@@ -263,6 +217,103 @@ def kda_recurrent(q, k, v, g, beta, state):
     return out, new_state
 
 
+# ---- KDA decode: the gates in one kernel, the recurrence on the state pool's rows in place ---------------
+# In torch the gates are ~7 kernels per layer (cast, bias add, exp, multiply, sigmoid, scale; beta's sigmoid)
+# and the state rows a gather and a scatter around the recurrence: ~10 us per KDA layer at one token.
+
+if triton is not None:
+
+    @triton.jit
+    def _kda_gates_kernel(f, b, dt_bias, a_log, g, beta, HD, H, s_f, s_b, lower,
+                          D: tl.constexpr, HAS_LOWER: tl.constexpr, BLOCK: tl.constexpr, BH: tl.constexpr):
+        t = tl.program_id(0)
+        blk = tl.program_id(1)
+        c = blk * BLOCK + tl.arange(0, BLOCK)
+        m = c < HD
+        raw = tl.load(f + t * s_f + c, mask=m, other=0.0).to(tl.float32) + tl.load(dt_bias + c, mask=m,
+                                                                                  other=0.0).to(tl.float32)
+        rate = tl.exp(tl.load(a_log + c // D, mask=m, other=0.0).to(tl.float32))
+        if HAS_LOWER:
+            gv = lower * tl.sigmoid(rate * raw)
+        else:
+            gv = -rate * tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(tl.minimum(raw, 20.0))))
+        tl.store(g + t * HD + c, gv.to(g.dtype.element_ty), mask=m)
+        hh = tl.arange(0, BH)
+        hm = (hh < H) & ((hh * 0 + blk) == 0)  # the first block writes beta
+        bv = tl.load(b + t * s_b + hh, mask=hm, other=0.0).to(tl.float32)
+        tl.store(beta + t * H + hh, tl.sigmoid(bv).to(beta.dtype.element_ty), mask=hm)
+
+    @triton.jit
+    def _kda_update_kernel(q, k, v, g, beta, pool, slots, out, H, s_q, s_k, s_v, s_pool,
+                           DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+        bh = tl.program_id(0)
+        vb = tl.program_id(1)
+        n = bh // H
+        h = bh % H
+        dk = tl.arange(0, DK)
+        dv = vb * BV + tl.arange(0, BV)
+        vm = dv < DV
+        s_ptr = pool + tl.load(slots + n).to(tl.int64) * s_pool + h * DK * DV + dk[:, None] * DV + dv[None, :]
+        s = tl.load(s_ptr, mask=vm[None, :], other=0.0).to(tl.float32)
+        qt = tl.load(q + n * s_q + h * DK + dk).to(tl.float32)
+        kt = tl.load(k + n * s_k + h * DK + dk).to(tl.float32)
+        qt = qt / tl.sqrt(tl.sum(qt * qt, axis=0) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
+        kt = kt / tl.sqrt(tl.sum(kt * kt, axis=0) + 1e-6)
+        vt = tl.load(v + n * s_v + h * DV + dv, mask=vm, other=0.0).to(tl.float32)
+        gt = tl.load(g + bh * DK + dk).to(tl.float32)
+        bt = tl.load(beta + bh).to(tl.float32)
+        s = s * tl.exp(gt)[:, None]
+        pred = tl.sum(kt[:, None] * s, axis=0)
+        s = s + kt[:, None] * ((vt - pred) * bt)[None, :]
+        tl.store(out + bh * DV + dv, tl.sum(qt[:, None] * s, axis=0).to(out.dtype.element_ty), mask=vm)
+        tl.store(s_ptr, s.to(pool.dtype.element_ty), mask=vm[None, :])
+
+
+def kda_gates(f, b, dt_bias, a_log, lower_bound):
+    """One kernel for the forget gate and beta of T tokens (the reference's maths in float32)."""
+    heads = a_log.shape[0]
+    hd = f.shape[-1] if f.dim() == 2 else 0
+    ok = (_runs_here(f, b, dt_bias, a_log) and f.dtype != torch.float64 and f.dim() == 2 and b.dim() == 2
+          and b.shape == (f.shape[0], heads) and dt_bias.shape == (hd,) and hd % heads == 0
+          and f.stride(-1) == 1 and b.stride(-1) == 1 and dt_bias.is_contiguous() and a_log.is_contiguous()
+          and dt_bias.dtype != torch.float64 and b.dtype != torch.float64)
+    if not ok:
+        return OPS["kda_gates"].reference(f, b, dt_bias, a_log, lower_bound)
+    t = f.shape[0]
+    g = torch.empty(t, heads, hd // heads, dtype=torch.promote_types(f.dtype, dt_bias.dtype), device=f.device)
+    beta = torch.empty(t, heads, dtype=b.dtype, device=b.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(hd))
+        _kda_gates_kernel[(t, triton.cdiv(hd, block))](
+            f, b, dt_bias, a_log, g, beta, hd, heads, f.stride(0), b.stride(0),
+            float(lower_bound) if lower_bound is not None else 0.0, D=hd // heads, HAS_LOWER=lower_bound is not None,
+            BLOCK=block, BH=triton.next_power_of_2(heads))
+    return g, beta
+
+
+def kda_recurrent_update(q, k, v, g, beta, state_pool, state_slots):
+    """One kernel: a program per (sequence, head, block of value channels) reads its slice of the state row,
+    steps it once and writes it back in place (no gather / scatter of the rows)."""
+    n = q.shape[0] if q.dim() == 3 else 0
+    dk, dv = q.shape[-1], v.shape[-1]
+    ok = (_runs_here(q, k, v, g, beta, state_pool, state_slots) and q.dtype != torch.float64 and q.dim() == 3
+          and not dk & (dk - 1) and dk <= 256 and k.shape == q.shape and v.shape[:2] == q.shape[:2]
+          and g.shape == q.shape and beta.shape == q.shape[:2] and state_pool.dim() == 4
+          and state_pool.shape[1:] == (q.shape[1], dk, dv) and state_pool.dtype == torch.float32
+          and state_pool[0].is_contiguous() and g.is_contiguous() and beta.is_contiguous()
+          and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v)))
+    if not ok:
+        return OPS["kda_recurrent_update"].reference(q, k, v, g, beta, state_pool, state_slots)
+    heads = q.shape[1]
+    out = torch.empty(n, heads, dv, dtype=v.dtype, device=v.device)
+    if n:
+        bv = min(triton.next_power_of_2(dv), 32)
+        _kda_update_kernel[(n * heads, triton.cdiv(dv, bv))](
+            q, k, v, g, beta, state_pool, state_slots, out, heads, q.stride(0), k.stride(0), v.stride(0),
+            state_pool.stride(0), DK=dk, DV=dv, BV=bv, num_warps=4)
+    return out
+
+
 # ---- KDA's short conv, one decode token per sequence, state rows updated in place ----------------------
 
 if triton is not None:
@@ -294,7 +345,7 @@ def causal_conv1d_update(x, weight, state_pool, state_slots):
     if not ok:
         return OPS["causal_conv1d_update"].reference(x, weight, state_pool, state_slots)
     b, c = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty(b, c, dtype=x.dtype, device=x.device)  # rows of c, whatever x's row stride
     if b:
         block = min(1024, triton.next_power_of_2(c))
         _conv_update_kernel[(b, triton.cdiv(c, block))](x, weight, state_pool, state_slots, y, c, x.stride(0),
@@ -320,12 +371,16 @@ def sparse_attention(q, k, v, mask, scale):
 
 # ---- sigmoid router, one group (GLM-5.3-Flash: n_group = topk_group = 1) -------------------------------
 
+ROUTER_KERNEL_TOKENS = 64  # up to this many tokens (decode): triton_router's two kernels, which read the weight per token
+
 
 def moe_router(x, weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
     """With one expert group the group ranking selects everything: skip it (fewer kernels, same result)."""
     if n_group != 1 or not x.is_cuda or x.dtype == torch.float64:
         return OPS["moe_router"].reference(x, weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob,
                                            routed_scaling_factor)
+    if x.shape[0] <= ROUTER_KERNEL_TOKENS and triton_router.supports(x, weight, correction_bias, top_k, n_group):
+        return triton_router.moe_router(x, weight, correction_bias, top_k, norm_topk_prob, routed_scaling_factor)
     scores = torch.mm(x.float(), weight.float().t()).sigmoid_()
     chosen = (scores + correction_bias.float()).topk(top_k, dim=-1).indices
     w = scores.gather(1, chosen)

@@ -153,8 +153,8 @@ def _text_shapes(model) -> Iterator[tuple[str, tuple[int, ...]]]:
             param, shard = slot
             shape = tuple(shard.full if shard is not None and d == shard.dim else n for d, n in enumerate(param.shape))
         else:
-            lin, part, kind = slot  # a Linear's fused parts are equal in this model
-            rows, cols = lin.part_shape(part) or (lin.out_features // len(lin.parts), lin.in_features)
+            lin, part, kind = slot
+            rows, cols = lin.part_shape(part)
             shape = (rows, cols) if kind == "weight" else (rows,)
         yield (name if name == "lm_head.weight" else TEXT_PREFIX + name), shape
 

@@ -347,34 +347,34 @@ class KdaAttention(nn.Module):
         self.heads = _local_heads(h, what)
         self.channels, self.head_rows = _head_shard(h, d, what), _head_shard(h, 1, what)
         local = self.heads * d
-        self.qkv_proj = column_parallel({"q_proj": width, "k_proj": width, "v_proj": width}, c.hidden_size, dtype,
-                                        shards=dict.fromkeys(("q_proj", "k_proj", "v_proj"), self.channels))
+        # Everything computed from the block input in one matmul: q/k/v (head-split under TP), the low-rank
+        # input sides of the forget gate and the output gate (replicated) and beta (per head). At one token
+        # each separate skinny matmul is a launch and a split-K reduce of its own.
+        self.in_proj = column_parallel(
+            {"q_proj": width, "k_proj": width, "v_proj": width, "f_a_proj": d, "g_a_proj": d, "b_proj": h},
+            c.hidden_size, dtype, shards={"q_proj": self.channels, "k_proj": self.channels, "v_proj": self.channels,
+                                          "f_a_proj": None, "g_a_proj": None, "b_proj": self.head_rows})
+        self.in_split = (3 * local, d, d, self.heads)
         # float32 like transformers' _keep_in_fp32_modules: the conv, dt_bias and A_log stay exact
         self.conv_weight = _param(3 * local, c.linear_conv_kernel_dim, dtype=torch.float32)
-        self.f_a_proj = _lin(d, c.hidden_size, dtype, "f_a_proj")
         self.f_b_proj = column_parallel({"f_b_proj": width}, d, dtype, shards={"f_b_proj": self.channels})
         self.dt_bias = _param(local, dtype=torch.float32)
         self.A_log = _param(self.heads, dtype=torch.float32)
-        self.b_proj = column_parallel({"b_proj": h}, c.hidden_size, dtype, shards={"b_proj": self.head_rows})
-        self.g_a_proj = _lin(d, c.hidden_size, dtype, "g_a_proj")
         self.g_b_proj = column_parallel({"g_b_proj": width}, d, dtype, shards={"g_b_proj": self.channels})
         self.o_norm = _param(d, dtype=dtype)
         self.o_proj = row_parallel(c.hidden_size, width, dtype, "o_proj", what=what)
 
-    def forget_gate(self, h: torch.Tensor) -> torch.Tensor:
-        """Log-decay per head and key channel [T, H, D], in float32; bounded below when configured."""
-        c = self.c
-        raw = (self.f_b_proj(self.f_a_proj(h)).float() + self.dt_bias.float()).view(h.shape[0], self.heads, -1)
-        rate = self.A_log.float().exp().view(1, -1, 1)
-        if c.linear_lower_bound is not None:
-            return c.linear_lower_bound * torch.sigmoid(rate * raw)
-        return -rate * F.softplus(raw, threshold=20.0)
+    def _project(self, h: torch.Tensor):
+        """(q/k/v before the conv [T, 3 local], log-decay g [T, H, D] float32, beta [T, H], output gate [T, H, D])."""
+        mixed, f_a, g_a, b = self.in_proj(h).split(self.in_split, dim=-1)
+        g, beta = glm_ops.kda_gates(self.f_b_proj(f_a), b, self.dt_bias, self.A_log, self.c.linear_lower_bound)
+        return mixed, g, beta, self.g_b_proj(g_a).view(h.shape[0], self.heads, -1)
 
     def forward(self, h: torch.Tensor, states: list[KdaState], spans: list[Span]) -> torch.Tensor:
         """Projections run on the packed tokens; the conv and the recurrence per sequence."""
         c = self.c
         t, shape = h.shape[0], (h.shape[0], self.heads, c.linear_head_dim)
-        mixed, g, beta = self.qkv_proj(h), self.forget_gate(h), torch.sigmoid(self.b_proj(h))
+        mixed, g, beta, gate = self._project(h)
         out = h.new_empty(shape)
         stepping = [i for i, (a, b, _) in enumerate(spans) if b - a == 1 and states[i].recurrent is not None]
         if len(stepping) > 1:
@@ -390,7 +390,6 @@ class KdaAttention(nn.Module):
                 state.recurrent = torch.zeros(self.heads, c.linear_head_dim, c.linear_head_dim,
                                               dtype=torch.float32, device=h.device)
             out[a:b], state.recurrent = kda(q, k, v, g[a:b], beta[a:b], state.recurrent)
-        gate = self.g_b_proj(self.g_a_proj(h)).view(shape)
         return self.o_proj(glm_ops.gated_rms_norm(out, gate, self.o_norm, c.rms_norm_eps).reshape(t, -1))
 
     def decode(self, h: torch.Tensor, batch: DecodeBatch, pool: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -398,14 +397,11 @@ class KdaAttention(nn.Module):
         `batch.state_slots`; the conv and the delta rule run as one op call each for the whole batch."""
         c, n = self.c, h.shape[0]
         heads, d = self.heads, c.linear_head_dim
-        mixed, g, beta = self.qkv_proj(h), self.forget_gate(h), torch.sigmoid(self.b_proj(h))
+        mixed, g, beta, gate = self._project(h)
         conv = glm_ops.causal_conv1d_update(mixed, self.conv_weight, pool["conv"], batch.state_slots)
-        q, k, v = (part.reshape(1, n * heads, d) for part in conv.chunk(3, dim=-1))
-        recurrent = pool["recurrent"].index_select(0, batch.state_slots).view(n * heads, d, d)
-        o, recurrent = glm_ops.kda_recurrent(q, k, v, g.reshape(1, n * heads, d), beta.reshape(1, n * heads), recurrent)
-        pool["recurrent"].index_copy_(0, batch.state_slots, recurrent.view(n, heads, d, d))
-        gate = self.g_b_proj(self.g_a_proj(h)).view(n, heads, d)
-        return self.o_proj(glm_ops.gated_rms_norm(o.view(n, heads, d), gate, self.o_norm, c.rms_norm_eps).reshape(n, -1))
+        q, k, v = (part.reshape(n, heads, d) for part in conv.chunk(3, dim=-1))
+        o = glm_ops.kda_recurrent_update(q, k, v, g, beta, pool["recurrent"], batch.state_slots)
+        return self.o_proj(glm_ops.gated_rms_norm(o, gate, self.o_norm, c.rms_norm_eps).reshape(n, -1))
 
     def _step_together(self, states: list[KdaState], rows: list[int], mixed, g, beta, out) -> None:
         """One decode step of B sequences as one op call each: both the conv and the delta rule act per
@@ -977,8 +973,14 @@ class Glm5NextForCausalLM(nn.Module):
                     slots[f"{p}hc_{tag}_{field_}"] = (getattr(hc, field_), None)
             a, sa = layer.attn, p + "self_attn."
             if isinstance(a, KdaAttention):
-                for m in (a.qkv_proj, a.f_a_proj, a.f_b_proj, a.b_proj, a.g_a_proj, a.g_b_proj, a.o_proj):
-                    lin(sa, m)
+                # in the published checkpoint's order (the tiny-checkpoint generator draws its weights in it)
+                for part in ("q_proj", "k_proj", "v_proj", "f_a_proj"):
+                    slots[f"{sa}{part}.weight"] = (a.in_proj, part, "weight")
+                lin(sa, a.f_b_proj)
+                slots[sa + "b_proj.weight"] = (a.in_proj, "b_proj", "weight")
+                slots[sa + "g_a_proj.weight"] = (a.in_proj, "g_a_proj", "weight")
+                lin(sa, a.g_b_proj)
+                lin(sa, a.o_proj)
                 conv = a.conv_weight.view(3, -1, 1, c.linear_conv_kernel_dim)
                 for j, name in enumerate(("q", "k", "v")):
                     slots[f"{sa}{name}_conv1d.weight"] = (conv[j], a.channels)

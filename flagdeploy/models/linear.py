@@ -29,10 +29,12 @@ class Linear(nn.Module):
     """
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, parts: tuple[str, ...],
-                 bias: bool = False, shards: dict[str, Shard | None] | None = None, gather: bool = False):
+                 bias: bool = False, shards: dict[str, Shard | None] | None = None, gather: bool = False,
+                 part_rows: dict[str, int] | None = None):
         super().__init__()
         self.out_features, self.in_features, self.dtype = out_features, in_features, dtype
         self.parts = parts
+        self.part_rows = dict(part_rows or {})  # fused parts' whole checkpoint row counts, where they differ
         self.weight: torch.Tensor | None = None
         self.qweight: Int4Weight | Int8Weight | W8A8Weight | Fp8BlockWeight | None = None
         self.bias: torch.Tensor | None = None
@@ -81,9 +83,9 @@ class Linear(nn.Module):
 
     def part_shape(self, part: str) -> tuple[int, int] | None:
         """A checkpoint part's [out, in] (the whole tensor, not this rank's slice), where it is known
-        (one part; fused parts may differ in rows)."""
+        (one part, or fused parts whose row counts were given)."""
         if len(self.parts) != 1:
-            return None
+            return (self.part_rows[part], self.in_features) if part in self.part_rows else None
         shard = self.shards.get(part)
         if shard is None:
             return self.out_features, self.in_features
@@ -129,7 +131,7 @@ def column_parallel(parts: dict[str, int], in_features: int, dtype: torch.dtype,
         if p not in shards:
             shards[p] = parallel.tp_shard(rows, 0, what or p)
     out = sum(s.length if s is not None else parts[p] for p, s in ((p, shards[p]) for p in parts))
-    return Linear(out, in_features, dtype, tuple(parts), bias=bias, shards=shards)
+    return Linear(out, in_features, dtype, tuple(parts), bias=bias, shards=shards, part_rows=parts)
 
 
 def row_parallel(out_features: int, in_features: int, dtype: torch.dtype, part: str, bias: bool = False,

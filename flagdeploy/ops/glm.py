@@ -136,6 +136,50 @@ def kda_recurrent(
     return out.to(out_dtype), s.to(state_dtype)
 
 
+def kda_gates(f: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
+              lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA's per-token gates from their projections: (log-decay g [T, H, Dk], beta [T, H] in b's dtype).
+
+    f [T, H*Dk] (f_b_proj's output), b [T, H] (b_proj's output), dt_bias [H*Dk], a_log [H]. With a lower
+    bound (GLM-5.3-Flash: -5) g = lower_bound * sigmoid(exp(a_log) (f + dt_bias)), bounded below so that
+    the state never decays faster than exp(lower_bound) per token; without, Kimi's
+    g = -exp(a_log) softplus(f + dt_bias). beta = sigmoid(b). g comes in f's and dt_bias's promoted dtype:
+    float32 for a 16-bit model, whose dt_bias stays float32 (transformers' _keep_in_fp32_modules).
+    """
+    acc = _acc(f.dtype)
+    heads = a_log.shape[0]
+    raw = (f.to(acc) + dt_bias.to(acc)).view(f.shape[0], heads, -1)
+    rate = a_log.to(acc).exp().view(1, -1, 1)
+    g = lower_bound * torch.sigmoid(rate * raw) if lower_bound is not None else -rate * F.softplus(raw, threshold=20.0)
+    return g.to(torch.promote_types(f.dtype, dt_bias.dtype)), torch.sigmoid(b)
+
+
+def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state_pool: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
+    """`kda_recurrent` for one new token of each of B sequences whose states are rows of a pool (decode).
+
+    q/k [B, H, Dk], v [B, H, Dv], g [B, H, Dk], beta [B, H]; state_pool [S, H, Dk, Dv] (row state_slots[b]
+    is sequence b's state; updated in place), state_slots [B] distinct. Returns o [B, H, Dv]; equals
+    `kda_recurrent(q[b:b+1], ..., state_pool[state_slots[b]])` per sequence.
+    """
+    return _kda_update_with(_registry.OPS["kda_recurrent"].reference)(q, k, v, g, beta, state_pool, state_slots)
+
+
+def _kda_update_with(recurrent):
+    """kda_recurrent_update from a `kda_recurrent` implementation: the B sequences' heads side by side as
+    the heads of one token (the recurrence is independent per head), the rows gathered and written back."""
+
+    def update(q, k, v, g, beta, state_pool, state_slots):
+        n, heads, dk, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[2]
+        rows = state_pool.index_select(0, state_slots).view(n * heads, dk, dv)
+        o, rows = recurrent(q.reshape(1, n * heads, dk), k.reshape(1, n * heads, dk), v.reshape(1, n * heads, dv),
+                            g.reshape(1, n * heads, dk), beta.reshape(1, n * heads), rows)
+        state_pool.index_copy_(0, state_slots, rows.view(n, heads, dk, dv).to(state_pool.dtype))
+        return o.view(n, heads, dv)
+
+    return update
+
+
 def kda_chunk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -429,6 +473,23 @@ def _kda_recurrent_inputs(dtype, device, g):
     return _kda_args(dtype, device, g, 5), {}
 
 
+def _kda_gates_inputs(dtype, device, g):
+    h, dk = 3, 8
+    return (_randn(g, 5, h * dk, dtype=dtype, device=device, scale=2.0), _randn(g, 5, h, dtype=dtype, device=device),
+            _randn(g, h * dk, dtype=dtype, device=device), _randn(g, h, dtype=dtype, device=device, scale=0.5),
+            -5.0), {}
+
+
+def _kda_update_inputs(dtype, device, g):
+    q, k, v, gate, beta, _ = _kda_args(dtype, device, g, 4)  # 4 sequences of one token each
+    pool = _randn(g, 6, q.shape[1], q.shape[2], v.shape[2], dtype=dtype, device=device, scale=0.3)
+    return (q, k, v, gate, beta, pool, torch.tensor([5, 0, 3, 2], device=device)), {}
+
+
+def _kda_update_composite(impl):
+    return _kda_update_with(impl("kda_recurrent"))
+
+
 def _kda_chunk_inputs(dtype, device, g):
     return _kda_args(dtype, device, g, 11), {"chunk_size": 4}  # two full chunks and a partial one
 
@@ -499,6 +560,9 @@ for _spec in (
     OpSpec("moe_experts", moe_experts, _TOL, _experts_inputs, moe_experts.__doc__),
     OpSpec("kda_recurrent", kda_recurrent, _TOL_SEQ, _kda_recurrent_inputs, kda_recurrent.__doc__),
     OpSpec("kda_chunk", kda_chunk, _TOL_SEQ, _kda_chunk_inputs, kda_chunk.__doc__),
+    OpSpec("kda_gates", kda_gates, _TOL, _kda_gates_inputs, kda_gates.__doc__),
+    OpSpec("kda_recurrent_update", kda_recurrent_update, _TOL_SEQ, _kda_update_inputs, kda_recurrent_update.__doc__,
+           writes=(5,), composite=_kda_update_composite),
     OpSpec("causal_conv1d", causal_conv1d, _TOL, _conv_inputs, causal_conv1d.__doc__),
     OpSpec("causal_conv1d_update", causal_conv1d_update, _TOL, _conv_update_inputs, causal_conv1d_update.__doc__,
            writes=(2,)),
@@ -520,6 +584,8 @@ moe_router = _registry.dispatch("moe_router")
 moe_experts = _registry.dispatch("moe_experts")
 kda_recurrent = _registry.dispatch("kda_recurrent")
 kda_chunk = _registry.dispatch("kda_chunk")
+kda_gates = _registry.dispatch("kda_gates")
+kda_recurrent_update = _registry.dispatch("kda_recurrent_update")
 causal_conv1d = _registry.dispatch("causal_conv1d")
 causal_conv1d_update = _registry.dispatch("causal_conv1d_update")
 gated_rms_norm = _registry.dispatch("gated_rms_norm")
@@ -530,6 +596,6 @@ sparse_attention = _registry.dispatch("sparse_attention")
 dsa_indexer_topk_decode = _registry.dispatch("dsa_indexer_topk_decode")
 latent_attention_decode = _registry.dispatch("latent_attention_decode")
 
-__all__ = ["moe_router", "moe_experts", "kda_recurrent", "kda_chunk", "causal_conv1d", "causal_conv1d_update",
-           "gated_rms_norm", "hc_pre", "hc_post", "dsa_indexer_topk", "sparse_attention", "dsa_indexer_topk_decode",
-           "latent_attention_decode"]
+__all__ = ["moe_router", "moe_experts", "kda_recurrent", "kda_chunk", "kda_gates", "kda_recurrent_update",
+           "causal_conv1d", "causal_conv1d_update", "gated_rms_norm", "hc_pre", "hc_post", "dsa_indexer_topk",
+           "sparse_attention", "dsa_indexer_topk_decode", "latent_attention_decode"]
