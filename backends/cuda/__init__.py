@@ -38,6 +38,7 @@ backend = Backend(
         "hc_pre": triton_mhc.hc_pre,
         "hc_post": triton_mhc.hc_post,
         "kda_recurrent": ops.kda_recurrent,
+        "kda_chunk": ops.kda_chunk,
         "kda_recurrent_update": ops.kda_recurrent_update,
         "kda_gates": ops.kda_gates,
         "causal_conv1d_update": ops.causal_conv1d_update,

@@ -34,6 +34,7 @@ from flagdeploy.ops import glm as glm_ops
 from flagdeploy.ops.weights import FP8_DTYPES, Fp8BlockWeight, Int8Weight, W8A8Weight, fp8_block_dequantize
 from flagdeploy.parallel import Shard
 
+from . import overlap
 from .linear import Linear, column_parallel, row_parallel, vocab_parallel_embedding, vocab_parallel_head
 from .slots import copy_param
 
@@ -693,13 +694,15 @@ class MoE(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         c = self.c
+        ep = parallel.ep_size() > 1
+        shared = None if ep else overlap.start(self.shared, h)  # beside the router and the routed experts, on a GPU
         routing = glm_ops.moe_router(h, self.router, self.correction_bias, c.num_experts_per_tok, c.n_group,
                                      c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-        if parallel.ep_size() > 1:
+        if ep:
             return self._expert_parallel(h, routing)
         x = self.experts
-        return self._tp_sum(glm_ops.moe_experts(h, routing, x.gate_up, x.down, c.swiglu_limit, top_k=c.num_experts_per_tok)
-                            + self.shared(h))
+        routed = glm_ops.moe_experts(h, routing, x.gate_up, x.down, c.swiglu_limit, top_k=c.num_experts_per_tok)
+        return self._tp_sum(routed + overlap.finish(shared))
 
     @staticmethod
     def _tp_sum(partial: torch.Tensor) -> torch.Tensor:
