@@ -149,7 +149,7 @@ def test_fp8_glm5_next_keeps_fp8_weights_on_the_gpu(tmp_path):
     src = write_tiny_glm5_next(tmp_path / "fp8", fp8=True, index_topk=256)
     ids = torch.randint(2, 64, (60,), generator=torch.Generator().manual_seed(0)).cuda()
     fp8 = _engine(src)
-    assert isinstance(fp8.model.layers[1].attn.q_a_proj.qweight, Fp8BlockWeight)
+    assert isinstance(fp8.model.layers[1].attn.latent_proj.qweight, Fp8BlockWeight)
     banks = [layer.mlp.experts for layer in fp8.model.layers if hasattr(layer.mlp, "experts")]
     assert banks and all(isinstance(b.gate_up, Fp8BlockWeight) and isinstance(b.down, Fp8BlockWeight) for b in banks)
     dense = _engine(src, weight_format="dense")

@@ -246,7 +246,7 @@ def test_fp8_linears_can_stay_fp8(tmp_path):
         return model, model(IDS)
 
     kept, got = logits(True)
-    assert isinstance(kept.layers[1].attn.q_a_proj.qweight, Fp8BlockWeight)
+    assert isinstance(kept.layers[1].attn.latent_proj.qweight, Fp8BlockWeight)
     assert isinstance(kept.layers[0].mlp.gate_up_proj.qweight, Fp8BlockWeight)  # gate and up fused, both FP8
     assert isinstance(kept.layers[1].mlp.experts.gate_up, Fp8BlockWeight)
     assert kept.layers[1].mlp.experts.gate_up.q.shape[0] == kept.cfg.n_routed_experts

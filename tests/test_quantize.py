@@ -106,7 +106,7 @@ def test_runtime_runs_the_int8_checkpoint_with_the_w8a8_ops(no_fp8):
     moe_layer = model.layers[1].mlp
     assert isinstance(moe_layer.experts.gate_up, W8A8Weight) and moe_layer.experts.gate_up.q.shape == (8, 32, 32)
     assert isinstance(moe_layer.shared.down_proj.qweight, W8A8Weight)
-    assert model.layers[1].attn.q_a_proj.qweight is None  # BF16 stays a dense linear
+    assert model.layers[1].attn.latent_proj.qweight is None  # BF16 stays a dense linear
 
 
 def test_int8_mix_stays_close_to_the_fp8_model(no_fp8):

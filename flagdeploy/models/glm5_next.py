@@ -430,18 +430,18 @@ class DsaIndexer(nn.Module):
         self.c = c
         di = c.index_head_dim
         self.wq_b = _lin(c.index_n_heads * di, c.q_lora_rank, dtype, "wq_b")
-        self.wk = _lin(di, c.hidden_size, dtype, "wk")
+        # the three projections of the block input (key, pool gate, head weights) as one matmul, replicated
+        parts = {"wk": di, "index_kpool_compress_gate": di, "weights_proj": c.index_n_heads}
+        self.in_proj = column_parallel(parts, c.hidden_size, dtype, shards=dict.fromkeys(parts))
+        self.in_split = tuple(parts.values())
         self.k_norm_weight = _param(di, dtype=dtype)
         self.k_norm_bias = _param(di, dtype=dtype)
-        self.weights_proj = _lin(c.index_n_heads, c.hidden_size, dtype, "weights_proj")
         self.compress_ape = _param(c.index_kpool, di, dtype=dtype)
-        self.compress_gate = _lin(di, c.hidden_size, dtype, "index_kpool_compress_gate")
 
     def forward(self, h: torch.Tensor, q_resid: torch.Tensor, caches: list[MlaCache], spans: list[Span]):
         """Per sequence, the selection mask [T_i, S_i] of its new tokens over all its tokens."""
         c = self.c
-        keys = F.layer_norm(self.wk(h), (c.index_head_dim,), self.k_norm_weight, self.k_norm_bias, 1e-6)
-        gate, weights = self.compress_gate(h), self.weights_proj(h)
+        keys, gate, weights = self._project(h)
         q = self.wq_b(q_resid).view(h.shape[0], c.index_n_heads, c.index_head_dim)
         masks = []
         for cache, (a, b, start) in zip(caches, spans):
@@ -456,12 +456,17 @@ class DsaIndexer(nn.Module):
                rows: torch.Tensor) -> torch.Tensor:
         """The selection masks [B, S] of B decoding queries; their key / gate rows join the pools first."""
         c, n = self.c, h.shape[0]
-        keys = F.layer_norm(self.wk(h), (c.index_head_dim,), self.k_norm_weight, self.k_norm_bias, 1e-6)
+        keys, gate, weights = self._project(h)
         q = self.wq_b(q_resid).view(n, c.index_n_heads, c.index_head_dim)
         keys = _write_and_gather(pool["index_keys"], keys, batch.slots, rows)
-        gate = _write_and_gather(pool["index_gate"], self.compress_gate(h), batch.slots, rows)
-        return glm_ops.dsa_indexer_topk_decode(q, self.weights_proj(h), keys, gate, self.compress_ape, batch.lengths,
+        gate = _write_and_gather(pool["index_gate"], gate, batch.slots, rows)
+        return glm_ops.dsa_indexer_topk_decode(q, weights, keys, gate, self.compress_ape, batch.lengths,
                                                c.index_topk, c.index_kpool_always_select_tail)
+
+    def _project(self, h: torch.Tensor):
+        """(normed index keys [T, D], pool gate logits [T, D], per-head weights [T, Hi]) of the block input."""
+        keys, gate, weights = self.in_proj(h).split(self.in_split, dim=-1)
+        return F.layer_norm(keys, (self.c.index_head_dim,), self.k_norm_weight, self.k_norm_bias, 1e-6), gate, weights
 
 
 def _write_and_gather(pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -484,11 +489,13 @@ class MlaAttention(nn.Module):
         # (which reads q_a's output) picks the same keys on every rank.
         what = "attention heads (num_attention_heads)"
         self.heads = _local_heads(hq, what)
-        self.q_a_proj = _lin(c.q_lora_rank, c.hidden_size, dtype, "q_a_proj", c.attention_bias)
+        # q_a and kv_a (both FP8 in the published checkpoint, each ending on a 128-row scale block) as one matmul
+        parts = {"q_a_proj": c.q_lora_rank, "kv_a_proj_with_mqa": c.kv_lora_rank}
+        self.latent_proj = column_parallel(parts, c.hidden_size, dtype, c.attention_bias, shards=dict.fromkeys(parts))
+        self.latent_split = tuple(parts.values())
         self.q_a_norm = _param(c.q_lora_rank, dtype=dtype)
         self.q_b_proj = column_parallel({"q_b_proj": hq * dn}, c.q_lora_rank, dtype,
                                         shards={"q_b_proj": _head_shard(hq, dn, what)})
-        self.kv_a_proj = _lin(c.kv_lora_rank, c.hidden_size, dtype, "kv_a_proj_with_mqa", c.attention_bias)
         self.kv_a_norm = _param(c.kv_lora_rank, dtype=dtype)
         self.kv_b_proj = column_parallel({"kv_b_proj": hq * (dn + dv)}, c.kv_lora_rank, dtype,
                                          shards={"kv_b_proj": _head_shard(hq, dn + dv, what)})
@@ -505,9 +512,10 @@ class MlaAttention(nn.Module):
         """
         c = self.c
         t = h.shape[0]
-        q_resid = ops.rms_norm(self.q_a_proj(h), self.q_a_norm, c.rms_norm_eps)
+        q_a, kv_a = self.latent_proj(h).split(self.latent_split, dim=-1)
+        q_resid = ops.rms_norm(q_a, self.q_a_norm, c.rms_norm_eps)
         q = self.q_b_proj(q_resid).view(t, self.heads, c.qk_nope_head_dim)
-        latent = ops.rms_norm(self.kv_a_proj(h), self.kv_a_norm, c.rms_norm_eps)
+        latent = ops.rms_norm(kv_a, self.kv_a_norm, c.rms_norm_eps)
         masks = self.indexer(h, q_resid, caches, spans) if self.indexer is not None else prev_masks
         if masks is None:
             raise RuntimeError("a shared DSA layer needs the top-k selection of the full layer before it")
@@ -533,10 +541,10 @@ class MlaAttention(nn.Module):
         """One token of each of B sequences in the latent space (kv_b absorbed, as `forward` decodes one
         sequence); returns (output, selection mask [B, S]) for a following shared layer."""
         c, n = self.c, h.shape[0]
-        q_resid = ops.rms_norm(self.q_a_proj(h), self.q_a_norm, c.rms_norm_eps)
+        q_a, kv_a = self.latent_proj(h).split(self.latent_split, dim=-1)
+        q_resid = ops.rms_norm(q_a, self.q_a_norm, c.rms_norm_eps)
         q = self.q_b_proj(q_resid).view(n, self.heads, c.qk_nope_head_dim)
-        latent = _write_and_gather(pool["latent"], ops.rms_norm(self.kv_a_proj(h), self.kv_a_norm, c.rms_norm_eps),
-                                   batch.slots, rows)
+        latent = _write_and_gather(pool["latent"], ops.rms_norm(kv_a, self.kv_a_norm, c.rms_norm_eps), batch.slots, rows)
         mask = self.indexer.decode(h, q_resid, batch, pool, rows) if self.indexer is not None else prev_mask
         if mask is None:
             raise RuntimeError("a shared DSA layer needs the top-k selection of the full layer before it")
@@ -962,10 +970,16 @@ class Glm5NextForCausalLM(nn.Module):
                                    "norm.weight": (self.norm, None)}
         slots["lm_head.weight"] = (self.lm_head, "lm_head", "weight")
 
+        def part(prefix: str, m: Linear, name: str) -> None:
+            for kind in ("weight", "bias") if m.has_bias else ("weight",):
+                slots[f"{prefix}{name}.{kind}"] = (m, name, kind)
+
         def lin(prefix: str, m: Linear) -> None:
-            for part in m.parts:
-                for kind in ("weight", "bias") if m.has_bias else ("weight",):
-                    slots[f"{prefix}{part}.{kind}"] = (m, part, kind)
+            for name in m.parts:
+                part(prefix, m, name)
+
+        # fused layers' parts are listed in the published checkpoint's order (the tiny-checkpoint generator
+        # draws its random weights in this order)
 
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
@@ -976,12 +990,11 @@ class Glm5NextForCausalLM(nn.Module):
                     slots[f"{p}hc_{tag}_{field_}"] = (getattr(hc, field_), None)
             a, sa = layer.attn, p + "self_attn."
             if isinstance(a, KdaAttention):
-                # in the published checkpoint's order (the tiny-checkpoint generator draws its weights in it)
-                for part in ("q_proj", "k_proj", "v_proj", "f_a_proj"):
-                    slots[f"{sa}{part}.weight"] = (a.in_proj, part, "weight")
+                for name in ("q_proj", "k_proj", "v_proj", "f_a_proj"):
+                    part(sa, a.in_proj, name)
                 lin(sa, a.f_b_proj)
-                slots[sa + "b_proj.weight"] = (a.in_proj, "b_proj", "weight")
-                slots[sa + "g_a_proj.weight"] = (a.in_proj, "g_a_proj", "weight")
+                part(sa, a.in_proj, "b_proj")
+                part(sa, a.in_proj, "g_a_proj")
                 lin(sa, a.g_b_proj)
                 lin(sa, a.o_proj)
                 conv = a.conv_weight.view(3, -1, 1, c.linear_conv_kernel_dim)
@@ -991,15 +1004,19 @@ class Glm5NextForCausalLM(nn.Module):
                 slots[sa + "A_log"] = (a.A_log, a.head_rows)
                 slots[sa + "o_norm.weight"] = (a.o_norm, None)
             else:
-                for m in (a.q_a_proj, a.q_b_proj, a.kv_a_proj, a.kv_b_proj, a.o_proj):
-                    lin(sa, m)
+                part(sa, a.latent_proj, "q_a_proj")
+                lin(sa, a.q_b_proj)
+                part(sa, a.latent_proj, "kv_a_proj_with_mqa")
+                lin(sa, a.kv_b_proj)
+                lin(sa, a.o_proj)
                 slots[sa + "q_a_layernorm.weight"] = (a.q_a_norm, None)
                 slots[sa + "kv_a_layernorm.weight"] = (a.kv_a_norm, None)
                 if a.indexer is not None:
                     ix, si = a.indexer, sa + "indexer."
-                    for m in (ix.wq_b, ix.wk, ix.weights_proj):
-                        lin(si, m)
-                    slots[si + "index_kpool_compress_gate"] = (ix.compress_gate, "index_kpool_compress_gate", "weight")
+                    lin(si, ix.wq_b)
+                    part(si, ix.in_proj, "wk")
+                    part(si, ix.in_proj, "weights_proj")
+                    slots[si + "index_kpool_compress_gate"] = (ix.in_proj, "index_kpool_compress_gate", "weight")
                     slots[si + "index_kpool_compress_ape"] = (ix.compress_ape, None)
                     slots[si + "k_norm.weight"] = (ix.k_norm_weight, None)
                     slots[si + "k_norm.bias"] = (ix.k_norm_bias, None)
