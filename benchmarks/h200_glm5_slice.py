@@ -1,6 +1,6 @@
 """GLM-5.3-Flash 4-layer slice at true dims on one GPU: our model against transformers and the hardware.
 
-    python benchmarks/h200_glm5_slice.py [--batches 1,8] [--context 256] [--steps 20] [--profile]
+    python benchmarks/h200_glm5_slice.py [--batches 1,8] [--context 256] [--steps 20] [--profile [--trace DIR]]
     python benchmarks/h200_glm5_slice.py --tiny        # the same logic on the CPU at toy size
 
 The slice: layers 0-2 KDA (linear_attention), layer 3 MLA + DSA indexer (indexed_attention), every layer

@@ -1,4 +1,5 @@
-"""The cuda backend's Triton kernels (backends/cuda/triton_decode.py, triton_moe.py) against the references, on
+"""The cuda backend's Triton kernels (backends/cuda/triton_decode.py, triton_moe.py, triton_glm.py, triton_mhc.py,
+triton_router.py, triton_gemv.py and the KDA kernels in ops.py) against the references, on
 the CPU through Triton's interpreter (TRITON_INTERPRET=1): small shapes, so that it runs in seconds here.
 On a machine with a GPU they are checked natively instead, by `flagdeploy ops check --chip cuda`
 (tests/test_cuda.py). triton comes with the test extra; a CUDA build of torch brings its own."""

@@ -5,7 +5,9 @@ for 16-bit inputs), shared with the cpu backend (`flagdeploy/ops/fused.py`); her
 call), MoE experts through one grouped GEMM on Hopper (`_grouped_mm`) instead of a loop per expert (FP8
 expert banks: Triton kernels reading them as stored, `triton_moe.py`), and FP8 block-scaled linears on
 Hopper's FP8 tensor cores (cuBLASLt block scaling through `F.scaled_mm`: activations 1x128, weights
-128x128, as DeepSeek/GLM checkpoints are quantised).
+128x128, as DeepSeek/GLM checkpoints are quantised). GLM-5.3-Flash's decode-step kernels: mHC in
+`triton_mhc.py`, the router in `triton_router.py`, KDA's gates and recurrence here; decode-sized 16-bit
+matmuls of tuned shapes in `triton_gemv.py`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ _INT_MM_MIN_ROWS = 17  # cuBLASLt's int8 GEMM wants more than 16 rows: decode ba
 
 def linear(x, weight, bias=None):
     """Decode-sized rows against a weight shape in triton_gemv.TUNED: the Triton kernel measured faster there;
-    anything else cuBLAS (the reference's F.linear)."""
+    anything else cuBLAS (the reference's matmul)."""
     cfg = triton_gemv.TUNED.get(tuple(weight.shape)) if weight.dim() == 2 else None
     if cfg is not None and triton_gemv.supports(x, weight) and (bias is None or bias.dtype == weight.dtype):
         return triton_gemv.skinny_linear(x, weight, bias, cfg)
