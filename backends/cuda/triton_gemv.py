@@ -1,9 +1,8 @@
 """Decode-sized matmuls (a few rows against a 16-bit weight) as one Triton kernel, no split-K (issue 11).
 
-At one to a few rows a linear layer is a read of its weight. cuBLAS's heuristics pick, for some of
-GLM-5.3-Flash's shapes, a tile that leaves most of the GPU idle (the MLA q_a projection, 1536 x 4096: 14 us
-for 12.6 MB, 0.9 TB/s) or split-K with a second reduce kernel (another launch per matmul inside the
-decode graph). Here a program takes BLOCK_N output channels and walks the whole input dimension, the
+At one to a few rows a linear layer is a read of its weight. For several decode shapes cuBLAS's heuristics
+pick a tile that leaves part of the GPU's bandwidth unused (Llama-3-8B's o_proj at one row: 73% of a copy)
+or split-K with a second reduce kernel (another launch per matmul inside the decode graph). Here a program takes BLOCK_N output channels and walks the whole input dimension, the
 rows padded to the tensor cores' 16 in one `tl.dot` per step, the weight tiles pipelined: one launch,
 as many programs as blocks of output channels.
 
