@@ -24,6 +24,9 @@ TUNE = yaml.safe_load((Path(__file__).with_name("tune.yaml")).read_text())
 
 # oneDNN can lay a bf16 weight out for its AMX kernels once, instead of on every call: 1.5-2x faster
 # at 16 rows (benchmarks/cpu_linear.py). The layout works for any row count; 16 is only a hint.
+# Inside torch.compile the packed kernels run at every row count: oneDNN's laid-out weight is an opaque
+# tensor that dynamo cannot trace, and the compiled step is only used at the row counts where it wins
+# (engine/compiled_step.py measures them).
 _ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
@@ -51,7 +54,7 @@ def linear_w4a16(x, w: Int4Weight, bias=None):
     p = w.prepared
     if p is None:  # left canonical by prepare_w4a16
         return reference.linear_w4a16(x, w, bias)
-    if x.shape[0] <= TUNE["linear_w4a16"]["packed_max_m"]:
+    if torch.compiler.is_compiling() or x.shape[0] <= TUNE["linear_w4a16"]["packed_max_m"]:
         y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), p["packed"], w.group_size, p["scales_zeros"])
     else:
         y = _dense_mm(x, p["dense"])
@@ -66,7 +69,7 @@ def prepare_w8a16(w: Int8Weight):
 
 def linear_w8a16(x, w: Int8Weight, bias=None):
     p = w.prepared
-    if "q" in p and x.shape[0] <= TUNE["linear_w8a16"]["packed_max_m"]:
+    if "q" in p and (torch.compiler.is_compiling() or x.shape[0] <= TUNE["linear_w8a16"]["packed_max_m"]):
         y = torch._weight_int8pack_mm(x.to(torch.bfloat16), p["q"], p["scales"])
     else:
         y = _dense_mm(x, p["dense"])

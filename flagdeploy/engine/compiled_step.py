@@ -13,6 +13,12 @@ second block. Padding rows read and write only a scratch block and step a scratc
 sequence owns, as the CUDA graphs' padding does. Because one graph exists, once it is compiled the
 per-call guard checks (a tenth of the step at this size) are skipped: `skip_guard_eval_unsafe` keeps
 only the guards that choose between graphs, and there is nothing to choose.
+
+The graph is not always the faster step at every batch size: the llama family's 4-bit weights run the
+packed GEMV kernel inside it (the only one of the cpu backend's two that traces), which past a few rows
+loses to the eager step's oneDNN/AMX GEMM. So after compiling, the warm-up times the graph against the
+eager step on padding rows at 2, 4, 8, ... rows and keeps the graph for the sizes where it won
+(`max_batch`); larger steps run eagerly.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ MIN_DIM = 2  # the smallest batch and table width the graph is run at (see the m
 
 
 class CompiledDecode:
-    def __init__(self, step: Step, device, block_size: int, scratch_block: int, scratch_state: int = 0):
+    def __init__(self, step: Step, device, block_size: int, scratch_block: int, scratch_state: int = 0,
+                 max_seqs: int = 256):
         """step: the model's decode step on `DecodeInputs` → logits [B, vocab]; scratch_block / scratch_state:
-        the pool block and state row reserved for padding."""
+        the pool block and state row reserved for padding; max_seqs: the largest batch the engine runs."""
         from flagdeploy.loaders.source import cache_dir
 
         # compiled kernels are kept with the models, so that the next start (of any process) reuses them,
@@ -49,10 +56,14 @@ class CompiledDecode:
         # step at glm5_next's small sizes, for a longer first compile)
         # fullgraph: a step that breaks into several graphs (a host read, an op dynamo cannot trace) is
         # refused at warm-up instead of compiled piecewise; the guard-free calls rely on one graph
-        self.compiled = torch.compile(_own_code(step), fullgraph=True, options={"cpp_wrapper": True})
-        self.device = device
+        # two graphs: one for every batch of 2 or more rows (batch and width dynamic), one for a single row
+        # (static batch: no padding row, which would cost a lone stream a second row in every GEMV)
+        self.compiled = {rows: torch.compile(_own_code(step), fullgraph=True, options={"cpp_wrapper": True})
+                         for rows in (MIN_DIM, 1)}
+        self.step, self.device, self.max_seqs = step, device, max_seqs
         self.scratch_block, self.scratch_slot, self.scratch_state = scratch_block, scratch_block * block_size, scratch_state
-        self.ready = False
+        self.ready: set[int] = set()  # the graphs compiled so far
+        self.max_batch = 0  # the largest batch the graphs serve (set by `warm_up`); larger ones run eagerly
 
     def warm_up(self) -> bool:
         """Compile now (on padding rows only), not inside the first request. False where the step does
@@ -60,7 +71,7 @@ class CompiledDecode:
         t = time.perf_counter()
         log.warning("compiling the decode step (once; a minute or more on a small CPU, less once cached)")
         try:
-            self.run([], [], [], [], [], [])
+            self._call(MIN_DIM, [], [], [], [], [], [])
         except ConstraintViolationError as exc:
             # e.g. glm5_next's indexer pools of 4 tokens over blocks of 2: the pool count is a floor of
             # the width, which the trace fixes to one value
@@ -68,29 +79,63 @@ class CompiledDecode:
                         "graph cannot follow (%s); running it eagerly. A --block-size that is a multiple of the "
                         "model's pooling avoids this.", str(exc).splitlines()[0])
             return False
-        except (torch._dynamo.exc.Unsupported, GuardOnDataDependentSymNode) as exc:
-            # e.g. the cpu backend's loop over W8A8 expert banks, which reads the routing on the host
+        except (torch._dynamo.exc.Unsupported, GuardOnDataDependentSymNode, torch._dynamo.exc.BackendCompilerFailed) as exc:
+            # e.g. the cpu backend's loop over W8A8 expert banks, which reads the routing on the host, or
+            # a weight laid out as an opaque oneDNN tensor
             log.warning("the decode step does not trace to one graph on this backend (%s); running it eagerly.",
                         str(exc).splitlines()[0])
             return False
+        try:
+            self._call(1, [], [], [], [], [], [])
+        except Exception as exc:  # noqa: BLE001  (the one-row graph is an extra: without it one row is padded to two)
+            log.info("no one-row decode graph (%s); a lone sequence runs with a padding row", str(exc).splitlines()[0])
         log.warning("decode step compiled in %.0f s", time.perf_counter() - t)
+        self.max_batch = self._largest_faster_batch()
+        if self.max_batch < MIN_DIM:
+            log.warning("the compiled decode step is slower than the eager one on this backend; running it eagerly.")
+            return False
+        log.info("compiled decode step used up to %d sequences per step", self.max_batch)
         return True
+
+    def _largest_faster_batch(self, repeats: int = 3) -> int:
+        """The largest of 2, 4, 8, ... (up to max_seqs) rows at which the graph, and at every size before it,
+        beat the eager step (best of `repeats` each, on padding rows); 0 if it loses at 2 rows."""
+        sizes = [n for n in (2**i for i in range(1, 16)) if n < self.max_seqs] + [max(self.max_seqs, MIN_DIM)]
+        best = 0
+        for n in sizes:
+            rows = ([0] * n, [0] * n, [self.scratch_slot] * n, [[self.scratch_block] * MIN_DIM] * n, [1] * n,
+                    [self.scratch_state] * n)
+            with torch.inference_mode():
+                d = DecodeInputs.build(*rows, self.device)
+                eager = lambda: self.step(d)  # noqa: E731
+                graph = lambda: self.run(*rows)  # noqa: E731
+                if _fastest(graph, repeats) >= _fastest(eager, repeats):
+                    break
+            best = n
+        return best
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], ctx: list[int],
             state_slots: list[int]) -> torch.Tensor:
         """Logits [n, vocab] for n decoding sequences (one new token each)."""
+        rows = 1 if len(ids) == 1 and 1 in self.ready else MIN_DIM
+        return self._call(rows, ids, positions, slots, tables, ctx, state_slots)
+
+    def _call(self, rows: int, ids, positions, slots, tables, ctx, state_slots) -> torch.Tensor:
+        """Through the graph for `rows` (1, or MIN_DIM: any batch of at least that, padded up to it)."""
         n = len(ids)
-        pad = max(MIN_DIM - n, 0)
+        pad = max(rows - n, 0)
         width = max(MIN_DIM, *(len(t) for t in tables)) if tables else MIN_DIM
         table = [t + [self.scratch_block] * (width - len(t)) for t in tables] + [[self.scratch_block] * width] * pad
+        compiled = self.compiled[rows]
         # built in inference mode, like everything the (inference-mode) step touches: dynamo refuses a
         # graph that mixes inference tensors with normal ones
         with torch.inference_mode():
             d = DecodeInputs.build(ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad, table,
                                    ctx + [1] * pad, state_slots + [self.scratch_state] * pad, self.device)
-            if not self.ready:
-                for t in (d.ids, d.positions, d.slots, d.ctx, d.state_slots, d.rows, d.tables):
-                    torch._dynamo.mark_dynamic(t, 0)
+            if rows not in self.ready:
+                if rows > 1:
+                    for t in (d.ids, d.positions, d.slots, d.ctx, d.state_slots, d.rows, d.tables):
+                        torch._dynamo.mark_dynamic(t, 0)
                 torch._dynamo.mark_dynamic(d.tables, 1)
                 # only those two: the pools, weights and everything else static, whatever other
                 # compiles of this source line in the process saw (automatic dynamism would make the
@@ -98,12 +143,22 @@ class CompiledDecode:
                 # quietly fix the width)
                 with torch.fx.experimental._config.patch(use_duck_shape=False), \
                         torch._dynamo.config.patch(automatic_dynamic_shapes=False, automatic_dynamic_local_pgo=False):
-                    out = self.compiled(d)
-                self.ready = True
+                    out = compiled(d)
+                self.ready.add(rows)
             else:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    out = self.compiled(d)
+                    out = compiled(d)
         return out[:n]
+
+
+def _fastest(fn, repeats: int) -> float:
+    fn()  # first call: allocations, caches
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
 
 
 def _own_code(step: Step) -> Step:

@@ -74,13 +74,15 @@ class _Runner:
 
 
 class PagedRunner(_Runner):
-    def __init__(self, model, num_blocks: int, block_size: int, device: str, graphs: dict | None = None):
+    def __init__(self, model, num_blocks: int, block_size: int, device: str, graphs: dict | None = None,
+                 compile: bool = False, max_seqs: int = 256):
         """graphs: {"max_batch", "max_model_len"} to replay pure-decode steps as CUDA graphs (cuda only);
-        the pool then gets one extra block, never handed out, for the graphs' padded rows."""
+        compile: run them through torch.compile instead (engine/compiled_step.py). Either way the pool gets
+        one extra block, never handed out, for padded rows."""
         self.model = model
         self.block_size = block_size
         self.device = device
-        extra = 1 if graphs else 0
+        extra = 1 if graphs or compile else 0
         self.kv_caches = [
             [torch.zeros(s, dtype=model.kv_cache_dtype, device=device)
              for s in model.kv_cache_shape(num_blocks + extra, block_size)]
@@ -90,13 +92,15 @@ class PagedRunner(_Runner):
         if graphs:
             self.graphs = DecodeGraphs(self._decode, device, graphs["max_batch"],
                                        -(-graphs["max_model_len"] // block_size), block_size, num_blocks)
+        self.compiled = (CompiledDecode(self._decode, device, block_size, num_blocks, max_seqs=max_seqs)
+                         if compile and not graphs else None)
 
     def _decode(self, d: DecodeInputs) -> torch.Tensor:
-        """The pure-decode step on `DecodeInputs` (what the CUDA graphs capture)."""
+        """The pure-decode step on `DecodeInputs` (what the CUDA graphs capture and torch.compile traces)."""
         meta = AttentionMetadata(positions=d.positions, slot_mapping=d.slots, num_prefill_tokens=0, cu_seqlens_q=None,
                                  cu_seqlens_k=None, prefill_kv_slots=None, block_tables=d.tables, context_lens=d.ctx,
                                  logits_indices=d.rows)
-        return self.model(d.ids, meta, self.kv_caches)
+        return self.model.forward_step(d.ids, meta, self.kv_caches)
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
@@ -140,9 +144,15 @@ class PagedRunner(_Runner):
 
     def execute(self, step: PagedStep) -> torch.Tensor:
         """Logits of the step's `logits_rows`."""
-        if self.graphs is not None and not step.num_prefill and len(step.ids) <= self.graphs.max_batch:
-            logits = self.graphs.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens)
-            return _rows(logits, step.logits_rows)
+        if not step.num_prefill:
+            n = len(step.ids)
+            if self.compiled is not None and n <= self.compiled.max_batch:
+                logits = self.compiled.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens, [0] * n)
+                return _rows(logits, step.logits_rows)
+            if self.graphs is not None and n <= self.graphs.max_batch:
+                with torch.inference_mode():
+                    logits = self.graphs.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens)
+                return _rows(logits, step.logits_rows)
         dev = self.device
         t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
         width = max((len(b) for b in step.tables), default=0)
@@ -190,7 +200,7 @@ class SequenceStateRunner(_Runner):
                                        block_size, num_blocks, max_seqs)
         self.compiled = None
         if compile and self.batched_decode and not self.graphs:
-            self.compiled = CompiledDecode(self._decode, device, block_size, num_blocks, max_seqs)
+            self.compiled = CompiledDecode(self._decode, device, block_size, num_blocks, max_seqs, max_seqs)
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
@@ -239,7 +249,7 @@ class SequenceStateRunner(_Runner):
         tables = [table for _, _, table, _, _ in step.seqs]
         ctx = [p + 1 for p in positions]
         state_rows = [row for _, row, _, _, _ in step.seqs]
-        if self.compiled is not None:
+        if self.compiled is not None and len(ids) <= self.compiled.max_batch:
             return self.compiled.run(ids, positions, slots, tables, ctx, state_rows)
         with torch.inference_mode():
             if self.graphs is not None and len(ids) <= self.graphs.max_batch:
@@ -288,13 +298,13 @@ def build_runner(model, config) -> tuple[_Runner, int, int]:
         runner = SequenceStateRunner(model, num_blocks, config.block_size, config.device, config.max_num_seqs, graphs,
                                      config.compile and config.tp * config.ep == 1)
     else:
-        runner = PagedRunner(model, num_blocks, config.block_size, config.device, graphs)
+        runner = PagedRunner(model, num_blocks, config.block_size, config.device, graphs,
+                             config.compile and config.tp * config.ep == 1, config.max_num_seqs)
     compiled = getattr(runner, "compiled", None)
     if compiled is not None:
         if not compiled.warm_up():
             runner.compiled = None
     elif config.compile:
-        log.warning("--compile is not used here: it compiles the fixed-shape decode step of sequence-state models "
-                    "(glm5_next) on one process without CUDA graphs; llama's CPU step is no faster compiled "
-                    "(its packed weight kernels do not trace). Running eagerly.")
+        log.warning("--compile is not used here: it compiles the decode step of one process without CUDA graphs "
+                    "(tensor/expert parallel ranks and CUDA-graph devices run their own step). Running eagerly.")
     return runner, num_blocks, per_block

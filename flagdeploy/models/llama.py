@@ -130,6 +130,11 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> torch.Tensor:
         """Logits for the rows in meta.logits_indices, as float32."""
+        return self.forward_step(input_ids, meta, kv_caches)
+
+    def forward_step(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> torch.Tensor:
+        """`forward` for a caller already in inference mode: what torch.compile traces (dynamo cannot trace
+        the grad-mode switch of the decorator around the in-place cache writes)."""
         x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.cfg.vocab_size)
         cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]
         residual = None

@@ -61,8 +61,10 @@ def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
     return out
 
 
-def _capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+def _recorded(x: torch.Tensor) -> bool:
+    """Whether this call is being recorded for replay (a CUDA graph capture or a torch.compile trace),
+    where a host read of a tensor's value has no place."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -71,8 +73,8 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     idx = block_tables.reshape(-1).long()  # index_select: ~3x faster than fancy indexing here
     k = k_cache.index_select(0, idx).view(b, -1, *k_cache.shape[2:]).transpose(1, 2)  # [B, KH, L, D]
     v = v_cache.index_select(0, idx).view(b, -1, *v_cache.shape[2:]).transpose(1, 2)
-    if b == 1 and not _capturing(q):  # one sequence: its first n keys are exactly its keys, no mask needed
-        n = int(context_lens[0])  # a host read: never inside a CUDA graph capture (the masked form below is)
+    if b == 1 and not _recorded(q):  # one sequence: its first n keys are exactly its keys, no mask needed
+        n = int(context_lens[0])  # a host read: never inside a capture or a trace (the masked form below is)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k[:, :, :n], v[:, :, :n], scale=scale, enable_gqa=True)
         return o.squeeze(2)
     pos = torch.arange(k.shape[2], device=q.device)
