@@ -4,8 +4,12 @@
 
 Prints tokens/s for one stream and for N concurrent requests, for transformers (float32, as it loads a
 GGUF) and for flagdeploy in its serving configuration (weight_format auto: the GGUF's 4-bit weights
-stay packed, float32 activations) and in dense float32, with the ratios. Output length is forced
-(EOS ignored) so every run decodes the same number of tokens.
+stay packed, 16-bit activations), the same with its decode step compiled (`--compile`), and in dense
+float32, with the ratios. Output length is forced (EOS ignored) so every run decodes the same number of
+tokens.
+
+It also prints the memory-bandwidth ceiling of a decode step: every weight is read once per step, so one
+stream cannot decode faster than (streaming read bandwidth) / (bytes of weights), both measured here.
 """
 
 from __future__ import annotations
@@ -51,20 +55,52 @@ def bench_transformers(path, prompts, tokens: int) -> dict[str, float]:
     gen([prompts[0]])  # warm-up
     one = tokens / timed(lambda: gen([prompts[0]]))
     many = len(prompts) * tokens / timed(lambda: gen(prompts))
-    return {"single": one, "batched": many}
+    embed = model.get_input_embeddings().weight  # one row of it per token, unless it is the (tied) head too
+    skip = None if model.get_output_embeddings().weight is embed else embed
+    return {"single": one, "batched": many, "weight_bytes": sum(p.nbytes for p in model.parameters() if p is not skip)}
 
 
-def bench_flagdeploy(path, fmt, prompts, tokens: int, weight_format: str) -> dict[str, float]:
+def bench_flagdeploy(path, fmt, prompts, tokens: int, weight_format: str, compile: bool = False) -> dict[str, float]:
     from flagdeploy.engine import EngineConfig, SamplingParams
     from flagdeploy.engine.loader import build_llm_engine
 
     engine = build_llm_engine(path, fmt, EngineConfig(max_model_len=1024, max_num_seqs=len(prompts),
-                                                      weight_format=weight_format), chip="cpu", progress=False)
+                                                      weight_format=weight_format, compile=compile),
+                              chip="cpu", progress=False)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     engine.generate([prompts[0]], params)  # warm-up
     one = tokens / timed(lambda: engine.generate([prompts[0]], params))
     many = len(prompts) * tokens / timed(lambda: engine.generate(prompts, params))
-    return {"single": one, "batched": many}
+    return {"single": one, "batched": many, "weight_bytes": weight_bytes(engine.model)}
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every linear's weight in the form its 1-row kernel reads
+    (the packed 4-bit / int8 tensors and their scales), every other parameter except the embedding table
+    (one row of it per token)."""
+    from flagdeploy.models.linear import Linear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            q = m.qweight
+            if q is None:
+                total += m.weight.nbytes
+            elif isinstance(q.prepared, dict) and "packed" in q.prepared:  # int4, cpu backend
+                total += q.prepared["packed"].nbytes + q.prepared["scales_zeros"].nbytes
+            else:  # int8 (per-channel)
+                p = q.prepared if isinstance(q.prepared, dict) else {}
+                total += p.get("q", q.q).nbytes + p.get("scales", q.scales).nbytes
+    embed = getattr(model, "embed_tokens", None)
+    total += sum(p.nbytes for p in model.parameters() if p is not embed)
+    return total
+
+
+def read_bandwidth(mb: int = 512) -> float:
+    """Streaming read bytes/s of a buffer far larger than the caches (what a decode step's weights see)."""
+    x = torch.ones(mb << 18)
+    x.sum()
+    return x.nbytes / min(timed(x.sum) for _ in range(5))
 
 
 def main() -> None:
@@ -85,8 +121,9 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     hf = bench_transformers(src.path, prompts, args.tokens)
     rows = [("transformers generate (fp32)", hf)]
-    for wf in ("auto", "dense"):
-        rows.append((f"flagdeploy weight_format={wf}", bench_flagdeploy(src.path, src.format, prompts, args.tokens, wf)))
+    for name, wf, compiled in (("auto", "auto", False), ("auto --compile", "auto", True), ("dense", "dense", False)):
+        rows.append((f"flagdeploy weight_format={name}",
+                     bench_flagdeploy(src.path, src.format, prompts, args.tokens, wf, compiled)))
     seq = hf["single"]  # transformers serving N requests one after another
     print(f"{'':34} {'1 stream tok/s':>15} {f'{args.concurrency} concurrent tok/s':>22}")
     for name, r in rows:
@@ -95,6 +132,13 @@ def main() -> None:
         print(f"{name}: single-stream x{r['single'] / hf['single']:.2f} vs transformers; "
               f"{args.concurrency} concurrent x{r['batched'] / hf['batched']:.2f} vs transformers batched generate, "
               f"x{r['batched'] / seq:.2f} vs transformers one request at a time")
+    bw = read_bandwidth()
+    print(f"streaming read bandwidth {bw / 1e9:.1f} GB/s; transformers reads {hf['weight_bytes'] / 1e6:.0f} MB of "
+          f"weights per token ({hf['single'] * hf['weight_bytes'] / 1e9:.1f} GB/s at its single-stream rate)")
+    for name, r in rows[1:]:
+        ceiling = bw / r["weight_bytes"]
+        print(f"{name}: {r['weight_bytes'] / 1e6:.0f} MB of weights per step -> one stream at most {ceiling:.0f} tok/s "
+              f"= x{ceiling / hf['single']:.2f} transformers (measured: {r['single'] / ceiling:.0%} of that ceiling)")
 
 
 if __name__ == "__main__":

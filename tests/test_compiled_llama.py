@@ -2,8 +2,8 @@
 
 Two graphs serve every decode step up to the batch where the graph stops beating the eager step (measured
 at start-up): one for a lone sequence (no padding row) and one for any batch of two or more. With float32
-weights they must give transformers' greedy tokens; with 4-bit weights (the packed GEMV kernel inside the
-graph, the way `--weight-format auto` serves a GGUF) their logits must match the eager step's.
+weights they must give transformers' greedy tokens; with 4-bit weights (the way `--weight-format auto`
+serves a GGUF) their logits must match the eager step's on both of the cpu backend's kernels.
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ def _int4(w: torch.Tensor, group: int = 32) -> Int4Weight:
 
 
 def test_compiled_decode_runs_packed_4bit_weights_like_the_eager_step(llama_dir):
-    """4-bit linears and an int8 head, as `--weight-format auto` serves a Q4 GGUF: inside the graph the
-    packed kernels run at every row count; its logits match the eager step's within bf16 rounding."""
+    """4-bit linears and an int8 head, as `--weight-format auto` serves a Q4 GGUF: inside the graph each
+    linear is one opaque op that picks the packed GEMV (few rows) or oneDNN's bf16 GEMM (more) at run
+    time, like the eager step; the logits match the eager step's within bf16 rounding on both."""
     path, _ = llama_dir
     model, tokenizer = load_model(path, "safetensors", torch.float32, "cpu", progress=False)
     for m in model.modules():
@@ -91,7 +92,7 @@ def test_compiled_decode_runs_packed_4bit_weights_like_the_eager_step(llama_dir)
     compiled = engine.runner.compiled
     assert compiled is not None and compiled.max_batch >= 2
     engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))  # fill some cache
-    for n in (1, 3):
+    for n in (1, 3, 8):  # 8 rows: past the packed kernels' rows (backends/cpu/tune.yaml)
         rows = ([7 + i for i in range(n)], [5] * n, [4 * (i + 1) + 1 for i in range(n)], [[i + 1, i + 2] for i in range(n)],
                 [6] * n, [0] * n)
         with torch.inference_mode():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from pathlib import Path
 
 import torch
@@ -24,10 +26,18 @@ TUNE = yaml.safe_load((Path(__file__).with_name("tune.yaml")).read_text())
 
 # oneDNN can lay a bf16 weight out for its AMX kernels once, instead of on every call: 1.5-2x faster
 # at 16 rows (benchmarks/cpu_linear.py). The layout works for any row count; 16 is only a hint.
-# Inside torch.compile the packed kernels run at every row count: oneDNN's laid-out weight is an opaque
-# tensor that dynamo cannot trace, and the compiled step is only used at the row counts where it wins
-# (engine/compiled_step.py measures them).
 _ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+# Prepared weight-only bundles by key, for `prepared_linear` (weak: an engine's weights go with it)
+_PREPARED: weakref.WeakValueDictionary[int, Int4Weight | Int8Weight] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def _keyed(w):
+    key = next(_KEYS)
+    w.prepared["key"] = key
+    _PREPARED[key] = w
+    return w
 
 
 def _dense_copy(w) -> torch.Tensor:
@@ -47,33 +57,54 @@ def prepare_w4a16(w: Int4Weight):
         return w  # the packed kernel's tiling does not fit: stay canonical, run the reference
     packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
     sz = torch.stack((w.scales, w.zeros), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return stripped(w, packed=packed, scales_zeros=sz, dense=_dense_copy(w))
+    return _keyed(stripped(w, packed=packed, scales_zeros=sz, dense=_dense_copy(w)))
+
+
+def _w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    p = w.prepared
+    if x.shape[0] <= TUNE["linear_w4a16"]["packed_max_m"]:
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), p["packed"], w.group_size, p["scales_zeros"])
+    return _dense_mm(x, p["dense"])
 
 
 def linear_w4a16(x, w: Int4Weight, bias=None):
-    p = w.prepared
-    if p is None:  # left canonical by prepare_w4a16
+    if w.prepared is None:  # left canonical by prepare_w4a16
         return reference.linear_w4a16(x, w, bias)
-    if torch.compiler.is_compiling() or x.shape[0] <= TUNE["linear_w4a16"]["packed_max_m"]:
-        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), p["packed"], w.group_size, p["scales_zeros"])
-    else:
-        y = _dense_mm(x, p["dense"])
+    y = prepared_linear(x, w.prepared["key"]) if torch.compiler.is_compiling() else _w4a16(x, w)
     return y + bias.to(y.dtype) if bias is not None else y
 
 
 def prepare_w8a16(w: Int8Weight):
     if w.group_size:  # the packed int8 kernel takes per-channel scales only
-        return stripped(w, dense=_dense_copy(w))
-    return stripped(w, q=w.q, scales=w.scales.to(torch.bfloat16), dense=_dense_copy(w))
+        return _keyed(stripped(w, dense=_dense_copy(w)))
+    return _keyed(stripped(w, q=w.q, scales=w.scales.to(torch.bfloat16), dense=_dense_copy(w)))
+
+
+def _w8a16(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    p = w.prepared
+    if "q" in p and x.shape[0] <= TUNE["linear_w8a16"]["packed_max_m"]:
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), p["q"], p["scales"])
+    return _dense_mm(x, p["dense"])
 
 
 def linear_w8a16(x, w: Int8Weight, bias=None):
-    p = w.prepared
-    if "q" in p and (torch.compiler.is_compiling() or x.shape[0] <= TUNE["linear_w8a16"]["packed_max_m"]):
-        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), p["q"], p["scales"])
-    else:
-        y = _dense_mm(x, p["dense"])
+    y = prepared_linear(x, w.prepared["key"]) if torch.compiler.is_compiling() else _w8a16(x, w)
     return y + bias.to(y.dtype) if bias is not None else y
+
+
+@torch.library.custom_op("flagdeploy_cpu::prepared_linear", mutates_args=())
+def prepared_linear(x: torch.Tensor, key: int) -> torch.Tensor:
+    """`linear_w4a16` / `linear_w8a16` (no bias) on the prepared bundle `_PREPARED[key]`, as one op that
+    torch.compile does not look into: a compiled step keeps the eager step's choice of kernel by row
+    count, made at run time, and oneDNN's laid-out weight (an opaque tensor dynamo cannot trace) stays
+    out of the graph."""
+    w = _PREPARED[key]
+    return _w4a16(x, w) if isinstance(w, Int4Weight) else _w8a16(x, w)
+
+
+@prepared_linear.register_fake
+def _(x, key):
+    return x.new_empty(x.shape[0], _PREPARED[key].out_features, dtype=torch.bfloat16)
 
 
 def _int8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

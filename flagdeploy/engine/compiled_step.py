@@ -14,11 +14,11 @@ sequence owns, as the CUDA graphs' padding does. Because one graph exists, once 
 per-call guard checks (a tenth of the step at this size) are skipped: `skip_guard_eval_unsafe` keeps
 only the guards that choose between graphs, and there is nothing to choose.
 
-The graph is not always the faster step at every batch size: the llama family's 4-bit weights run the
-packed GEMV kernel inside it (the only one of the cpu backend's two that traces), which past a few rows
-loses to the eager step's oneDNN/AMX GEMM. So after compiling, the warm-up times the graph against the
-eager step on padding rows at 2, 4, 8, ... rows and keeps the graph for the sizes where it won
-(`max_batch`); larger steps run eagerly.
+The graphs are used only for batch sizes where they beat the eager step: after compiling, the warm-up
+times both on padding rows at 2, 4, 8, ... rows and keeps the graphs up to the largest size where they
+won (`max_batch`); larger steps run eagerly. (The llama family's weight-only linears run inside the graph
+as one opaque op that picks its kernel by row count at run time, as the eager step does, so there the
+graphs win at every size; the measurement keeps a backend whose graph would lose from being slowed.)
 """
 
 from __future__ import annotations
