@@ -70,7 +70,7 @@ def _w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 def linear_w4a16(x, w: Int4Weight, bias=None):
     if w.prepared is None:  # left canonical by prepare_w4a16
         return reference.linear_w4a16(x, w, bias)
-    y = prepared_linear(x, w.prepared["key"]) if torch.compiler.is_compiling() else _w4a16(x, w)
+    y = prepared_linear(x, w.prepared["key"]) if _rows_unknown(x) else _w4a16(x, w)
     return y + bias.to(y.dtype) if bias is not None else y
 
 
@@ -88,8 +88,16 @@ def _w8a16(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
 
 
 def linear_w8a16(x, w: Int8Weight, bias=None):
-    y = prepared_linear(x, w.prepared["key"]) if torch.compiler.is_compiling() else _w8a16(x, w)
+    y = prepared_linear(x, w.prepared["key"]) if _rows_unknown(x) else _w8a16(x, w)
     return y + bias.to(y.dtype) if bias is not None else y
+
+
+def _rows_unknown(x: torch.Tensor) -> bool:
+    """Whether a compile trace is of a step whose row count is only known at run time, where the kernel
+    must be picked inside `prepared_linear`. The one-row graph (a lone sequence's) calls the packed kernel
+    directly: the opaque op costs ~8 us a call. (A dynamic size is at least 2 to the tracer, so `!= 1`
+    holds there without a guard.)"""
+    return torch.compiler.is_compiling() and x.shape[0] != 1
 
 
 @torch.library.custom_op("flagdeploy_cpu::prepared_linear", mutates_args=())
