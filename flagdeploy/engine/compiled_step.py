@@ -5,14 +5,16 @@ step is ~800 small torch ops (casts, norms, gates, the Sinkhorn iterations, gath
 Inductor fuses those chains into a few generated C++ loops and leaves the matmuls to oneDNN; the step
 then costs what its matmuls and a handful of loops cost (docs/performance.md, issue 3).
 
-One compiled graph serves every step. The batch and the block-table width are marked dynamic (two
-independent sizes: no "duck" merging of dimensions that happen to be equal at the first call), and
-neither is ever 1: torch.compile specialises a dimension of size 1 into a graph of its own (a second
-compile of a minute or more), so a lone sequence runs with one padding row and a one-block table gets a
-second block. Padding rows read and write only a scratch block and step a scratch state row that no
-sequence owns, as the CUDA graphs' padding does. Because one graph exists, once it is compiled the
-per-call guard checks (a tenth of the step at this size) are skipped: `skip_guard_eval_unsafe` keeps
-only the guards that choose between graphs, and there is nothing to choose.
+One compiled graph serves every step of two or more sequences. The batch and the block-table width are
+marked dynamic (two independent sizes: no "duck" merging of dimensions that happen to be equal at the
+first call), and neither is ever 1 there: torch.compile specialises a dimension of size 1, so a
+one-block table gets a second block. A lone sequence has a graph of its own, compiled at start-up too,
+with the batch fixed at 1 (padding it to two rows would cost a second row in every GEMV, ~15% of a
+small model's step on the CPU). Padding rows read and write only a scratch block and step a scratch
+state row that no sequence owns, as the CUDA graphs' padding does. Each graph sits behind a code object
+of its own, so once it is compiled the per-call guard checks (a tenth of the step at this size) are
+skipped: `skip_guard_eval_unsafe` keeps only the guards that choose between a code object's graphs, and
+each has one.
 
 The graphs are used only for batch sizes where they beat the eager step: after compiling, the warm-up
 times both on padding rows at 2, 4, 8, ... rows and keeps the graphs up to the largest size where they
