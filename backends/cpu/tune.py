@@ -8,11 +8,10 @@ SmolLM2-135M's linear shapes and a small MoE's, and returned as data for `ops tu
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
+from flagdeploy.ops.check import fastest
 from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Int4Weight, Int8Weight
 
@@ -23,14 +22,8 @@ LINEAR_SHAPES = ((960, 576), (3072, 576), (576, 1536))
 WIDTHS = (16, 32, 64, 128, 256, 512, 1024, 4096)  # weight widths tried for the dense weights' layout
 
 
-def _best(fn, repeat: int = 7) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+def _best(fn) -> float:
+    return fastest(fn, repeats=7)
 
 
 def _int4(w: torch.Tensor) -> Int4Weight:

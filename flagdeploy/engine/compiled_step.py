@@ -34,6 +34,8 @@ import torch
 import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, patched below)
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, GuardOnDataDependentSymNode
 
+from flagdeploy.ops.check import fastest
+
 from .cuda_graphs import DecodeInputs, Step
 
 log = logging.getLogger(__name__)
@@ -111,7 +113,7 @@ class CompiledDecode:
                 d = DecodeInputs.build(*rows, self.device)
                 eager = lambda: self.step(d)  # noqa: E731
                 graph = lambda: self.run(*rows)  # noqa: E731
-                if _fastest(graph, repeats) >= _fastest(eager, repeats):
+                if fastest(graph, repeats, self.device) >= fastest(eager, repeats, self.device):
                     break
             best = n
         return best
@@ -151,16 +153,6 @@ class CompiledDecode:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                     out = compiled(d)
         return out[:n]
-
-
-def _fastest(fn, repeats: int) -> float:
-    fn()  # first call: allocations, caches
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def _own_code(step: Step) -> Step:

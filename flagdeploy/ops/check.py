@@ -44,13 +44,33 @@ def _to(x, device, dtype=None):
     return x
 
 
+def synchronizer(device: str):
+    """What waits for the work queued on `device` (nothing on the CPU, where calls finish before they return)."""
+    mod = getattr(torch, device, None)
+    return mod.synchronize if device != "cpu" and hasattr(mod, "synchronize") else (lambda: None)
+
+
+def fastest(fn, repeats: int = 5, device: str = "cpu") -> float:
+    """Seconds of the fastest of `repeats` calls of `fn`, after one untimed call (allocations, caches)."""
+    sync = synchronizer(device)
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def _time_us(fn, args, kwargs, device: str, repeats: int = 5) -> float:
-    sync = getattr(torch, device).synchronize if device != "cpu" and hasattr(getattr(torch, device, None), "synchronize") else (lambda: None)
+    sync = synchronizer(device)
     fn(*_fresh(args), **kwargs)
     sync()
     best = float("inf")
     for _ in range(repeats):
-        a = _fresh(args)
+        a = _fresh(args)  # in-place ops get fresh inputs each call, outside the timed span
         t = time.perf_counter()
         fn(*a, **kwargs)
         sync()
