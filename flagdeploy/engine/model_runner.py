@@ -200,7 +200,8 @@ class SequenceStateRunner(_Runner):
                                        block_size, num_blocks, max_seqs)
         self.compiled = None
         if compile and self.batched_decode and not self.graphs:
-            self.compiled = CompiledDecode(self._decode, device, block_size, num_blocks, max_seqs, max_seqs)
+            self.compiled = CompiledDecode(self._decode, device, block_size, num_blocks, scratch_state=max_seqs,
+                                           max_seqs=max_seqs)
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
