@@ -3,15 +3,20 @@
     python benchmarks/glm5_cpu.py [--batch 8] [--tokens 32] [--prompt 64] [--repeat 5]
 
 A small-but-not-trivial random configuration (every layer kind: KDA, MLA + DSA indexer, dense and MoE
-FFNs, hyper-connections) is built by transformers, saved, and loaded by flagdeploy from the same files.
-Both decode `--batch` sequences of `--prompt` random tokens for `--tokens` forced steps; the script
-prints tokens/s for each and the ratios. flagdeploy runs twice: eagerly, and with its decode step compiled
-(`flagdeploy serve --compile`; the compile happens while the engine is built, outside the timings).
+FFNs, hyper-connections) is built by transformers, saved in BF16 as the published checkpoint is, and
+loaded by flagdeploy from the same files. transformers runs it in float32 and in bfloat16 (the same
+weights: every value is a bf16 number); the faster of the two is the baseline. Each decodes `--batch`
+sequences of `--prompt` random tokens for `--tokens` forced steps; the script prints tokens/s for each
+and the ratios. flagdeploy runs in float32 with its serving default (`--weight-format auto`: the BF16
+expert banks stay bf16), eagerly and with its decode step compiled (`flagdeploy serve --compile`; the
+compile happens while the engine is built, outside the timings), and compiled with every weight float32
+(`--weight-format dense`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import tempfile
 import time
 from pathlib import Path
@@ -43,15 +48,19 @@ def main() -> None:
     from flagdeploy.engine.loader import build_llm_engine
 
     torch.manual_seed(0)
-    hf = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=TEXT, vision_config=VISION)).eval()
+    hf16 = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=TEXT, vision_config=VISION)).eval()
+    hf16 = hf16.to(torch.bfloat16)
+    hf = copy.deepcopy(hf16).float()
     prompts = torch.randint(3, TEXT["vocab_size"], (args.batch, args.prompt))
     with tempfile.TemporaryDirectory() as tmp:
-        hf.save_pretrained(tmp)
+        hf16.save_pretrained(tmp)
         _tokenizer(Path(tmp))
         engines = {name: build_llm_engine(Path(tmp), "safetensors", EngineConfig(
             max_model_len=args.prompt + args.tokens + 8, max_num_seqs=args.batch,
-            max_num_batched_tokens=args.batch * args.prompt, compile=compiled), chip="cpu", progress=False)
-            for name, compiled in (("flagdeploy engine", False), ("flagdeploy --compile", True))}
+            max_num_batched_tokens=args.batch * args.prompt, compile=compiled, weight_format=fmt),
+            chip="cpu", progress=False)
+            for name, compiled, fmt in (("flagdeploy engine", False, "auto"), ("flagdeploy --compile", True, "auto"),
+                                        ("flagdeploy --compile dense", True, "dense"))}
 
     def ours(engine):
         def run(n_tokens: int) -> float:
@@ -61,14 +70,17 @@ def main() -> None:
             return time.perf_counter() - t
         return run
 
-    def theirs(n_tokens: int) -> float:
-        t = time.perf_counter()
-        with torch.no_grad():
-            hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n_tokens,
-                        min_new_tokens=n_tokens, do_sample=False)
-        return time.perf_counter() - t
+    def theirs(model):
+        def run(n_tokens: int) -> float:
+            t = time.perf_counter()
+            with torch.no_grad():
+                model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n_tokens,
+                               min_new_tokens=n_tokens, do_sample=False)
+            return time.perf_counter() - t
+        return run
 
-    runners = {"transformers generate": theirs, **{n: ours(e) for n, e in engines.items()}}
+    runners = {"transformers fp32": theirs(hf), "transformers bf16": theirs(hf16),
+               **{n: ours(e) for n, e in engines.items()}}
     for fn in runners.values():
         fn(2)  # warm-up
     # best of --repeat, the runners taking turns: this shared 2-core machine's speed drifts within a run,
@@ -82,13 +94,14 @@ def main() -> None:
             for n in runners}
     print(f"glm5_next tiny ({TEXT['num_hidden_layers']} layers, hidden {TEXT['hidden_size']}, "
           f"{TEXT['n_routed_experts']} experts), batch {args.batch}, prompt {args.prompt}, {args.tokens} tokens")
-    print(f"{'':24} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    print(f"{'':27} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for name, (pf, dc) in rows.items():
-        print(f"{name:24} {pf:14.1f} {dc:13.1f}")
-    hp, hd = rows["transformers generate"]
+        print(f"{name:27} {pf:14.1f} {dc:13.1f}")
+    hp = max(rows["transformers fp32"][0], rows["transformers bf16"][0])
+    hd = max(rows["transformers fp32"][1], rows["transformers bf16"][1])
     for name in engines:
         op, od = rows[name]
-        print(f"{name} vs transformers: prefill x{op / hp:.2f}, decode x{od / hd:.2f}")
+        print(f"{name} vs the faster transformers: prefill x{op / hp:.2f}, decode x{od / hd:.2f}")
 
 
 def _tokenizer(path: Path) -> None:

@@ -47,7 +47,8 @@ def main() -> None:
 @click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV-cache block.")
 @click.option("--kv-cache-memory", default="2GiB", show_default=True, help="Memory for the KV cache.")
 @click.option("--weight-format", default="auto", show_default=True, type=click.Choice(["auto", "dense"]),
-              help="auto: keep a GGUF's 4-bit weights packed where the chip has kernels (fast); dense: dequantise all.")
+              help="auto: keep weights as stored where the chip has kernels for them (a GGUF's 4-bit, FP8, "
+                   "BF16 experts in a float32 run): fast; dense: everything in the run dtype.")
 @click.option("--served-model-name", "served_names", multiple=True, help="Name(s) clients use; the first is shown. Repeatable.")
 @click.option("--load-format", default="auto", show_default=True, type=click.Choice(["auto", "dummy"]),
               help="dummy: random weights of the right shapes from the model's config (no checkpoint needed).")

@@ -157,6 +157,27 @@ def test_quantized_expert_banks(kind, dtype):
     assert (want - dense).norm() / dense.norm() < (1e-12 if kind == "w8a16" else 0.03 if kind == "w8a8" else 0.08)
 
 
+@pytest.mark.parametrize("looped", [False, True], ids=["all-expert", "per-expert"])
+def test_bf16_expert_banks_under_float32_activations(looped, monkeypatch):
+    """A BF16 checkpoint's experts kept bfloat16 in a float32 run (weight_format auto): the reference and
+    the cpu override (its all-expert matmuls, on banks as given and as prepared, or its per-expert loop)
+    agree with float64 arithmetic on the same weights within bfloat16's tolerance, and answer in float32."""
+    from backends.cpu import ops as cpu_ops
+
+    if looped:
+        monkeypatch.setitem(cpu_ops.TUNE["moe_experts"], "dense_max_token_experts", 0)
+    spec, be = OPS["moe_experts"], ops.get_backend("cpu")
+    (x, routing, gate_up, down, limit), _ = spec.make_inputs(torch.float32, "cpu", torch.Generator().manual_seed(4))
+    gate_up, down = gate_up.bfloat16(), down.bfloat16()
+    want = spec.reference(x.double(), routing.double(), gate_up.double(), down.double(), limit)
+    tol = spec.tolerance[torch.bfloat16]
+    for fn, banks in ((spec.reference, (gate_up, down)), (be.overrides["moe_experts"], (gate_up, down)),
+                      (be.overrides["moe_experts"], be.prepare["moe_experts"]((gate_up, down)))):
+        got = fn(x, routing, *banks, limit)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
+
+
 @pytest.mark.parametrize("rows", [1, 9], ids=lambda m: f"m{m}")
 def test_cpu_groupwise_w8a16_matches_reference(rows):
     g = torch.Generator().manual_seed(2)

@@ -26,7 +26,7 @@ TUNE = yaml.safe_load((Path(__file__).with_name("tune.yaml")).read_text())
 
 # oneDNN can lay a bf16 weight out for its AMX kernels once, instead of on every call: 1.5-2x faster
 # at 16 rows (benchmarks/cpu_linear.py). The layout works for any row count; 16 is only a hint.
-_ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 # Prepared weight-only bundles by key, for `prepared_linear` (weak: an engine's weights go with it)
 _PREPARED: weakref.WeakValueDictionary[int, Int4Weight | Int8Weight] = weakref.WeakValueDictionary()
@@ -42,12 +42,12 @@ def _keyed(w):
 
 def _dense_copy(w) -> torch.Tensor:
     dense = w.dequantize(torch.bfloat16)
-    return torch.ops.mkldnn._reorder_linear_weight(dense, 16) if _ONEDNN_BF16 else dense
+    return torch.ops.mkldnn._reorder_linear_weight(dense, 16) if ONEDNN_BF16 else dense
 
 
 def _dense_mm(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     x = x.to(torch.bfloat16)
-    if _ONEDNN_BF16:
+    if ONEDNN_BF16:
         return torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], "")
     return F.linear(x, dense)
 
@@ -209,11 +209,12 @@ def dense_experts(x, routing, gate_up, down, limit=None):
     SwiGLU [T, E * I] @ [E * I, H] (the weighting moved before down: it is linear). Both weights are views
     of banks laid out by `prepare_moe_banks` (copies of others)."""
     (t, h), (e, i2) = x.shape, gate_up.shape[:2]
-    gate, up = (x @ gate_up.permute(2, 0, 1).reshape(h, e * i2)).view(t, e, i2).chunk(2, dim=-1)
+    w = gate_up.dtype  # bfloat16 banks under float32 activations: bf16 matmuls (AMX), the rest in x's dtype
+    gate, up = (x.to(w) @ gate_up.permute(2, 0, 1).reshape(h, e * i2)).to(x.dtype).view(t, e, i2).chunk(2, dim=-1)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     act = (F.silu(gate) * up * routing.to(x.dtype)[..., None]).reshape(t, e * (i2 // 2))
-    return F.linear(act, down.permute(1, 0, 2).reshape(h, e * (i2 // 2)))
+    return F.linear(act.to(w), down.permute(1, 0, 2).reshape(h, e * (i2 // 2))).to(x.dtype)
 
 
 def _moe_experts_w8a8(x, routing, gate_up: W8A8Weight, down: W8A8Weight, limit):

@@ -69,7 +69,7 @@ def linear_w8a8_dynamic(x, w: W8A8Weight, bias=None):
 
 def _grouped_ok(x: torch.Tensor, gate_up, down) -> bool:
     return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and x.dtype == torch.bfloat16
-            and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device)[0] >= 9
+            and gate_up.dtype == down.dtype == x.dtype and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device)[0] >= 9
             and all(d % 8 == 0 for d in (*gate_up.shape[1:], *down.shape[1:])))
 
 
@@ -119,7 +119,7 @@ def _fp8_expert_loop(x, routing, gate_up: Fp8BlockWeight, down: Fp8BlockWeight, 
 
 def _gather_ok(x, gate_up, down, top_k) -> bool:
     """Few enough tokens that a copy of each picked expert's weights is small (decode of small models)."""
-    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dtype == x.dtype
             and x.shape[0] * top_k * (gate_up[0].numel() + down[0].numel()) <= 1 << 26)
 
 

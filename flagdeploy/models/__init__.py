@@ -39,9 +39,11 @@ def build_model(cfg, dtype: torch.dtype, device: str):
         return cls(cfg, dtype).eval()
 
 
-def load_weights(model, tensors, quantize_head: bool = False, keep_fp8: bool = False) -> None:
-    """keep_fp8: FP8 block-scaled linears stay FP8 (for a backend that runs `linear_fp8_block`)."""
-    FAMILIES[model.cfg.architecture][1](model, tensors, quantize_head, keep_fp8)
+def load_weights(model, tensors, quantize_head: bool = False, keep_fp8: bool = False,
+                 bf16_experts: bool = False) -> None:
+    """keep_fp8: FP8 block-scaled linears stay FP8 (for a backend that runs `linear_fp8_block`);
+    bf16_experts: expert banks whose values are all bfloat16 numbers stay bfloat16 (see `ExpertBank`)."""
+    FAMILIES[model.cfg.architecture][1](model, tensors, quantize_head, keep_fp8, bf16_experts)
 
 
 def has_sequence_state(model) -> bool:

@@ -648,6 +648,20 @@ class ExpertBank(nn.Module):
         else:
             self._pending[part] = value
 
+    def narrow_to_bf16(self) -> None:
+        """Dense float32 banks whose every value is a bfloat16 number (a BF16 checkpoint's experts, run in
+        float32) are stored as bfloat16: the weights are the checkpoint's exactly, in half the memory,
+        and a decode step, which reads every expert's weights for a few tokens, reads half the bytes
+        (`moe_experts` then rounds the matmuls' inputs to bfloat16). Banks that lose anything stay."""
+        banks = (self.gate_up, self.down)
+        if not all(isinstance(b, torch.Tensor) and b.dtype == torch.float32 for b in banks):
+            return
+        narrow = [b.to(torch.bfloat16) for b in banks]
+        # expert by expert: the comparison's float32 temporaries stay one expert large
+        if all(torch.equal(n[e].float(), b[e]) for n, b in zip(narrow, banks) for e in range(b.shape[0])):
+            del self.gate_up, self.down
+            self.gate_up, self.down = (nn.Parameter(n, requires_grad=False) for n in narrow)
+
     def finalize(self) -> None:
         self._join_pending()
         # the backend lays the banks out for its kernels (a Parameter stays a Parameter)
@@ -1184,13 +1198,14 @@ def dequantize_fp8_blocks(tensors: Iterable[tuple[str, Any]], block: tuple[int, 
 
 
 def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any]], quantize_head: bool = False,
-                    keep_fp8: bool = False) -> None:
+                    keep_fp8: bool = False, bf16_experts: bool = False) -> None:
     """Put (HF name, tensor) pairs into the model, then finalize it.
 
     Takes both the published checkpoint's names and transformers' `state_dict()` names (any of the
     usual prefixes); FP8 block-scaled weights are dequantized to the model's dtype on the way in, or with
     keep_fp8 stay FP8 in the linears and expert banks that take them (other tensors are dequantized).
-    A shape mismatch names the tensor and both shapes; missing tensors are named.
+    bf16_experts: dense expert banks whose every value is a bfloat16 number stay bfloat16
+    (`ExpertBank.narrow_to_bf16`). A shape mismatch names the tensor and both shapes; missing tensors are named.
 
     Under TP/EP (the model built with the current parallel layout) each tensor may arrive whole or
     already as this rank's slice (a reader following `read_plan`); tensors of experts other ranks hold
@@ -1224,6 +1239,10 @@ def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any
     if skipped:  # the vision tower and the MTP draft layer: not used when serving text
         log.info("skipped %d checkpoint tensors the text model does not use, e.g. %s", len(skipped),
                  ", ".join(sorted(skipped, key=_natural)[:3]))
+    if bf16_experts:
+        for m in model.modules():
+            if isinstance(m, ExpertBank):
+                m.narrow_to_bf16()
     model.finalize()
     if quantize_head:
         model.lm_head.quantize_int8()

@@ -157,8 +157,10 @@ class LlamaForCausalLM(nn.Module):
         return self(input_ids, meta, caches)
 
 
-def load_hf_weights(model: LlamaForCausalLM, tensors, quantize_head: bool = False, keep_fp8: bool = False) -> None:
-    """Put (HF name, tensor or quantized bundle) pairs into the model, then finalize it.
+def load_hf_weights(model: LlamaForCausalLM, tensors, quantize_head: bool = False, keep_fp8: bool = False,
+                    bf16_experts: bool = False) -> None:
+    """Put (HF name, tensor or quantized bundle) pairs into the model, then finalize it. (The family has
+    no expert banks: `bf16_experts` has nothing to apply to.)
 
     Each tensor goes straight to its slot, so loading never holds a second full copy of the model.
     Missing weights are an error, named; unknown ones are ignored (rotary buffers and the like).

@@ -69,7 +69,9 @@ _EXPERT_LINEAR = {Int8Weight: linear_w8a16, W8A8Weight: linear_w8a8_dynamic, Fp8
 
 
 def _expert_linear(x: torch.Tensor, w, e: int) -> torch.Tensor:
-    return x @ w[e].t() if isinstance(w, torch.Tensor) else _EXPERT_LINEAR[type(w)](x, w.expert(e))
+    if isinstance(w, torch.Tensor):
+        return (x.to(w.dtype) @ w[e].t()).to(x.dtype)
+    return _EXPERT_LINEAR[type(w)](x, w.expert(e))
 
 
 def moe_experts(
@@ -80,7 +82,8 @@ def moe_experts(
     gate_up [E, 2I, H] (gate rows first, then up), down [E, H, I]: the fused layout transformers
     keeps; either may be a quantized bank (Int8Weight / W8A8Weight / Fp8BlockWeight with q [E, N, K]), in
     which case each expert runs that scheme's linear (W8A8 and FP8 quantise the SwiGLU output again
-    before down).
+    before down), or a dense bank narrower than x (bfloat16 experts in a float32 run), whose matmuls take
+    their inputs rounded to its dtype and give x's dtype back.
     Only experts that some token picked are computed. `top_k`, when given, promises at most that many
     nonzero weights per row (the router's k): a backend may size its dispatch by it instead of reading
     the routing back to the host, which a captured graph cannot do. The result does not depend on it.
