@@ -125,7 +125,7 @@ def test_auto_keeps_bf16_experts_bf16(bf16_dir, fp8_dir):
     from flagdeploy import ops
     from flagdeploy.models.glm5_next import ExpertBank
 
-    if "bfloat16" not in ops.get_backend("cpu").dtypes:
+    if "bfloat16" not in ops.get_backend("cpu").narrow_weight_dtypes:
         pytest.skip("this CPU has no oneDNN bf16 matmuls: auto keeps float32 experts")
 
     def banks(model):

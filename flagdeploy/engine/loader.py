@@ -30,8 +30,9 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     as int4 and stores the LM head as int8 where the backend has kernels for them (on the CPU that is
     what makes decoding fast: the step reads 1/8 of the bytes), keeps FP8 block-scaled linears FP8
     where the backend runs `linear_fp8_block`, and in a float32 run keeps expert banks that are exactly
-    bfloat16 (a BF16 checkpoint's) bfloat16 where the backend's matrix unit takes bfloat16 (the
-    experts are most of a MoE decode step's bytes); elsewhere it falls back to dense.
+    bfloat16 (a BF16 checkpoint's) bfloat16 where the backend declares bf16 matmuls at full speed in a
+    float32 step (`Backend.narrow_weight_dtypes`: the experts are most of a MoE decode step's bytes);
+    elsewhere it falls back to dense.
     load_format "dummy" reads only the config and makes random weights of the right shapes, so that
     real shapes can be run and measured without a checkpoint.
     """
@@ -43,8 +44,8 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     keep_int4 = weight_format == "auto" and "linear_w4a16" in be.overrides
     quantize_head = keep_int4 and fmt == "gguf" and "linear_w8a16" in be.overrides
     keep_fp8 = weight_format == "auto" and "linear_fp8_block" in be.overrides  # FP8 matmul units run FP8 as stored
-    # a float32 run on a matrix unit that takes bf16: a BF16 checkpoint's experts stay as stored
-    bf16_experts = weight_format == "auto" and dtype == torch.float32 and "bfloat16" in be.dtypes
+    # a float32 run whose matmuls take bf16 at full speed (the CPU's AMX): a BF16 checkpoint's experts stay bf16
+    bf16_experts = weight_format == "auto" and dtype == torch.float32 and "bfloat16" in be.narrow_weight_dtypes
     cfg = read_model_config(path, fmt)
     model = build_model(cfg, dtype, device)
     tokenizer = Tokenizer.from_source(path, fmt, extra_eos_ids=cfg.eos_token_ids)

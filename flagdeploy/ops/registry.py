@@ -71,6 +71,10 @@ class Backend:
     # this backend's kernels, once at load time. What it returns must still be read correctly by the op's
     # override where the backend has one, else by the reference (e.g. a dense tensor with other strides).
     prepare: dict[str, Callable] = field(default_factory=dict)
+    # 16-bit dtypes whose matmuls run at full speed while the rest of a float32 step stays float32: there,
+    # `weight_format=auto` keeps weights stored in one of them as stored (the CPU's AMX: bf16). A GPU runs
+    # 16-bit end to end when speed matters, and a float32 run on it is asked for exactness: none.
+    narrow_weight_dtypes: tuple[str, ...] = ()
     priority: int = 0  # higher wins when several backends detect their chip
     description: str = ""
     # The environment variable that restricts which devices a process sees (CUDA_VISIBLE_DEVICES, ...):
