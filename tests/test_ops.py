@@ -171,8 +171,11 @@ def test_bf16_expert_banks_under_float32_activations(looped, monkeypatch):
     gate_up, down = gate_up.bfloat16(), down.bfloat16()
     want = spec.reference(x.double(), routing.double(), gate_up.double(), down.double(), limit)
     tol = spec.tolerance[torch.bfloat16]
+    prepared = be.prepare["moe_experts"]((gate_up, down))
+    e, i2, h = gate_up.shape  # the all-expert weights are views of the prepared banks, not per-call copies
+    assert prepared[0].reshape(e * i2, h).data_ptr() == prepared[0].data_ptr()
     for fn, banks in ((spec.reference, (gate_up, down)), (be.overrides["moe_experts"], (gate_up, down)),
-                      (be.overrides["moe_experts"], be.prepare["moe_experts"]((gate_up, down)))):
+                      (be.overrides["moe_experts"], prepared)):
         got = fn(x, routing, *banks, limit)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
@@ -260,6 +263,8 @@ def test_ops_tune_writes_the_backends_table(tmp_path):
     measured = yaml.safe_load(out.read_text())
     shipped = yaml.safe_load((PROFILES_DIR.parent / "backends" / "cpu" / "tune.yaml").read_text())
     assert {k: set(v) for k, v in measured.items()} == {k: set(v) for k, v in shipped.items()}
+    layouts = measured["moe_experts"].pop("column_major_gate_up")  # dtypes, the rest sizes
+    assert set(layouts) <= {"float32", "bfloat16"}
     assert all(isinstance(x, int) and x >= 0 for v in measured.values() for x in v.values())
     r = CliRunner().invoke(main, ["ops", "tune", "--chip", "cuda"])
     assert r.exit_code == 1 and "nothing to tune" in r.output

@@ -163,15 +163,19 @@ def _relaid(t: torch.Tensor, order: tuple[int, ...]) -> nn.Parameter:
 
 
 def prepare_moe_banks(banks):
-    """Dense banks in the layout `dense_experts`' two matmuls read without a copy: gate_up [E, 2I, H] as a
-    view of an [H, E, 2I] buffer (one [H, E * 2I] column-major weight, see `prepare_linear`), down
-    [E, H, I] of an [H, E, I] buffer (its rows, [H, E * I], take all experts' weighted SwiGLU outputs at
-    once). Still [E, 2I, H] / [E, H, I] tensors for the reference and every other reader. Banks too large
-    for the dense path (or quantized) stay as they are."""
+    """Dense banks in the layout `dense_experts`' two matmuls read without a copy: down [E, H, I] of an
+    [H, E, I] buffer (its rows, [H, E * I], take all experts' weighted SwiGLU outputs at once); gate_up
+    [E, 2I, H] as stored ([E * 2I, H] rows: what oneDNN's bf16 kernel reads fastest) or, for the dtypes
+    the tune table lists (MKL's float32 GEMM), as a view of an [H, E, 2I] buffer (one column-major
+    weight, see `prepare_linear`). Still [E, 2I, H] / [E, H, I] tensors for the reference and every other
+    reader. Banks too large for the dense path (or quantized) stay as they are."""
     gate_up, down = banks
     dense = isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
-    if dense and gate_up.shape[0] <= TUNE["moe_experts"]["dense_max_token_experts"]:
-        gate_up, down = _relaid(gate_up, (2, 0, 1)), _relaid(down, (1, 0, 2))
+    t = TUNE["moe_experts"]
+    if dense and gate_up.shape[0] <= t["dense_max_token_experts"]:
+        if str(gate_up.dtype).removeprefix("torch.") in t["column_major_gate_up"]:
+            gate_up = _relaid(gate_up, (2, 0, 1))
+        down = _relaid(down, (1, 0, 2))
     return gate_up, down
 
 
@@ -210,7 +214,7 @@ def dense_experts(x, routing, gate_up, down, limit=None):
     of banks laid out by `prepare_moe_banks` (copies of others)."""
     (t, h), (e, i2) = x.shape, gate_up.shape[:2]
     w = gate_up.dtype  # bfloat16 banks under float32 activations: bf16 matmuls (AMX), the rest in x's dtype
-    gate, up = (x.to(w) @ gate_up.permute(2, 0, 1).reshape(h, e * i2)).to(x.dtype).view(t, e, i2).chunk(2, dim=-1)
+    gate, up = F.linear(x.to(w), gate_up.reshape(e * i2, h)).to(x.dtype).view(t, e, i2).chunk(2, dim=-1)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     act = (F.silu(gate) * up * routing.to(x.dtype)[..., None]).reshape(t, e * (i2 // 2))

@@ -100,9 +100,23 @@ def _moe_crossover() -> int:
     return last
 
 
+def _column_major_gate_up() -> list[str]:
+    """The dtypes whose all-expert gate/up weight ([16 x 256, 256] at decode's 8 rows) multiplies at least
+    as fast column-major."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 256, generator=g), torch.randn(16 * 256, 256, generator=g)
+    out = []
+    for dt in (torch.float32, torch.bfloat16) if ops.ONEDNN_BF16 else (torch.float32,):
+        xd, row = x.to(dt), w.to(dt)
+        col = row.t().contiguous().t()
+        if _best(lambda: F.linear(xd, col)) <= _best(lambda: F.linear(xd, row)):
+            out.append(str(dt).removeprefix("torch."))
+    return out
+
+
 def measure() -> dict:
     """The tune table's values as measured on this machine (the keys of tune.yaml)."""
     return {"linear": _layout_crossovers(),
             "linear_w4a16": {"packed_max_m": _linear_crossover("linear_w4a16")},
             "linear_w8a16": {"packed_max_m": _linear_crossover("linear_w8a16")},
-            "moe_experts": {"dense_max_token_experts": _moe_crossover()}}
+            "moe_experts": {"dense_max_token_experts": _moe_crossover(), "column_major_gate_up": _column_major_gate_up()}}
