@@ -51,7 +51,7 @@ def _counting(engine) -> list[int]:
     return sizes
 
 
-def test_compiled_decode_gives_transformers_tokens(llama_dir):
+def test_compiled_decode_gives_transformers_tokens(llama_dir, graphs_serve_every_batch):
     """Batches of 3 and of 1, block tables from 1 to 8 blocks: the same greedy tokens as transformers."""
     path, hf = llama_dir
     engine = build_llm_engine(path, "safetensors", EngineConfig(**CONFIG), chip="cpu", progress=False)
@@ -77,7 +77,7 @@ def _int4(w: torch.Tensor, group: int = 32) -> Int4Weight:
     return Int4Weight(q, scales, lo + 8 * scales, group, n, k)
 
 
-def test_compiled_decode_runs_packed_4bit_weights_like_the_eager_step(llama_dir):
+def test_compiled_decode_runs_packed_4bit_weights_like_the_eager_step(llama_dir, graphs_serve_every_batch):
     """4-bit linears and an int8 head, as `--weight-format auto` serves a Q4 GGUF: inside the graph each
     linear is one opaque op that picks the packed GEMV (few rows) or oneDNN's bf16 GEMM (more) at run
     time, like the eager step; the logits match the eager step's within bf16 rounding on both."""

@@ -63,7 +63,7 @@ def test_engine_greedy_matches_transformers(glm_dir, budget, blocks):
     assert engine.stats()["prefix_cache_hit_tokens"] == 0  # KDA state is never resumed from shared blocks
 
 
-def test_compiled_decode_step_gives_transformers_tokens(glm_dir, monkeypatch, tmp_path):
+def test_compiled_decode_step_gives_transformers_tokens(glm_dir, monkeypatch, tmp_path, graphs_serve_every_batch):
     """`--compile`: one torch.compile graph (built at start-up on two rows of two blocks) serves batches of
     3 and 1 (a padding row) and block tables of 2 to 9 blocks, on both sides of the width where the
     indexer's pools (4 per block here) outnumber its top-k (16 tokens = 4 pools). Guards are skipped once

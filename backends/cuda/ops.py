@@ -69,7 +69,8 @@ def linear_w8a8_dynamic(x, w: W8A8Weight, bias=None):
 
 def _grouped_ok(x: torch.Tensor, gate_up, down) -> bool:
     return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and x.dtype == torch.bfloat16
-            and gate_up.dtype == down.dtype == x.dtype and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device)[0] >= 9
+            and gate_up.dtype == down.dtype == x.dtype and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device)[0] >= 9
             and all(d % 8 == 0 for d in (*gate_up.shape[1:], *down.shape[1:])))
 
 
