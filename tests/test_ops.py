@@ -263,8 +263,9 @@ def test_ops_tune_writes_the_backends_table(tmp_path):
     measured = yaml.safe_load(out.read_text())
     shipped = yaml.safe_load((PROFILES_DIR.parent / "backends" / "cpu" / "tune.yaml").read_text())
     assert {k: set(v) for k, v in measured.items()} == {k: set(v) for k, v in shipped.items()}
-    layouts = measured["moe_experts"].pop("column_major_gate_up")  # dtypes, the rest sizes
+    layouts = measured["moe_experts"].pop("column_major_gate_up")  # dtypes, a switch, the rest sizes
     assert set(layouts) <= {"float32", "bfloat16"}
+    assert isinstance(measured.pop("compile")["freezing"], bool)
     assert all(isinstance(x, int) and x >= 0 for v in measured.values() for x in v.values())
     r = CliRunner().invoke(main, ["ops", "tune", "--chip", "cuda"])
     assert r.exit_code == 1 and "nothing to tune" in r.output

@@ -10,6 +10,7 @@ backend = Backend(
     device_type="cpu",
     dtypes=("float32", "bfloat16"),
     narrow_weight_dtypes=("bfloat16",) if ops.ONEDNN_BF16 else (),  # where oneDNN has bf16 matmuls (AMX, AVX512-BF16)
+    compile_config={"freezing": ops.TUNE["compile"]["freezing"]},
     collective="gloo",
     detect=lambda: True,
     overrides={

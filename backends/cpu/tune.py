@@ -2,7 +2,8 @@
 
 Each tunable is a crossover: up to some row count the packed GEMV kernel beats the oneDNN bf16 copy;
 up to some tokens x experts the dense all-experts MoE beats the per-expert loop; from some output
-width (and up to some input width) a column-major dense weight beats the row-major one. They are measured at
+width (and up to some input width) a column-major dense weight beats the row-major one; and whether a
+compiled step should freeze its weights for oneDNN's laid-out matmuls. They are measured at
 SmolLM2-135M's linear shapes and a small MoE's, and returned as data for `ops tune` to write.
 """
 
@@ -114,9 +115,21 @@ def _column_major_gate_up() -> list[str]:
     return out
 
 
+def _freezing_wins() -> bool:
+    """Whether oneDNN's laid-out float32 matmul (what a frozen compiled step calls) beats MKL's GEMM on
+    plain weights at decode's 8 rows, over a small model's shapes."""
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(n, k, generator=g) for n, k in ((4096, 256), (1024, 256), (256, 1024), (768, 256))]
+    xs = [torch.randn(8, w.shape[1], generator=g) for w in ws]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in ws]
+    onednn = _best(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, packed)])
+    return onednn < _best(lambda: [F.linear(x, w) for x, w in zip(xs, ws)])
+
+
 def measure() -> dict:
     """The tune table's values as measured on this machine (the keys of tune.yaml)."""
     return {"linear": _layout_crossovers(),
             "linear_w4a16": {"packed_max_m": _linear_crossover("linear_w4a16")},
             "linear_w8a16": {"packed_max_m": _linear_crossover("linear_w8a16")},
-            "moe_experts": {"dense_max_token_experts": _moe_crossover(), "column_major_gate_up": _column_major_gate_up()}}
+            "moe_experts": {"dense_max_token_experts": _moe_crossover(), "column_major_gate_up": _column_major_gate_up()},
+            "compile": {"freezing": torch.backends.mkldnn.is_available() and _freezing_wins()}}

@@ -31,9 +31,11 @@ import time
 import types
 
 import torch
+import torch._inductor.config  # noqa: F401  (patched below)
 import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, patched below)
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, GuardOnDataDependentSymNode
 
+from flagdeploy.ops import active_backend
 from flagdeploy.ops.check import fastest
 
 from .cuda_graphs import DecodeInputs, Step
@@ -65,6 +67,7 @@ class CompiledDecode:
         self.compiled = {rows: torch.compile(_own_code(step), fullgraph=True, options={"cpp_wrapper": True})
                          for rows in (MIN_DIM, 1)}
         self.step, self.device, self.max_seqs = step, device, max_seqs
+        self.inductor_config = dict(active_backend().compile_config)
         self.scratch_block, self.scratch_slot, self.scratch_state = scratch_block, scratch_block * block_size, scratch_state
         self.ready: set[int] = set()  # the graphs compiled so far
         self.max_batch = 0  # the largest batch the graphs serve (set by `warm_up`); larger ones run eagerly
@@ -145,8 +148,11 @@ class CompiledDecode:
                 # compiles of this source line in the process saw (automatic dynamism would make the
                 # block size symbolic after another engine's compile, and a floor of it could then
                 # quietly fix the width)
+                # and the backend's inductor settings (freezing is read when the graph is handed to
+                # inductor, not from torch.compile's options)
                 with torch.fx.experimental._config.patch(use_duck_shape=False), \
-                        torch._dynamo.config.patch(automatic_dynamic_shapes=False, automatic_dynamic_local_pgo=False):
+                        torch._dynamo.config.patch(automatic_dynamic_shapes=False, automatic_dynamic_local_pgo=False), \
+                        torch._inductor.config.patch(self.inductor_config):
                     out = compiled(d)
                 self.ready.add(rows)
             else:

@@ -75,6 +75,10 @@ class Backend:
     # `weight_format=auto` keeps weights stored in one of them as stored (the CPU's AMX: bf16). A GPU runs
     # 16-bit end to end when speed matters, and a float32 run on it is asked for exactness: none.
     narrow_weight_dtypes: tuple[str, ...] = ()
+    # inductor settings for the compiled decode step (`serve --compile`, engine/compiled_step.py) that are
+    # this backend's to choose, e.g. {"freezing": True}: the weights become constants that inductor lays
+    # out once for its own GEMM calls (the cpu backend's tune table says where that is faster)
+    compile_config: dict = field(default_factory=dict)
     priority: int = 0  # higher wins when several backends detect their chip
     description: str = ""
     # The environment variable that restricts which devices a process sees (CUDA_VISIBLE_DEVICES, ...):
