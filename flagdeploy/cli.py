@@ -77,7 +77,9 @@ def main() -> None:
               help="Data-parallel replicas behind one endpoint, each of tp x ep devices.")
 @click.option("--compile/--no-compile", "compile_", default=False, show_default=True,
               help="Compile the decode step with torch.compile (on the CPU: a faster step, 1.3-1.5x for the "
-                   "default model, after a compile of a minute or more at start-up, cached for the next start).")
+                   "default model, after a compile of a minute or more at start-up, cached for the next start; "
+                   "where the backend freezes the weights into the step, their dense float weights are held twice "
+                   "and a step with oneDNN-laid-out weights is compiled again at every start).")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--engine", default="builtin", show_default=True,
               type=click.Choice(["builtin", "vllm", "vllm-ascend", "sglang", "mindie", "llama.cpp", "onnxruntime"]),
