@@ -265,7 +265,10 @@ def test_ops_tune_writes_the_backends_table(tmp_path):
     assert {k: set(v) for k, v in measured.items()} == {k: set(v) for k, v in shipped.items()}
     layouts = measured["moe_experts"].pop("column_major_gate_up")  # dtypes, a switch, the rest sizes
     assert set(layouts) <= {"float32", "bfloat16"}
-    assert isinstance(measured.pop("compile")["freezing"], bool)
+    compile_settings = measured.pop("compile")
+    assert isinstance(compile_settings["freezing"], bool)
+    # inductor's GEMM templates need frozen weights
+    assert compile_settings["weight_only_one_row"].get("max_autotune", False) == compile_settings["freezing"]
     assert all(isinstance(x, int) and x >= 0 for v in measured.values() for x in v.values())
     r = CliRunner().invoke(main, ["ops", "tune", "--chip", "cuda"])
     assert r.exit_code == 1 and "nothing to tune" in r.output

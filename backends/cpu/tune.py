@@ -3,7 +3,7 @@
 Each tunable is a crossover: up to some row count the packed GEMV kernel beats the oneDNN bf16 copy;
 up to some tokens x experts the dense all-experts MoE beats the per-expert loop; from some output
 width (and up to some input width) a column-major dense weight beats the row-major one; and whether a
-compiled step should freeze its weights for oneDNN's laid-out matmuls. They are measured at
+compiled step should freeze its weights for oneDNN's laid-out matmuls (and autotune them). They are measured at
 SmolLM2-135M's linear shapes and a small MoE's, and returned as data for `ops tune` to write.
 """
 
@@ -132,4 +132,13 @@ def measure() -> dict:
             "linear_w4a16": {"packed_max_m": _linear_crossover("linear_w4a16")},
             "linear_w8a16": {"packed_max_m": _linear_crossover("linear_w8a16")},
             "moe_experts": {"dense_max_token_experts": _moe_crossover(), "column_major_gate_up": _column_major_gate_up()},
-            "compile": {"freezing": torch.backends.mkldnn.is_available() and _freezing_wins()}}
+            "compile": _compile_settings(torch.backends.mkldnn.is_available() and _freezing_wins())}
+
+
+def _compile_settings(freeze: bool) -> dict:
+    """Inductor's settings for the compiled decode step. Its CPP GEMM templates (generated GEMMs, timed
+    against ATen's kernel at compile time, the faster kept) need the weights frozen into the graph, so
+    the one-row graph of a weight-only quantized model is autotuned exactly where freezing is on: the
+    autotuner measures itself."""
+    autotune = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"} if freeze else {}
+    return {"freezing": freeze, "weight_only_one_row": autotune}

@@ -42,14 +42,16 @@ from .cuda_graphs import DecodeInputs, Step
 
 log = logging.getLogger(__name__)
 
+QUIET_AUTOTUNE = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 MIN_DIM = 2  # the smallest batch and table width the graph is run at (see the module docstring)
 
 
 class CompiledDecode:
     def __init__(self, step: Step, device, block_size: int, scratch_block: int, scratch_state: int = 0,
-                 max_seqs: int = 256):
+                 max_seqs: int = 256, weight_only: bool = False):
         """step: the model's decode step on `DecodeInputs` → logits [B, vocab]; scratch_block / scratch_state:
-        the pool block and state row reserved for padding; max_seqs: the largest batch the engine runs."""
+        the pool block and state row reserved for padding; max_seqs: the largest batch the engine runs;
+        weight_only: every linear of the model runs a weight-only quantized kernel (see `inductor_config`)."""
         from flagdeploy.loaders.source import cache_dir
 
         # compiled kernels are kept with the models, so that the next start (of any process) reuses them,
@@ -67,7 +69,15 @@ class CompiledDecode:
         self.compiled = {rows: torch.compile(_own_code(step), fullgraph=True, options={"cpp_wrapper": True})
                          for rows in (MIN_DIM, 1)}
         self.step, self.device, self.max_seqs = step, device, max_seqs
-        self.inductor_config = dict(active_backend().compile_config)
+        # the backend's inductor settings per graph, and quiet autotuning (inductor writes each autotuned
+        # matmul's timings to stderr otherwise). The backend's "weight_only_one_row" entries add to the rest
+        # for the one-row graph of a weight-only quantized model: there every matmul is a packed GEMV, which
+        # the cpu backend autotunes (a few shapes, seconds each); autotuning a dense model's every shape
+        # would make the compile several times longer.
+        settings = dict(active_backend().compile_config)
+        one_row = settings.pop("weight_only_one_row", {}) if weight_only else {}
+        settings.pop("weight_only_one_row", None)
+        self.inductor_config = {MIN_DIM: {**QUIET_AUTOTUNE, **settings}, 1: {**QUIET_AUTOTUNE, **settings, **one_row}}
         self.scratch_block, self.scratch_slot, self.scratch_state = scratch_block, scratch_block * block_size, scratch_state
         self.ready: set[int] = set()  # the graphs compiled so far
         self.max_batch = 0  # the largest batch the graphs serve (set by `warm_up`); larger ones run eagerly
@@ -152,7 +162,7 @@ class CompiledDecode:
                 # inductor, not from torch.compile's options)
                 with torch.fx.experimental._config.patch(use_duck_shape=False), \
                         torch._dynamo.config.patch(automatic_dynamic_shapes=False, automatic_dynamic_local_pgo=False), \
-                        torch._inductor.config.patch(self.inductor_config):
+                        torch._inductor.config.patch(self.inductor_config[rows]):
                     out = compiled(d)
                 self.ready.add(rows)
             else:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from flagdeploy.models.attention import AttentionMetadata
+from flagdeploy.models.linear import Linear
+from flagdeploy.ops.weights import Int4Weight, Int8Weight
 
 from .compiled_step import CompiledDecode
 from .cuda_graphs import DecodeGraphs, DecodeInputs
@@ -47,6 +49,13 @@ class StateStep:
 
     seqs: list[tuple[int, int, list[int], list[int], int]]
     rows: list[int]
+
+
+def _weight_only(model) -> bool:
+    """Whether every linear of `model` runs a weight-only quantized kernel (4- or 8-bit weights, 16-bit
+    activations): a GGUF served with `--weight-format auto`."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    return bool(linears) and all(isinstance(m.qweight, (Int4Weight, Int8Weight)) for m in linears)
 
 
 class _Runner:
@@ -92,7 +101,8 @@ class PagedRunner(_Runner):
         if graphs:
             self.graphs = DecodeGraphs(self._decode, device, graphs["max_batch"],
                                        -(-graphs["max_model_len"] // block_size), block_size, num_blocks)
-        self.compiled = (CompiledDecode(self._decode, device, block_size, num_blocks, max_seqs=max_seqs)
+        self.compiled = (CompiledDecode(self._decode, device, block_size, num_blocks, max_seqs=max_seqs,
+                                        weight_only=_weight_only(model))
                          if compile and not graphs else None)
 
     def _decode(self, d: DecodeInputs) -> torch.Tensor:
@@ -201,7 +211,7 @@ class SequenceStateRunner(_Runner):
         self.compiled = None
         if compile and self.batched_decode and not self.graphs:
             self.compiled = CompiledDecode(self._decode, device, block_size, num_blocks, scratch_state=max_seqs,
-                                           max_seqs=max_seqs)
+                                           max_seqs=max_seqs, weight_only=_weight_only(model))
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
