@@ -38,6 +38,6 @@ def graphs_serve_every_batch(monkeypatch):
     """Which batch sizes a compiled decode step serves is timed against the eager step at start-up, and on
     a busy two-core machine the graph can lose a round; tests of what the graph computes let it serve every
     size instead of depending on that timing."""
-    from flagdeploy.engine.compiled_step import MIN_DIM, CompiledDecode
+    from flagdeploy.engine.compiled_step import CompiledDecode
 
-    monkeypatch.setattr(CompiledDecode, "_largest_faster_batch", lambda self, repeats=3: max(self.max_seqs, MIN_DIM))
+    monkeypatch.setattr(CompiledDecode, "_graph_wins", lambda self, n, repeats=3: True)

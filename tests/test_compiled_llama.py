@@ -56,7 +56,7 @@ def test_compiled_decode_gives_transformers_tokens(llama_dir, graphs_serve_every
     path, hf = llama_dir
     engine = build_llm_engine(path, "safetensors", EngineConfig(**CONFIG), chip="cpu", progress=False)
     compiled = engine.runner.compiled
-    assert compiled is not None and compiled.ready == {1, 2} and compiled.max_batch >= 2
+    assert compiled is not None and compiled.ready == {1, 2} and compiled.one_row and compiled.max_batch >= 2
     sizes = _counting(engine)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     with torch.no_grad():

@@ -17,8 +17,8 @@ skipped: `skip_guard_eval_unsafe` keeps only the guards that choose between a co
 each has one.
 
 The graphs are used only for batch sizes where they beat the eager step: after compiling, the warm-up
-times both on padding rows at 2, 4, 8, ... rows and keeps the graphs up to the largest size where they
-won (`max_batch`); larger steps run eagerly. (The llama family's weight-only linears run inside the graph
+times both on padding rows at 1 row (the one-row graph) and at 2, 4, 8, ... rows and keeps the batched
+graph up to the largest size where it won (`max_batch`); other steps run eagerly. (The llama family's weight-only linears run inside the graph
 as one opaque op that picks its kernel by row count at run time, as the eager step does, so there the
 graphs win at every size; the measurement keeps a backend whose graph would lose from being slowed.)
 """
@@ -81,6 +81,7 @@ class CompiledDecode:
         self.scratch_block, self.scratch_slot, self.scratch_state = scratch_block, scratch_block * block_size, scratch_state
         self.ready: set[int] = set()  # the graphs compiled so far
         self.max_batch = 0  # the largest batch the graphs serve (set by `warm_up`); larger ones run eagerly
+        self.one_row = False  # whether a lone sequence runs through the one-row graph (set by `warm_up`)
 
     def warm_up(self) -> bool:
         """Compile now (on padding rows only), not inside the first request. False where the step does
@@ -107,29 +108,40 @@ class CompiledDecode:
         except Exception as exc:  # noqa: BLE001  (the one-row graph is an extra: without it one row is padded to two)
             log.info("no one-row decode graph (%s); a lone sequence runs with a padding row", str(exc).splitlines()[0])
         log.warning("decode step compiled in %.0f s", time.perf_counter() - t)
+        # each graph on its own: the one-row graph is a different program (e.g. autotuned GEMVs) and can win
+        # where the batched one loses
+        self.one_row = 1 in self.ready and self._graph_wins(1)
         self.max_batch = self._largest_faster_batch()
-        if self.max_batch < MIN_DIM:
+        if not self.one_row and self.max_batch < MIN_DIM:
             log.warning("the compiled decode step is slower than the eager one on this backend; running it eagerly.")
             return False
-        log.info("compiled decode step used up to %d sequences per step", self.max_batch)
+        log.info("compiled decode step used for %s", ", ".join(
+            ["one sequence"] * self.one_row + [f"2 to {self.max_batch} sequences"] * (self.max_batch >= MIN_DIM)))
         return True
 
-    def _largest_faster_batch(self, repeats: int = 3) -> int:
+    def serves(self, n: int) -> bool:
+        """Whether a decode step of n sequences runs through a graph (else eagerly)."""
+        return self.one_row if n == 1 and 1 in self.ready else n <= self.max_batch
+
+    def _largest_faster_batch(self) -> int:
         """The largest of 2, 4, 8, ... (up to max_seqs) rows at which the graph, and at every size before it,
-        beat the eager step (best of `repeats` each, on padding rows); 0 if it loses at 2 rows."""
+        beat the eager step; 0 if it loses at 2 rows."""
         sizes = [n for n in (2**i for i in range(1, 16)) if n < self.max_seqs] + [max(self.max_seqs, MIN_DIM)]
         best = 0
         for n in sizes:
-            rows = ([0] * n, [0] * n, [self.scratch_slot] * n, [[self.scratch_block] * MIN_DIM] * n, [1] * n,
-                    [self.scratch_state] * n)
-            with torch.inference_mode():
-                d = DecodeInputs.build(*rows, self.device)
-                eager = lambda: self.step(d)  # noqa: E731
-                graph = lambda: self.run(*rows)  # noqa: E731
-                if fastest(graph, repeats, self.device) >= fastest(eager, repeats, self.device):
-                    break
+            if not self._graph_wins(n):
+                break
             best = n
         return best
+
+    def _graph_wins(self, n: int, repeats: int = 3) -> bool:
+        """Whether the graph beats the eager step at n rows (best of `repeats` each, on padding rows)."""
+        rows = ([0] * n, [0] * n, [self.scratch_slot] * n, [[self.scratch_block] * MIN_DIM] * n, [1] * n,
+                [self.scratch_state] * n)
+        with torch.inference_mode():
+            d = DecodeInputs.build(*rows, self.device)
+            return (fastest(lambda: self.run(*rows), repeats, self.device)
+                    < fastest(lambda: self.step(d), repeats, self.device))
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], ctx: list[int],
             state_slots: list[int]) -> torch.Tensor:

@@ -156,7 +156,7 @@ class PagedRunner(_Runner):
         """Logits of the step's `logits_rows`."""
         if not step.num_prefill:
             n = len(step.ids)
-            if self.compiled is not None and n <= self.compiled.max_batch:
+            if self.compiled is not None and self.compiled.serves(n):
                 logits = self.compiled.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens, [0] * n)
                 return _rows(logits, step.logits_rows)
             if self.graphs is not None and n <= self.graphs.max_batch:
@@ -260,7 +260,7 @@ class SequenceStateRunner(_Runner):
         tables = [table for _, _, table, _, _ in step.seqs]
         ctx = [p + 1 for p in positions]
         state_rows = [row for _, row, _, _, _ in step.seqs]
-        if self.compiled is not None and len(ids) <= self.compiled.max_batch:
+        if self.compiled is not None and self.compiled.serves(len(ids)):
             return self.compiled.run(ids, positions, slots, tables, ctx, state_rows)
         with torch.inference_mode():
             if self.graphs is not None and len(ids) <= self.graphs.max_batch:
