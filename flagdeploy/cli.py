@@ -76,8 +76,9 @@ def main() -> None:
 @click.option("--dp", default=1, show_default=True, type=click.IntRange(min=1),
               help="Data-parallel replicas behind one endpoint, each of tp x ep devices.")
 @click.option("--compile/--no-compile", "compile_", default=False, show_default=True,
-              help="Compile the decode step with torch.compile (on the CPU: a faster step, 1.3-1.5x for the "
-                   "default model, after a compile of a minute or more at start-up, cached for the next start; "
+              help="Compile the decode step with torch.compile (on the CPU: a faster step, ~2x for the default "
+                   "model's lone stream, after a compile of one to two minutes at start-up, partly cached for the "
+                   "next start; "
                    "where the backend freezes the weights into the step, their dense float weights are held twice "
                    "and a step with oneDNN-laid-out weights is compiled again at every start).")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))

@@ -77,7 +77,9 @@ class Backend:
     narrow_weight_dtypes: tuple[str, ...] = ()
     # inductor settings for the compiled decode step (`serve --compile`, engine/compiled_step.py) that are
     # this backend's to choose, e.g. {"freezing": True}: the weights become constants that inductor lays
-    # out once for its own GEMM calls (the cpu backend's tune table says where that is faster)
+    # out once for its own GEMM calls (the cpu backend's tune table says where that is faster). Entries
+    # under "weight_only_one_row" apply only to the one-row graph of a model whose linears are all
+    # weight-only quantized (e.g. autotuning: a few GEMV shapes there, every dense shape elsewhere)
     compile_config: dict = field(default_factory=dict)
     priority: int = 0  # higher wins when several backends detect their chip
     description: str = ""
