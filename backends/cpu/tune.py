@@ -3,8 +3,8 @@
 Each tunable is a crossover: up to some row count the packed GEMV kernel beats the oneDNN bf16 copy;
 up to some tokens x experts the dense all-experts MoE beats the per-expert loop; from some output
 width (and up to some input width) a column-major dense weight beats the row-major one; and whether a
-compiled step should freeze its weights for oneDNN's laid-out matmuls (and autotune them). They are measured at
-SmolLM2-135M's linear shapes and a small MoE's, and returned as data for `ops tune` to write.
+compiled step should freeze its weights for oneDNN's laid-out matmuls (and autotune them). They are
+measured at SmolLM2-135M's linear shapes and a small MoE's, and returned as data for `ops tune` to write.
 """
 
 from __future__ import annotations

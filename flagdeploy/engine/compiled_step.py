@@ -18,9 +18,10 @@ each has one.
 
 The graphs are used only for batch sizes where they beat the eager step: after compiling, the warm-up
 times both on padding rows at 1 row (the one-row graph) and at 2, 4, 8, ... rows and keeps the batched
-graph up to the largest size where it won (`max_batch`); other steps run eagerly. (The llama family's weight-only linears run inside the graph
-as one opaque op that picks its kernel by row count at run time, as the eager step does, so there the
-graphs win at every size; the measurement keeps a backend whose graph would lose from being slowed.)
+graph up to the largest size where it won (`max_batch`); other steps run eagerly. (In the batched graph
+the llama family's weight-only linears run as one opaque op that picks its kernel by row count at run
+time, as the eager step does, so there the graphs win at every size; the measurement keeps a backend
+whose graph would lose from being slowed.)
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ class CompiledDecode:
         # the cpu backend autotunes (a few shapes, seconds each); autotuning a dense model's every shape
         # would make the compile several times longer.
         settings = dict(active_backend().compile_config)
-        one_row = settings.pop("weight_only_one_row", {}) if weight_only else {}
-        settings.pop("weight_only_one_row", None)
-        self.inductor_config = {MIN_DIM: {**QUIET_AUTOTUNE, **settings}, 1: {**QUIET_AUTOTUNE, **settings, **one_row}}
+        one_row = settings.pop("weight_only_one_row", {})
+        self.inductor_config = {MIN_DIM: {**QUIET_AUTOTUNE, **settings},
+                                1: {**QUIET_AUTOTUNE, **settings, **(one_row if weight_only else {})}}
         self.scratch_block, self.scratch_slot, self.scratch_state = scratch_block, scratch_block * block_size, scratch_state
         self.ready: set[int] = set()  # the graphs compiled so far
         self.max_batch = 0  # the largest batch the graphs serve (set by `warm_up`); larger ones run eagerly
