@@ -74,7 +74,7 @@ class CompiledDecode:
         # matmul's timings to stderr otherwise). The backend's "weight_only_one_row" entries add to the rest
         # for the one-row graph of a weight-only quantized model: there every matmul is a packed GEMV, which
         # the cpu backend autotunes (a few shapes, seconds each); autotuning a dense model's every shape
-        # would make the compile several times longer.
+        # would make its compile more than twice as long.
         settings = dict(active_backend().compile_config)
         one_row = settings.pop("weight_only_one_row", {})
         self.inductor_config = {MIN_DIM: {**QUIET_AUTOTUNE, **settings},
