@@ -162,7 +162,7 @@ def test_bf16_expert_banks_under_float32_activations(looped, monkeypatch):
     """A BF16 checkpoint's experts kept bfloat16 in a float32 run (weight_format auto): the reference and
     the cpu override (its all-expert matmuls, on banks as given and as prepared, or its per-expert loop)
     agree with float64 arithmetic on the same weights within bfloat16's tolerance, and answer in float32."""
-    from backends.cpu import ops as cpu_ops
+    from flagdeploy.backends.cpu import ops as cpu_ops  # the installed module the backend runs (not a second copy)
 
     if looped:
         monkeypatch.setitem(cpu_ops.TUNE["moe_experts"], "dense_max_token_experts", 0)
