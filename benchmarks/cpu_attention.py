@@ -1,12 +1,13 @@
-"""Decode attention inside a compiled step on the CPU: the cpu backend's form against torch's SDPA.
+"""Decode attention on the CPU: the cpu backend's forms against torch's fused SDPA, eager and compiled.
 
     python benchmarks/cpu_attention.py
 
-Both forms run inside one torch.compile'd function that attends through 30 layers' paged caches in a row
-(SmolLM2-135M's 30 layers, 9 query heads over 3 key heads of 64, blocks of 16, bf16 caches), so dynamo's
-per-call cost is spread as it is in the engine's compiled step. "sdpa" is `ops.fused.paged_attention_decode`
-(gather, mask, `F.scaled_dot_product_attention`), which the compiled step used before; "reductions" is the
-cpu backend's override. Prints microseconds per layer, best of 3 runs of 50 calls, and the ratio.
+Each form attends through 30 layers' paged caches in a row (SmolLM2-135M's 30 layers, 9 query heads over
+3 key heads of 64, blocks of 16, bf16 caches); the compiled ones as one torch.compile'd function, so that
+dynamo's per-call cost is spread as it is in the engine's compiled step. "sdpa" is
+`ops.fused.paged_attention_decode` (gather, mask, `F.scaled_dot_product_attention`); "matmuls" and
+"reductions" are the cpu backend's eager and compiled forms. Prints microseconds per layer (best of 3 runs
+of 50 calls), the ratios, and which eager form the tune table's `sdpa_max_keys` picks.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from flagdeploy.backends.cpu import ops as cpu_ops
 from flagdeploy.ops import fused
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
-CASES = [(1, 40), (1, 100), (1, 300), (1, 2000), (16, 100), (16, 300)]  # (sequences, keys each)
+CASES = [(1, 40), (1, 100), (1, 300), (1, 2000), (2, 40), (2, 100), (4, 100), (16, 100), (16, 300)]  # (sequences, keys each)
 
 
 def through_layers(attend, caches):
@@ -49,9 +50,12 @@ def main() -> None:
     caches = [tuple(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
               for _ in range(LAYERS)]
     torch._dynamo.config.recompile_limit = 64  # one graph per case and form
-    forms = {name: torch.compile(through_layers(fn, caches), dynamic=False, fullgraph=True)
-             for name, fn in (("sdpa", fused.paged_attention_decode), ("reductions", cpu_ops.paged_attention_decode))}
-    print(f"{'sequences':>9} {'keys':>6} {'sdpa us/layer':>14} {'reductions us/layer':>20} {'ratio':>6}")
+    compiled = {name: torch.compile(through_layers(fn, caches), dynamic=False, fullgraph=True)
+                for name, fn in (("sdpa", fused.paged_attention_decode), ("reductions", cpu_ops.paged_attention_decode))}
+    tune = cpu_ops.TUNE["paged_attention_decode"]
+    limit = tune["sdpa_max_keys"]
+    print(f"{'sequences':>9} {'keys':>5} | compiled us/layer: {'sdpa':>7} {'reductions':>10} {'ratio':>6} | "
+          f"eager us/layer: {'sdpa':>7} {'matmuls':>8} {'ratio':>6}  picked")
     with torch.inference_mode():
         for b, n in CASES:
             width = -(-n // BLOCK)
@@ -59,8 +63,14 @@ def main() -> None:
             lens = torch.randint(n // 2, n + 1, (b,), dtype=torch.int32)
             lens[0] = n
             q = torch.randn(b, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-            t = {name: per_layer_us(f, q, tables, lens) for name, f in forms.items()}
-            print(f"{b:9} {n:6} {t['sdpa']:14.1f} {t['reductions']:20.1f} {t['sdpa'] / t['reductions']:5.1f}x")
+            c = {name: per_layer_us(f, q, tables, lens) for name, f in compiled.items()}
+            e = {"sdpa": per_layer_us(through_layers(fused.paged_attention_decode, caches), q, tables, lens)}
+            tune["sdpa_max_keys"] = 0  # the backend's matmul form at any size (the caches are bf16)
+            e["matmuls"] = per_layer_us(through_layers(cpu_ops.paged_attention_decode, caches), q, tables, lens)
+            tune["sdpa_max_keys"] = limit
+            picked = "sdpa" if tables.numel() * BLOCK <= limit else "matmuls"
+            print(f"{b:9} {n:5} | {'':18} {c['sdpa']:7.1f} {c['reductions']:10.1f} {c['sdpa'] / c['reductions']:5.1f}x | "
+                  f"{'':15} {e['sdpa']:7.1f} {e['matmuls']:8.1f} {e['sdpa'] / e['matmuls']:5.1f}x  {picked}")
 
 
 if __name__ == "__main__":

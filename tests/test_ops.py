@@ -181,20 +181,27 @@ def test_bf16_expert_banks_under_float32_activations(looped, monkeypatch):
         torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
 
 
+@pytest.mark.parametrize("form", ["sdpa", "matmuls", "compiled"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_decode_attention_inside_a_compiled_step_matches_reference(dtype):
-    """The cpu backend's decode attention takes another form under torch.compile (plain reductions, not
-    SDPA): traced and compiled, it agrees with float64 on GQA heads, padded block tables and a one-key
-    sequence, and a second call at other lengths reuses the graph's masking, not a stale length."""
-    from flagdeploy.backends.cpu import ops as cpu_ops
+def test_cpu_decode_attention_forms_match_reference(dtype, form, monkeypatch):
+    """The cpu backend's decode attention has three forms (fused SDPA for few keys, batched matmuls for
+    more, plain reductions inside a compiled step): each agrees with float64 on GQA heads, padded block
+    tables and a one-key sequence, and the compiled one, called again at other lengths, masks by the
+    lengths it is given, not by those it was traced with."""
+    from flagdeploy.backends.cpu import ops as cpu_ops  # the installed module the backend runs
 
+    tune = cpu_ops.TUNE["paged_attention_decode"]
+    monkeypatch.setitem(tune, "sdpa_max_keys", 10**9 if form == "sdpa" else 0)
+    monkeypatch.setitem(tune, "matmul_dtypes", [str(dtype).removeprefix("torch.")])
     spec = OPS["paged_attention_decode"]
-    compiled = torch.compile(cpu_ops.paged_attention_decode, fullgraph=True, dynamic=False)
+    fn = cpu_ops.paged_attention_decode
+    if form == "compiled":
+        fn = torch.compile(fn, fullgraph=True, dynamic=False)
     args, _ = _inputs(spec, dtype, seed=3)
     tol = spec.tolerance[dtype]
     for lens in (args[4], torch.tensor([16, 2, 9], dtype=torch.int32)):
         case = (*args[:4], lens, args[5])
-        got = compiled(*case)
+        got = fn(*case)
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), spec.reference(*[_to64(a) for a in case]), atol=tol.atol, rtol=tol.rtol)
 
@@ -283,6 +290,7 @@ def test_ops_tune_writes_the_backends_table(tmp_path):
     assert {k: set(v) for k, v in measured.items()} == {k: set(v) for k, v in shipped.items()}
     layouts = measured["moe_experts"].pop("column_major_gate_up")  # dtypes, a switch, the rest sizes
     assert set(layouts) <= {"float32", "bfloat16"}
+    assert set(measured["paged_attention_decode"].pop("matmul_dtypes")) <= {"float32", "bfloat16", "float16"}
     compile_settings = measured.pop("compile")
     assert isinstance(compile_settings["freezing"], bool)
     # inductor's GEMM templates need frozen weights

@@ -24,22 +24,43 @@ TUNE = yaml.safe_load((Path(__file__).with_name("tune.yaml")).read_text())
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Eagerly torch's fused SDPA; inside a compiled step, the scores and the weighted sum as two plain
-    reductions over the gathered keys. Inductor lowers a masked SDPA of one query row per sequence to a
-    kernel that costs 3-8x more than the loops it generates for these reductions (at 16 sequences of
-    ~100 keys: ~1 ms against ~0.25 ms per layer, most of the compiled step; `python
-    benchmarks/cpu_attention.py`). Query heads are grouped under their key head, so nothing is repeated."""
-    if not torch.compiler.is_compiling():
-        return fused.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
-    b, h, d = q.shape
+    """Three forms of one computation, by where it runs and how many keys the step reads (`python
+    benchmarks/cpu_attention.py`). Inside a compiled step: two plain reductions in float32, which inductor
+    turns into loops that read the gathered keys once (its lowering of a masked SDPA of one query row per
+    sequence costs 3-6x more). Eagerly: torch's fused SDPA while the keys are few, and past that, for
+    16-bit caches, two batched matmuls in the cache's dtype with the softmax in float32 (the fused kernel's
+    cost grows ~1 us per key and sequence, the matmuls' mostly fixed: at 16 sequences of ~100 keys, ~0.9 ms
+    against ~0.35 ms per layer). float32 caches keep SDPA: the dense float32 mode answers a sequence the
+    same alone and batched. Query heads are grouped under their key head, so nothing is repeated."""
     kh = k_cache.shape[2]
+    if torch.compiler.is_compiling():
+        k, v, live = _gathered(k_cache, v_cache, block_tables, context_lens)  # [B, L, KH, D] x2, [B, L]
+        s = (_grouped(q, kh).float().unsqueeze(1) * k.float().unsqueeze(3)).sum(-1) * scale  # [B, L, KH, G]
+        p = s.masked_fill(~live[:, :, None, None], float("-inf")).softmax(1)
+        return (p.unsqueeze(-1) * v.float().unsqueeze(3)).sum(1).flatten(1, 2).to(q.dtype)
+    tune = TUNE["paged_attention_decode"]
+    if (block_tables.numel() * k_cache.shape[1] <= tune["sdpa_max_keys"]
+            or str(k_cache.dtype).removeprefix("torch.") not in tune["matmul_dtypes"]):
+        return fused.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    k, v, live = _gathered(k_cache, v_cache, block_tables, context_lens)
+    s = torch.matmul(_grouped(q, kh).to(k.dtype), k.permute(0, 2, 3, 1)).float() * scale  # [B, KH, G, L]
+    p = s.masked_fill(~live[:, None, None, :], float("-inf")).softmax(-1).to(v.dtype)
+    return torch.matmul(p, v.transpose(1, 2)).flatten(1, 2).to(q.dtype)
+
+
+def _gathered(k_cache, v_cache, block_tables, context_lens):
+    """Each sequence's keys and values [B, L, KH, D] (L: the table's width in slots), and which of them
+    are its own [B, L]."""
+    b = block_tables.shape[0]
     idx = block_tables.reshape(-1).long()
-    k = k_cache.index_select(0, idx).view(b, -1, kh, 1, d).float()  # [B, L, KH, 1, D]
-    v = v_cache.index_select(0, idx).view(b, -1, kh, 1, d).float()
-    s = (q.view(b, 1, kh, h // kh, d).float() * k).sum(-1) * scale  # [B, L, KH, G]
-    live = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]
-    p = s.masked_fill(~live.view(b, -1, 1, 1), float("-inf")).softmax(1)
-    return (p.unsqueeze(-1) * v).sum(1).reshape(b, h, d).to(q.dtype)
+    k, v = (c.index_select(0, idx).view(b, -1, *c.shape[2:]) for c in (k_cache, v_cache))
+    return k, v, torch.arange(k.shape[1], device=k.device)[None, :] < context_lens[:, None]
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [B, H, D] as [B, KH, H / KH, D]: the query heads that share each key head."""
+    b, h, d = q.shape
+    return q.view(b, kv_heads, h // kv_heads, d)
 
 
 # ---- weight-only quantized linears: packed kernels for few rows, a bf16 dense copy past that -------

@@ -1,7 +1,8 @@
 """`flagdeploy ops tune --chip cpu`: measure this CPU and return the shape buckets of tune.yaml.
 
 Each tunable is a crossover: up to some row count the packed GEMV kernel beats the oneDNN bf16 copy;
-up to some tokens x experts the dense all-experts MoE beats the per-expert loop; from some output
+up to some tokens x experts the dense all-experts MoE beats the per-expert loop; up to some cache slots
+read, torch's fused SDPA beats the backend's two batched matmuls for decode attention; from some output
 width (and up to some input width) a column-major dense weight beats the row-major one; and whether a
 compiled step should freeze its weights for oneDNN's laid-out matmuls (and autotune them). They are
 measured at SmolLM2-135M's linear shapes and a small MoE's, and returned as data for `ops tune` to write.
@@ -115,6 +116,37 @@ def _column_major_gate_up() -> list[str]:
     return out
 
 
+def _attention_crossover() -> int:
+    """The most cache slots a decode step may read (sequences x table width x block size) for torch's
+    fused SDPA to still beat the batched matmuls, at every size up to it; SmolLM2's heads (9 over 3 key
+    heads of 64), bf16 caches of 16-slot blocks, each size as one sequence and as four."""
+    g = torch.Generator().manual_seed(0)
+    block, heads, kv_heads, dim = 16, 9, 3, 64
+    caches = [torch.randn(160, block, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2)]
+    tune = ops.TUNE["paged_attention_decode"]
+    saved = dict(tune)
+    tune["matmul_dtypes"] = ["bfloat16"]
+    last = 0
+    try:
+        for slots in (64, 128, 256, 512, 1024, 2048):
+            times = {}
+            for form, limit in (("sdpa", 1 << 30), ("matmuls", 0)):
+                tune["sdpa_max_keys"] = limit
+                times[form] = 0.0
+                for seqs in (1, 4):
+                    width = slots // block // seqs
+                    q = torch.randn(seqs, heads, dim, generator=g).to(torch.bfloat16)
+                    tables = torch.randperm(160, generator=g)[: seqs * width].view(seqs, width).to(torch.int32)
+                    lens = torch.full((seqs,), width * block, dtype=torch.int32)
+                    times[form] += _best(lambda: ops.paged_attention_decode(q, *caches, tables, lens, dim**-0.5))
+            if times["sdpa"] > times["matmuls"]:
+                break
+            last = slots
+    finally:
+        tune.update(saved)
+    return last
+
+
 def _freezing_wins() -> bool:
     """Whether oneDNN's laid-out float32 matmul (what a frozen compiled step calls) beats MKL's GEMM on
     plain weights at decode's 8 rows, over a small model's shapes."""
@@ -132,6 +164,8 @@ def measure() -> dict:
             "linear_w4a16": {"packed_max_m": _linear_crossover("linear_w4a16")},
             "linear_w8a16": {"packed_max_m": _linear_crossover("linear_w8a16")},
             "moe_experts": {"dense_max_token_experts": _moe_crossover(), "column_major_gate_up": _column_major_gate_up()},
+            # float32 caches stay on SDPA by choice, not measurement: the dense float32 mode is batch-invariant
+            "paged_attention_decode": {"sdpa_max_keys": _attention_crossover(), "matmul_dtypes": ["bfloat16", "float16"]},
             "compile": _compile_settings(torch.backends.mkldnn.is_available() and _freezing_wins())}
 
 
