@@ -79,6 +79,21 @@ def test_cpu_backend_is_registered_through_the_entry_point():
     assert ops.get_backend("cpu").overrides, "the cpu backend should override at least one op"
 
 
+def test_a_second_copy_of_the_cpu_ops_is_refused(monkeypatch):
+    """Imported again through the repository's backends/ (a second module), the cpu ops would register
+    prepared_linear against an empty weight table; the import is refused with the name to use instead."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    import flagdeploy.backends.cpu.ops  # noqa: F401  (the installed copy, registered first)
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))  # whatever the failed import leaves goes with the test
+    with pytest.raises(ImportError, match="flagdeploy.backends.cpu.ops"):
+        importlib.import_module("backends.cpu.ops")
+
+
 def test_unknown_backend_error_names_the_installed_ones():
     with pytest.raises(KeyError, match="cpu"):
         ops.get_backend("no-such-chip")

@@ -141,6 +141,12 @@ def _rows_unknown(x: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() and x.shape[0] != 1
 
 
+if hasattr(torch.ops.flagdeploy_cpu, "prepared_linear"):  # the op's weight table is this module's own
+    raise ImportError(f"the cpu backend's ops were imported a second time, as {__name__}: a second copy would "
+                      "register prepared_linear against an empty weight table of its own. Import them as "
+                      "flagdeploy.backends.cpu.ops (the installed name), not through the repository's backends/.")
+
+
 @torch.library.custom_op("flagdeploy_cpu::prepared_linear", mutates_args=())
 def prepared_linear(x: torch.Tensor, key: int) -> torch.Tensor:
     """`linear_w4a16` / `linear_w8a16` (no bias) on the prepared bundle `_PREPARED[key]`, as one op that
