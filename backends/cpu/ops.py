@@ -40,12 +40,17 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
         return (p.unsqueeze(-1) * v.float().unsqueeze(3)).sum(1).flatten(1, 2).to(q.dtype)
     tune = TUNE["paged_attention_decode"]
     if (block_tables.numel() * k_cache.shape[1] <= tune["sdpa_max_keys"]
-            or str(k_cache.dtype).removeprefix("torch.") not in tune["matmul_dtypes"]):
+            or not _listed(k_cache.dtype, tune["matmul_dtypes"])):
         return fused.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     k, v, live = _gathered(k_cache, v_cache, block_tables, context_lens)
     s = torch.matmul(_grouped(q, kh).to(k.dtype), k.permute(0, 2, 3, 1)).float() * scale  # [B, KH, G, L]
     p = s.masked_fill(~live[:, None, None, :], float("-inf")).softmax(-1).to(v.dtype)
     return torch.matmul(p, v.transpose(1, 2)).flatten(1, 2).to(q.dtype)
+
+
+def _listed(dtype: torch.dtype, names: list[str]) -> bool:
+    """Whether a tune-table list of dtype names ("bfloat16", ...) holds `dtype`."""
+    return str(dtype).removeprefix("torch.") in names
 
 
 def _gathered(k_cache, v_cache, block_tables, context_lens):
@@ -220,7 +225,7 @@ def prepare_moe_banks(banks):
     dense = isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
     t = TUNE["moe_experts"]
     if dense and gate_up.shape[0] <= t["dense_max_token_experts"]:
-        if str(gate_up.dtype).removeprefix("torch.") in t["column_major_gate_up"]:
+        if _listed(gate_up.dtype, t["column_major_gate_up"]):
             gate_up = _relaid(gate_up, (2, 0, 1))
         down = _relaid(down, (1, 0, 2))
     return gate_up, down

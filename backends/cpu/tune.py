@@ -62,10 +62,10 @@ def _linear_crossover(op: str) -> int:
     return last
 
 
-def _column_major_wins(n: int, k: int, g: torch.Generator) -> bool:
-    """Whether a column-major float32 [n, k] weight multiplies decode's rows (1, 4, 8) at least as fast."""
-    xs = [torch.randn(m, k, generator=g) for m in (1, 4, 8)]
-    w = torch.randn(n, k, generator=g)
+def _column_major_wins(n: int, k: int, g: torch.Generator, rows=(1, 4, 8), dtype=torch.float32) -> bool:
+    """Whether a column-major [n, k] weight multiplies decode's rows at least as fast as a row-major one."""
+    xs = [torch.randn(m, k, generator=g).to(dtype) for m in rows]
+    w = torch.randn(n, k, generator=g).to(dtype)
     col = w.t().contiguous().t()
     return _best(lambda: [F.linear(x, col) for x in xs]) <= _best(lambda: [F.linear(x, w) for x in xs])
 
@@ -106,14 +106,8 @@ def _column_major_gate_up() -> list[str]:
     """The dtypes whose all-expert gate/up weight ([16 x 256, 256] at decode's 8 rows) multiplies at least
     as fast column-major."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(8, 256, generator=g), torch.randn(16 * 256, 256, generator=g)
-    out = []
-    for dt in (torch.float32, torch.bfloat16) if ops.ONEDNN_BF16 else (torch.float32,):
-        xd, row = x.to(dt), w.to(dt)
-        col = row.t().contiguous().t()
-        if _best(lambda: F.linear(xd, col)) <= _best(lambda: F.linear(xd, row)):
-            out.append(str(dt).removeprefix("torch."))
-    return out
+    return [str(dt).removeprefix("torch.") for dt in ((torch.float32, torch.bfloat16) if ops.ONEDNN_BF16 else (torch.float32,))
+            if _column_major_wins(16 * 256, 256, g, rows=(8,), dtype=dt)]
 
 
 def _attention_crossover() -> int:
