@@ -11,11 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 import yaml
 
-from flagdeploy.ops import glm, reference
+from flagdeploy.ops import fused, glm, reference
 from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight, stripped
 
-from flagdeploy.ops import fused
 from flagdeploy.ops.fused import (  # noqa: F401  (torch's fused kernels, shared with other backends)
     add_rms_norm, attention_prefill, rms_norm, rope, write_kv_cache,
 )

@@ -106,8 +106,8 @@ def _column_major_gate_up() -> list[str]:
     """The dtypes whose all-expert gate/up weight ([16 x 256, 256] at decode's 8 rows) multiplies at least
     as fast column-major."""
     g = torch.Generator().manual_seed(0)
-    return [str(dt).removeprefix("torch.") for dt in ((torch.float32, torch.bfloat16) if ops.ONEDNN_BF16 else (torch.float32,))
-            if _column_major_wins(16 * 256, 256, g, rows=(8,), dtype=dt)]
+    dtypes = (torch.float32, torch.bfloat16) if ops.ONEDNN_BF16 else (torch.float32,)
+    return [str(dt).removeprefix("torch.") for dt in dtypes if _column_major_wins(16 * 256, 256, g, rows=(8,), dtype=dt)]
 
 
 def _attention_crossover() -> int:
