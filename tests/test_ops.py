@@ -89,9 +89,13 @@ def test_a_second_copy_of_the_cpu_ops_is_refused(monkeypatch):
     import flagdeploy.backends.cpu.ops  # noqa: F401  (the installed copy, registered first)
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    monkeypatch.setattr(sys, "modules", dict(sys.modules))  # whatever the failed import leaves goes with the test
-    with pytest.raises(ImportError, match="flagdeploy.backends.cpu.ops"):
-        importlib.import_module("backends.cpu.ops")
+    before = set(sys.modules)
+    try:
+        with pytest.raises(ImportError, match="flagdeploy.backends.cpu.ops"):
+            importlib.import_module("backends.cpu.ops")
+    finally:  # what the refused import left (the repository's `backends` package) goes with the test
+        for name in set(sys.modules) - before:
+            del sys.modules[name]
 
 
 def test_unknown_backend_error_names_the_installed_ones():
