@@ -52,8 +52,7 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = 64  # one graph per case and form
     compiled = {name: torch.compile(through_layers(fn, caches), dynamic=False, fullgraph=True)
                 for name, fn in (("sdpa", fused.paged_attention_decode), ("reductions", cpu_ops.paged_attention_decode))}
-    tune = cpu_ops.TUNE["paged_attention_decode"]
-    limit = tune["sdpa_max_keys"]
+    limit = cpu_ops.TUNE["paged_attention_decode"]["sdpa_max_keys"]
     print(f"{'sequences':>9} {'keys':>5} | compiled us/layer: {'sdpa':>7} {'reductions':>10} {'ratio':>6} | "
           f"eager us/layer: {'sdpa':>7} {'matmuls':>8} {'ratio':>6}  picked")
     with torch.inference_mode():
@@ -65,9 +64,7 @@ def main() -> None:
             q = torch.randn(b, HEADS, HEAD_DIM, dtype=torch.bfloat16)
             c = {name: per_layer_us(f, q, tables, lens) for name, f in compiled.items()}
             e = {"sdpa": per_layer_us(through_layers(fused.paged_attention_decode, caches), q, tables, lens)}
-            tune["sdpa_max_keys"] = 0  # the backend's matmul form at any size (the caches are bf16)
-            e["matmuls"] = per_layer_us(through_layers(cpu_ops.paged_attention_decode, caches), q, tables, lens)
-            tune["sdpa_max_keys"] = limit
+            e["matmuls"] = per_layer_us(through_layers(cpu_ops.decode_attention_matmuls, caches), q, tables, lens)
             picked = "sdpa" if tables.numel() * BLOCK <= limit else "matmuls"
             print(f"{b:9} {n:5} | {'':18} {c['sdpa']:7.1f} {c['reductions']:10.1f} {c['sdpa'] / c['reductions']:5.1f}x | "
                   f"{'':15} {e['sdpa']:7.1f} {e['matmuls']:8.1f} {e['sdpa'] / e['matmuls']:5.1f}x  {picked}")

@@ -31,18 +31,23 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     cost grows ~1 us per key and sequence, the matmuls' mostly fixed: at 16 sequences of ~100 keys, ~0.9 ms
     against ~0.35 ms per layer). float32 caches keep SDPA: the dense float32 mode answers a sequence the
     same alone and batched. Query heads are grouped under their key head, so nothing is repeated."""
-    kh = k_cache.shape[2]
     if torch.compiler.is_compiling():
         k, v, live = _gathered(k_cache, v_cache, block_tables, context_lens)  # [B, L, KH, D] x2, [B, L]
-        s = (_grouped(q, kh).float().unsqueeze(1) * k.float().unsqueeze(3)).sum(-1) * scale  # [B, L, KH, G]
+        s = (_grouped(q, k.shape[2]).float().unsqueeze(1) * k.float().unsqueeze(3)).sum(-1) * scale  # [B, L, KH, G]
         p = s.masked_fill(~live[:, :, None, None], float("-inf")).softmax(1)
         return (p.unsqueeze(-1) * v.float().unsqueeze(3)).sum(1).flatten(1, 2).to(q.dtype)
     tune = TUNE["paged_attention_decode"]
     if (block_tables.numel() * k_cache.shape[1] <= tune["sdpa_max_keys"]
             or not _listed(k_cache.dtype, tune["matmul_dtypes"])):
         return fused.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return decode_attention_matmuls(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def decode_attention_matmuls(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """The eager form past `sdpa_max_keys`: scores and weighted sum as batched matmuls in the cache's dtype,
+    the softmax in float32 (also what `ops tune` and benchmarks/cpu_attention.py time against SDPA)."""
     k, v, live = _gathered(k_cache, v_cache, block_tables, context_lens)
-    s = torch.matmul(_grouped(q, kh).to(k.dtype), k.permute(0, 2, 3, 1)).float() * scale  # [B, KH, G, L]
+    s = torch.matmul(_grouped(q, k.shape[2]).to(k.dtype), k.permute(0, 2, 3, 1)).float() * scale  # [B, KH, G, L]
     p = s.masked_fill(~live[:, None, None, :], float("-inf")).softmax(-1).to(v.dtype)
     return torch.matmul(p, v.transpose(1, 2)).flatten(1, 2).to(q.dtype)
 

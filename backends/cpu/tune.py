@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flagdeploy.ops import fused
 from flagdeploy.ops.check import fastest
 from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Int4Weight, Int8Weight
@@ -117,27 +118,19 @@ def _attention_crossover() -> int:
     g = torch.Generator().manual_seed(0)
     block, heads, kv_heads, dim = 16, 9, 3, 64
     caches = [torch.randn(160, block, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2)]
-    tune = ops.TUNE["paged_attention_decode"]
-    saved = dict(tune)
-    tune["matmul_dtypes"] = ["bfloat16"]
     last = 0
-    try:
-        for slots in (64, 128, 256, 512, 1024, 2048):
-            times = {}
-            for form, limit in (("sdpa", 1 << 30), ("matmuls", 0)):
-                tune["sdpa_max_keys"] = limit
-                times[form] = 0.0
-                for seqs in (1, 4):
-                    width = slots // block // seqs
-                    q = torch.randn(seqs, heads, dim, generator=g).to(torch.bfloat16)
-                    tables = torch.randperm(160, generator=g)[: seqs * width].view(seqs, width).to(torch.int32)
-                    lens = torch.full((seqs,), width * block, dtype=torch.int32)
-                    times[form] += _best(lambda: ops.paged_attention_decode(q, *caches, tables, lens, dim**-0.5))
-            if times["sdpa"] > times["matmuls"]:
-                break
-            last = slots
-    finally:
-        tune.update(saved)
+    for slots in (64, 128, 256, 512, 1024, 2048):
+        sdpa = matmuls = 0.0
+        for seqs in (1, 4):
+            width = slots // block // seqs
+            q = torch.randn(seqs, heads, dim, generator=g).to(torch.bfloat16)
+            tables = torch.randperm(160, generator=g)[: seqs * width].view(seqs, width).to(torch.int32)
+            args = (q, *caches, tables, torch.full((seqs,), width * block, dtype=torch.int32), dim**-0.5)
+            sdpa += _best(lambda: fused.paged_attention_decode(*args))
+            matmuls += _best(lambda: ops.decode_attention_matmuls(*args))
+        if sdpa > matmuls:
+            break
+        last = slots
     return last
 
 
