@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,7 +35,7 @@ KL_TEXT = ("Photosynthesis is the process by which green plants, algae and some 
            "carriers fix carbon dioxide into sugars, which the plant uses to grow and to store energy.")
 # mean KL(torch fp32 || onnx) in nats over the 107 positions of KL_TEXT, measured 2026-11 (docs/edge.md):
 # int4 (GGUF blocks) 0.0057, int8 (builder RTN) 0.0064; both mostly the int8 activations of
-# accuracy_level 4. For scale: the builder's own int4 RTN re-quantization of these weights gives 0.52.
+# accuracy_level 4 (int4 with the exact float zero term instead of gguf_int4's extra blocks: 0.0047). For scale: the builder's own int4 RTN re-quantization of these weights gives 0.52.
 KL_BOUND = {"int8": 0.02, "int4": 0.02}
 LOGIT_TOL = 2e-3
 
@@ -135,6 +136,27 @@ def test_quantized_mean_kl(weights, default_model, llm_engine):
     kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
     print(f"{weights}: mean KL {kl:.4f} nats over {len(ids)} positions")
     assert kl < KL_BOUND[weights]
+
+
+@pytest.mark.parametrize("k", [576, 1536])
+def test_zero_term_blocks_carry_block_sums_times_z(k):
+    """The int4 export's Q4_1 offsets (z per row and block of 32) ride in MatMulNBits as extra 4-bit blocks
+    against the input's block sums: unpacked, they give blocksums(x) @ z^T within the stated bound."""
+    from flagdeploy.edge.gguf_int4 import BLOCK, ZERO_TOL, _sum_matrix, _zero_blocks
+
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(40, k // BLOCK)) * rng.uniform(0.01, 1.0, size=(40, 1))
+    z[3] = 0.0  # a row without offsets
+    packed, scales, err = _zero_blocks(z)
+    nibbles = np.stack([packed & 15, packed >> 4], axis=-1).reshape(40, -1).astype(np.float64) - 8
+    weights = nibbles * np.repeat(scales, BLOCK, axis=1)  # [N, extension width]
+    x = rng.normal(size=(3, k))
+    got = (x @ _sum_matrix(k)) @ weights.T
+    want = x.reshape(3, -1, BLOCK).sum(-1) @ z.T
+    assert err <= 1 / 196 + 1e-9 and err < ZERO_TOL
+    bound = np.abs(x.reshape(3, -1, BLOCK).sum(-1)).sum(-1, keepdims=True) * np.abs(z).max(-1) * err
+    assert np.all(np.abs(got - want) <= bound + 1e-9)
+    assert np.all(got[:, 3] == 0)
 
 
 def test_missing_ep_names_its_package():

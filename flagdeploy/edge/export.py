@@ -165,7 +165,8 @@ def export_onnx(source, out_dir: Path, weights: str = "int4", ep: str = "cpu", b
         manifest = _manifest(build, source, src_path, weights, ep, block_size, time.perf_counter() - t0)
         if method == "gguf":
             manifest["quantization"] = {
-                "method": "GGUF blocks carried into MatMulNBits (no re-quantization; gguf_int4.py)",
+                "method": "GGUF blocks carried into MatMulNBits (no re-quantization; Q4_1 offsets as two 4-bit "
+                          "blocks against the input's block sums; gguf_int4.py)",
                 "bits": 4, "block_size": 32, "source_types": gguf_stats["gguf_types"], "lm_head": "8-bit (GGUF Q8_0)"
                 if gguf_stats["int8_gguf_head"] else "float", "accuracy_level": 4, "linears": gguf_stats}
         elif method == "rtn":
@@ -234,10 +235,10 @@ def cached_export(source, weights: str = "int4", ep: str = "cpu", int4_method: s
     digest = file_sha256(Path(source.path))[:16]
     kind = weights
     if weights == "int4":
-        from .gguf_int4 import has_q4_linears
+        from .gguf_int4 import LAYOUT_VERSION, has_q4_linears
 
         native = source.format == "gguf" and has_q4_linears(Path(source.path))
-        kind = "int4-gguf" if native and int4_method != "rtn" else "int4-rtn"
+        kind = f"int4-gguf{LAYOUT_VERSION}" if native and int4_method != "rtn" else "int4-rtn"
     out = cache_dir() / "onnx" / f"{source.name}-{digest}-{kind}-{ep}"
     if (out / MANIFEST).exists():
         return out

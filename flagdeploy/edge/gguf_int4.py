@@ -7,12 +7,18 @@ model, which reads the same blocks exactly. Here the blocks are not re-quantized
     Q4_1:  w[n, k] = d * q + m = d * (q - 8) + z,   z = m + 8 d   (one d, z per 32 k; flagdeploy.ops.weights.Int4Weight)
 
 MatMulNBits (4 bits, block 32, no zero-point input: implicit 8) computes sum_k d (q - 8) x_k; the z part
-is sum_b z[n, b] * (sum of x over block b): a ReduceSum over each block of 32 inputs and a MatMul with a
-[K/32, N] float matrix (1/32 of the float weight). Q4_0 has z = 0 and needs no correction. Gate and up
+is sum_b z[n, b] * s_b(x), s_b(x) the sum of x over block b. It rides in the same MatMulNBits: the input is
+extended by the block sums (one small MatMul with a 0/1 matrix, then a Concat, once per distinct input) and
+each weight row by z, written as two 4-bit blocks per 32 block sums (z ~ hi + lo: hi = z rounded on a grid
+of max|z| / 7, lo = the remainder on a grid 14x finer), so z is kept to 1/196 of the row's largest |z|.
+(A separate float correction, block sums @ z plus an Add per linear, is exact but took ~1/4 of the decode
+step in node dispatch; one 4-bit block for z is too coarse: mean KL 0.14 against 0.005.) Q4_0 has z = 0
+and needs no extension. Gate and up
 (same input) become one MatMulNBits of twice the width followed by a Split. The LM head,
 a Q8_0 tensor (d * q, q in [-127, 127]), becomes an 8-bit MatMulNBits with the implicit zero point 128:
 also exact. Every rewritten weight is checked against the float graph's initializer before it is
-replaced, so a layout or ordering mistake fails the export instead of producing a wrong model.
+replaced (the d (q - 8) part exactly, z within its bound), so a layout or ordering mistake fails the export
+instead of producing a wrong model.
 
 The input is the model builder's fp32 graph of the same GGUF (same names, fused qkv).
 """
@@ -28,6 +34,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 BLOCK = 32
+LAYOUT_VERSION = 2  # of the rewritten graph; part of the export cache key (2: z in extra blocks)
 _LAYER_W = re.compile(r"^model\.layers\.(\d+)\.(attn\.qkv_proj|attn\.o_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)"
                       r"\.MatMul\.weight$")
 _PARTS = {"attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
@@ -49,6 +56,42 @@ def _q8_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
     return q, d
+
+
+ZERO_COPIES = 2  # 4-bit blocks per 32 block sums that carry z (hi, lo)
+ZERO_TOL = 1 / 150  # the largest error of z allowed, relative to its row's largest |z| (the grid gives <= 1/196)
+
+
+def _zero_blocks(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """z [N, nb] → the extension of MatMulNBits' B and scales: packed [N, ZERO_COPIES * slabs, 16] and
+    scales [N, ZERO_COPIES * slabs] (slabs = ceil(nb / 32), copy-major), and the largest error of z
+    relative to its row's largest |z|."""
+    n, nb = z.shape
+    slabs = -(-nb // BLOCK)
+    rest = np.zeros((n, slabs * BLOCK), np.float64)
+    rest[:, :nb] = z
+    rest = rest.reshape(n, slabs, BLOCK)
+    packed, scales = [], []
+    for _ in range(ZERO_COPIES):
+        s = np.abs(rest).max(-1) / 7.0
+        s[s == 0] = 1.0
+        q = np.clip(np.round(rest / s[..., None]), -8, 7)
+        rest = rest - q * s[..., None]
+        packed.append(_pack4((q + 8).reshape(n, slabs * BLOCK)))
+        scales.append(s.astype(np.float32))
+    err = float((np.abs(rest).max(-1) / np.maximum(np.abs(z).max(-1, keepdims=True), 1e-30)).max())
+    return np.concatenate(packed, axis=1), np.concatenate(scales, axis=1), err
+
+
+def _sum_matrix(k: int) -> np.ndarray:
+    """[K, ZERO_COPIES * slabs * 32] of 0/1: x @ it = the block sums of x, once per copy, zero-padded
+    to whole blocks (the input extension `_zero_blocks` pairs with)."""
+    nb = k // BLOCK
+    width = -(-nb // BLOCK) * BLOCK
+    m = np.zeros((k, ZERO_COPIES * width), np.float32)
+    for c in range(ZERO_COPIES):
+        m[np.arange(k), c * width + np.arange(k) // BLOCK] = 1.0
+    return m
 
 
 def gguf_blocks(gguf_path: Path) -> tuple[dict, tuple | None, str]:
@@ -102,8 +145,8 @@ def rewrite(model_dir: Path, gguf_path: Path, accuracy_level: int = 4, tol: floa
         for i in node.input:
             consumers.setdefault(i, []).append(node)
     new_nodes, drop_inits, add_inits = [], set(), []
-    block_ones: dict[int, str] = {}
-    block_sums: dict[str, str] = {}
+    sum_matrices: dict[int, str] = {}  # K → the [K, ...] 0/1 matrix that takes an input's block sums
+    extended: dict[str, str] = {}  # input → that input followed by its block sums
     stats = {"int4_gguf": 0, "int8_gguf_head": 0, "left_float": 0}
     by_weight = {nd.input[1]: nd for nd in graph.node if nd.op_type == "MatMul" and len(nd.input) == 2}
     fused_away: set[str] = set()  # up_proj nodes computed with their gate_proj
@@ -136,33 +179,32 @@ def rewrite(model_dir: Path, gguf_path: Path, accuracy_level: int = 4, tol: floa
             err = float(np.abs(deq.reshape(n, k).T - ref).max())
             if err > tol * max(1.0, float(np.abs(ref).max())):
                 raise ValueError(f"{w_name}: the GGUF blocks do not reproduce the float graph's weight (max error {err})")
-            add_inits += [numpy_helper.from_array(_pack4(q), f"{base}.MatMulNBits.qweight"),
-                          numpy_helper.from_array(s.reshape(-1), f"{base}.MatMulNBits.scales")]
+            packed, scales, x, k_in = _pack4(q), s, node.input[0], k
+            if np.any(z):  # Q4_1: z rides in extra blocks against the input's block sums (module docstring)
+                zq, zs, zerr = _zero_blocks(z)
+                if not zerr <= ZERO_TOL:
+                    raise ValueError(f"{w_name}: the zero term's 4-bit blocks miss z by {zerr:.2g} of its largest value")
+                stats["zero_term_max_rel_err"] = max(stats.get("zero_term_max_rel_err", 0.0), zerr)
+                packed, scales = np.concatenate([packed, zq], axis=1), np.concatenate([s, zs], axis=1)
+                if k not in sum_matrices:
+                    sum_matrices[k] = f"/flagdeploy/block_sums_{k}"
+                    add_inits.append(numpy_helper.from_array(_sum_matrix(k), sum_matrices[k]))
+                if x not in extended:  # once per distinct input (gate and up share theirs)
+                    extended[x] = f"{node.name}/input_and_block_sums"
+                    new_nodes += [
+                        helper.make_node("MatMul", [x, sum_matrices[k]], [f"{node.name}/block_sums"],
+                                         name=f"{node.name}/BlockSums"),
+                        helper.make_node("Concat", [x, f"{node.name}/block_sums"], [extended[x]],
+                                         name=f"{node.name}/ExtendInput", axis=-1),
+                    ]
+                x, k_in = extended[x], k + zq.shape[1] * BLOCK
+            add_inits += [numpy_helper.from_array(packed, f"{base}.MatMulNBits.qweight"),
+                          numpy_helper.from_array(scales.reshape(-1), f"{base}.MatMulNBits.scales")]
             out = outs[0] if len(outs) == 1 else f"{node.name}/gate_up_out"
-            has_z = bool(np.any(z))
-            y1 = f"{node.name}/nbits_out" if has_z else out
             new_nodes.append(helper.make_node(
-                "MatMulNBits", [node.input[0], f"{base}.MatMulNBits.qweight", f"{base}.MatMulNBits.scales"], [y1],
-                name=f"{node.name}/MatMulNBits", domain="com.microsoft", K=k, N=n, bits=4, block_size=BLOCK,
+                "MatMulNBits", [x, f"{base}.MatMulNBits.qweight", f"{base}.MatMulNBits.scales"], [out],
+                name=f"{node.name}/MatMulNBits", domain="com.microsoft", K=k_in, N=n, bits=4, block_size=BLOCK,
                 accuracy_level=accuracy_level))
-            if has_z:
-                add_inits.append(numpy_helper.from_array(z.T.copy(), f"{base}.MatMulNBits.block_zeros"))  # [K/32, N]
-                x = node.input[0]
-                if k not in block_ones:  # [K, K/32] of 0/1: x @ it = the sums of x over each block of 32
-                    block_ones[k] = f"/flagdeploy/block_ones_{k}"
-                    ones = np.zeros((k, k // BLOCK), np.float32)
-                    ones[np.arange(k), np.arange(k) // BLOCK] = 1.0
-                    add_inits.append(numpy_helper.from_array(ones, block_ones[k]))
-                if x not in block_sums:  # one per distinct input (gate and up share theirs)
-                    block_sums[x] = f"{node.name}/block_sums"
-                    new_nodes.append(helper.make_node("MatMul", [x, block_ones[k]], [block_sums[x]],
-                                                      name=f"{node.name}/BlockSums"))
-                zc = f"{node.name}/zero_term"
-                new_nodes += [
-                    helper.make_node("MatMul", [block_sums[x], f"{base}.MatMulNBits.block_zeros"], [zc],
-                                     name=f"{node.name}/ZeroMatMul"),
-                    helper.make_node("Add", [y1, zc], [out], name=f"{node.name}/Add"),
-                ]
             if len(outs) > 1:
                 sizes = f"{base}.split_sizes"
                 add_inits.append(numpy_helper.from_array(np.array([p.q.shape[0] for p in parts], np.int64), sizes))
