@@ -598,7 +598,7 @@ def install(chip, engine, dry_run, yes, download_only, offline, index_url, env_f
         facts = inst.verify(plan)
     except FlagdeployError as exc:
         _fail(str(exc))
-    click.echo(f"verified: torch {facts['torch']}, {facts['devices']} {facts['backend']} device(s), {facts['ops_check']}")
+    click.echo(f"verified: {facts['runtime']}, {facts['devices']} {facts['backend']} device(s), {facts['ops_check']}")
     click.echo(f"environment: `. {env_file}` before `flagdeploy serve`")
 
 

@@ -171,7 +171,7 @@ _VERIFY = """
 import json, torch, flagdeploy
 from flagdeploy import ops
 be = ops.get_backend({backend!r})
-facts = {{"torch": torch.__version__, "backend": be.name, "detected": be.detect()}}
+facts = {{"runtime": "torch " + torch.__version__, "backend": be.name, "detected": be.detect()}}
 if be.name == "cpu":
     facts["devices"] = 1
 elif be.name == "cuda":
@@ -287,6 +287,6 @@ def _verify_onnx(plan: InstallPlan, env: dict) -> dict:
         pkg = edge_info(plan.chip).get("package", "the onnxruntime build with it")
         raise InstallError(f"onnxruntime {facts['onnxruntime']} has no {ep} (it has {', '.join(facts['providers'])}); "
                            f"install {pkg} instead of plain onnxruntime.")
-    return {"torch": facts["onnxruntime"] + " (onnxruntime)", "devices": 1, "backend": ep,
+    return {"runtime": f"onnxruntime {facts['onnxruntime']}", "devices": 1, "backend": ep,
             "ops_check": f"{ep} present"}
 

@@ -3,6 +3,8 @@ install of the CPU stack in this venv, and the errors a user meets first."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -65,6 +67,17 @@ def test_install_cpu_for_real(tmp_path, default_model):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verified: torch 2.13" in r.stdout and "passed" in r.stdout
     assert env.read_text().startswith("# written by `flagdeploy install`")
+
+
+def test_install_cpu_edge_for_real(tmp_path, default_model):
+    """The ONNX Runtime path of the edge chip: its packages (the edge extra) are found, and the check names
+    onnxruntime and the execution provider, not torch."""
+    if importlib.util.find_spec("onnxruntime") is None and os.environ.get("FLAGDEPLOY_REQUIRE_ONNXRUNTIME") != "1":
+        pytest.skip("onnxruntime is not installed: pip install 'flagdeploy[edge]'")
+    r = _cli("install", "--chip", "cpu-edge", "--yes", "--env-file", str(tmp_path / "env.sh"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "engine onnxruntime" in r.stdout and "verified: onnxruntime 1." in r.stdout
+    assert "CPUExecutionProvider present" in r.stdout
 
 
 def test_doctor_finds_the_container_without_devices(tmp_path):
