@@ -35,7 +35,8 @@ KL_TEXT = ("Photosynthesis is the process by which green plants, algae and some 
            "carriers fix carbon dioxide into sugars, which the plant uses to grow and to store energy.")
 # mean KL(torch fp32 || onnx) in nats over the 107 positions of KL_TEXT, measured 2026-11 (docs/edge.md):
 # int4 (GGUF blocks) 0.0057, int8 (builder RTN) 0.0064; both mostly the int8 activations of
-# accuracy_level 4 (int4 with the exact float zero term instead of gguf_int4's extra blocks: 0.0047). For scale: the builder's own int4 RTN re-quantization of these weights gives 0.52.
+# accuracy_level 4 (int4 with the exact float zero term instead of gguf_int4's extra blocks: 0.0047).
+# For scale: the builder's own int4 RTN re-quantization of these weights gives 0.52.
 KL_BOUND = {"int8": 0.02, "int4": 0.02}
 LOGIT_TOL = 2e-3
 

@@ -13,10 +13,9 @@ each weight row by z, written as two 4-bit blocks per 32 block sums (z ~ hi + lo
 of max|z| / 7, lo = the remainder on a grid 14x finer), so z is kept to 1/196 of the row's largest |z|.
 (A separate float correction, block sums @ z plus an Add per linear, is exact but took ~1/4 of the decode
 step in node dispatch; one 4-bit block for z is too coarse: mean KL 0.14 against 0.005.) Q4_0 has z = 0
-and needs no extension. Gate and up
-(same input) become one MatMulNBits of twice the width followed by a Split. The LM head,
-a Q8_0 tensor (d * q, q in [-127, 127]), becomes an 8-bit MatMulNBits with the implicit zero point 128:
-also exact. Every rewritten weight is checked against the float graph's initializer before it is
+and needs no extension. Gate and up (same input) become one MatMulNBits of twice the width followed by a
+Split. The LM head, a Q8_0 tensor (d * q, q in [-127, 127]), becomes an 8-bit MatMulNBits with the implicit
+zero point 128: also exact. Every rewritten weight is checked against the float graph's initializer before it is
 replaced (the d (q - 8) part exactly, z within its bound), so a layout or ordering mistake fails the export
 instead of producing a wrong model.
 
@@ -35,6 +34,8 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32
 LAYOUT_VERSION = 2  # of the rewritten graph; part of the export cache key (2: z in extra blocks)
+ZERO_COPIES = 2  # 4-bit blocks per 32 block sums that carry z (hi, lo)
+ZERO_TOL = 1 / 150  # the largest error of z allowed, relative to its row's largest |z| (the grid gives <= 1/196)
 _LAYER_W = re.compile(r"^model\.layers\.(\d+)\.(attn\.qkv_proj|attn\.o_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)"
                       r"\.MatMul\.weight$")
 _PARTS = {"attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
@@ -56,10 +57,6 @@ def _q8_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
     return q, d
-
-
-ZERO_COPIES = 2  # 4-bit blocks per 32 block sums that carry z (hi, lo)
-ZERO_TOL = 1 / 150  # the largest error of z allowed, relative to its row's largest |z| (the grid gives <= 1/196)
 
 
 def _zero_blocks(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
