@@ -148,25 +148,25 @@ class OnnxDecoder:
     def cache_bytes(self) -> int:
         return self._slot_bytes * self.slots * len(self.names)
 
-    def _run(self, first_slot: int, ids: np.ndarray, mask_lens: list[int], logits: np.ndarray) -> None:
+    def _run(self, first_slot: int, ids: np.ndarray, mask_lens: list[int], logits: np.ndarray,
+             keep_binding: bool = False) -> None:
         """One bound run over slots [first_slot, first_slot + len(ids)); rows are right-padded to the
-        longest mask, and each writes its new k/v at positions [mask_len - S, mask_len) of its slot."""
+        longest mask, and each writes its new k/v at positions [mask_len - S, mask_len) of its slot.
+        keep_binding: `logits` is a buffer that every such run reuses (decode), so the binding is kept."""
         nb, s = ids.shape
         mask = np.zeros((nb, max(mask_lens)), np.int64)
         for b, n in enumerate(mask_lens):
             mask[b, :n] = 1
-        io = self._binding(first_slot, logits)
+        io = self._binding(first_slot, logits, keep_binding)
         io.bind_cpu_input("input_ids", ids)
         io.bind_cpu_input("attention_mask", mask)
         self.session.run_with_iobinding(io)
 
-    def _binding(self, first_slot: int, logits: np.ndarray):
+    def _binding(self, first_slot: int, logits: np.ndarray, keep: bool):
         """The IO binding of the k/v buffers of slots [first_slot, first_slot + len(logits)) and of `logits`.
-        Decode steps (into the reused logits buffer) keep theirs: binding the 2 x layers buffers costs
-        ~5% of a small model's step."""
+        Decode steps keep theirs (`keep`): binding the 2 x layers buffers costs ~5% of a small model's step."""
         key = (first_slot, logits.shape[0])
-        reuse = logits.base is self._decode_logits
-        if reuse and key in self._bindings:
+        if keep and key in self._bindings:
             return self._bindings[key]
         io = self.session.io_binding()
         shape = [logits.shape[0], self.kv_heads, self.max_len, self.head_dim]
@@ -175,7 +175,7 @@ class OnnxDecoder:
             io.bind_input(past, self.device, 0, self.kv_dtype, shape, ptr + offset)
             io.bind_output(present, self.device, 0, self.kv_dtype, shape, ptr + offset)
         io.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
-        if reuse:
+        if keep:
             self._bindings[key] = io
         return io
 
@@ -194,7 +194,7 @@ class OnnxDecoder:
         if max(lengths) > self.max_len:
             raise ValueError(f"context {max(lengths)} exceeds the cache length {self.max_len}")
         out = self._decode_logits[:nb]
-        self._run(first_slot, np.asarray(tokens, np.int64).reshape(nb, 1), lengths, out)
+        self._run(first_slot, np.asarray(tokens, np.int64).reshape(nb, 1), lengths, out, keep_binding=True)
         return out[:, 0]
 
     def score(self, ids: torch.Tensor) -> torch.Tensor:
