@@ -92,11 +92,9 @@ def weight_bytes(model) -> int:
             q = m.qweight
             if q is None:
                 total += m.weight.nbytes
-            elif isinstance(q.prepared, dict) and "packed" in q.prepared:  # int4, cpu backend
-                total += q.prepared["packed"].nbytes + q.prepared["scales_zeros"].nbytes
-            else:  # int8 (per-channel)
-                p = q.prepared if isinstance(q.prepared, dict) else {}
-                total += p.get("q", q.q).nbytes + p.get("scales", q.scales).nbytes
+            else:  # what the few-row kernel reads: the prepared tensors but the bf16 copy for many rows
+                p = q.prepared if isinstance(q.prepared, dict) else {"q": q.q, "scales": q.scales}
+                total += sum(v.nbytes for k, v in p.items() if isinstance(v, torch.Tensor) and k != "dense")
     embed = getattr(model, "embed_tokens", None)
     total += sum(p.nbytes for p in model.parameters() if p is not embed)
     return total

@@ -77,10 +77,13 @@ def _int4(w: torch.Tensor, group: int = 32) -> Int4Weight:
     return Int4Weight(q, scales, lo + 8 * scales, group, n, k)
 
 
-def test_compiled_decode_runs_packed_4bit_weights_like_the_eager_step(llama_dir, graphs_serve_every_batch):
+def test_compiled_decode_runs_packed_4bit_weights_like_the_eager_step(llama_dir, graphs_serve_every_batch, monkeypatch):
     """4-bit linears and an int8 head, as `--weight-format auto` serves a Q4 GGUF: inside the graph each
     linear is one opaque op that picks the packed GEMV (few rows) or oneDNN's bf16 GEMM (more) at run
     time, like the eager step; the logits match the eager step's within bf16 rounding on both."""
+    from flagdeploy.backends.cpu import ops as cpu_ops
+
+    monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "packed_max_m", 4)  # so that 8 rows take oneDNN's GEMM
     path, _ = llama_dir
     model, tokenizer = load_model(path, "safetensors", torch.float32, "cpu", progress=False)
     for m in model.modules():
@@ -92,7 +95,7 @@ def test_compiled_decode_runs_packed_4bit_weights_like_the_eager_step(llama_dir,
     compiled = engine.runner.compiled
     assert compiled is not None and compiled.max_batch >= 2
     engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))  # fill some cache
-    for n in (1, 3, 8):  # 8 rows: past the packed kernels' rows (backends/cpu/tune.yaml)
+    for n in (1, 3, 8):  # 8 rows: past the packed kernels' rows
         rows = ([7 + i for i in range(n)], [5] * n, [4 * (i + 1) + 1 for i in range(n)], [[i + 1, i + 2] for i in range(n)],
                 [6] * n, [0] * n)
         with torch.inference_mode():

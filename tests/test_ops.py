@@ -237,6 +237,50 @@ def test_cpu_groupwise_w8a16_matches_reference(rows):
     torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
 
 
+def _vnni_kernel_or_skip():
+    from flagdeploy.backends.cpu import native
+
+    if native.unsupported():
+        pytest.skip(f"no int4 x int8 kernel here: {native.unsupported()}")
+    assert native.available(), "this CPU has AVX-512 VNNI and a compiler: the cpu backend must have built its int4 kernel"
+    return native
+
+
+@pytest.mark.parametrize("n,k", [(48, 64), (16, 32), (64, 96), (960, 576), (576, 1536)])
+def test_cpu_int4_kernel_rounds_no_worse_than_its_bf16_output(n, k):
+    """The VNNI kernel carries the activations as two int8 parts (~15 bits), so its only visible rounding
+    is the bf16 output's: against float64 its error is that rounding's, where one int8 part would add
+    ~4x bf16's noise (and torch's own kernel, bf16 throughout, adds ~1.4x). Every row count the kernel
+    tiles differently (4, 2 and 1 activation rows at a time), and K with an odd number of 32-blocks."""
+    native = _vnni_kernel_or_skip()
+    g = torch.Generator().manual_seed(n + k)
+    w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                   torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3, torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
+    prepared = ops.get_backend("cpu").prepare["linear_w4a16"](w)
+    assert "nib" in prepared.prepared
+    for rows in (1, 2, 3, 7):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        want = x.double() @ w.dequantize(torch.float64).t()
+        got = native.q4_linear(x, prepared.prepared["nib"], prepared.prepared["dm"])
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        err = (got.double() - want).norm() / want.norm()
+        rounding = (want.bfloat16().double() - want).norm() / want.norm()
+        assert err < 1.2 * rounding + 1e-4, f"{rows} rows: error {err:.2e} against the bf16 output's {rounding:.2e}"
+
+
+def test_cpu_int4_weights_no_packed_kernel_can_tile_run_the_reference():
+    """Output widths not a multiple of 16 rows (both packed kernels' tile) stay canonical: the reference."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 40, 64
+    w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                   torch.rand(n, k // 32, generator=g) * 0.02, torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
+    be = ops.get_backend("cpu")
+    prepared = be.prepare["linear_w4a16"](w)
+    assert prepared.prepared is None
+    x = torch.randn(3, k, generator=g)
+    torch.testing.assert_close(be.overrides["linear_w4a16"](x, prepared), OPS["linear_w4a16"].reference(x, w))
+
+
 def test_cpu_prepared_dense_layouts_change_strides_not_results():
     """The cpu backend stores wide dense weights column-major and expert banks so that its two all-expert
     matmuls read them as views: every reader still sees the same [N, K] / [E, 2I, H] / [E, H, I] values."""

@@ -15,6 +15,8 @@ from flagdeploy.ops import fused, glm, reference
 from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight, stripped
 
+from . import native
+
 from flagdeploy.ops.fused import (  # noqa: F401  (torch's fused kernels, shared with other backends)
     add_rms_norm, attention_prefill, rms_norm, rope, write_kv_cache,
 )
@@ -103,18 +105,31 @@ def _dense_mm(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_w4a16(w: Int4Weight):
-    if w.in_features % w.group_size or w.out_features % 8:
-        return w  # the packed kernel's tiling does not fit: stay canonical, run the reference
+    """The packed layout of the kernel that multiplies few rows (the backend's own int4 x int8 VNNI kernel
+    where it builds, else torch's int4 GEMV) and a bf16 copy for more rows."""
+    if native.available() and native.fits(w):
+        nib, dm = native.pack_q4(w)
+        return _keyed(stripped(w, nib=nib, dm=dm, dense=_dense_copy(w)))
+    if w.in_features % w.group_size or w.out_features % 16:
+        return w  # neither packed kernel's tiling fits: stay canonical, run the reference
     packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
     sz = torch.stack((w.scales, w.zeros), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
     return _keyed(stripped(w, packed=packed, scales_zeros=sz, dense=_dense_copy(w)))
 
 
-def _w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+def packed_w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """The few-row kernel of a prepared bundle. The VNNI kernel quantises the activations to int8 per
+    block of 32 (as llama.cpp and ONNX Runtime do on the CPU); torch's kernel multiplies them in bf16."""
     p = w.prepared
+    if "nib" in p:
+        return native.q4_linear(x, p["nib"], p["dm"])
+    return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), p["packed"], w.group_size, p["scales_zeros"])
+
+
+def _w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     if x.shape[0] <= TUNE["linear_w4a16"]["packed_max_m"]:
-        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), p["packed"], w.group_size, p["scales_zeros"])
-    return _dense_mm(x, p["dense"])
+        return packed_w4a16(x, w)
+    return _dense_mm(x, w.prepared["dense"])
 
 
 def linear_w4a16(x, w: Int4Weight, bias=None):

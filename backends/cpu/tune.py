@@ -20,7 +20,7 @@ from flagdeploy.ops.weights import Int4Weight, Int8Weight
 
 from . import ops
 
-ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 LINEAR_SHAPES = ((960, 576), (3072, 576), (576, 1536))
 WIDTHS = (16, 32, 64, 128, 256, 512, 1024, 4096)  # weight widths tried for the dense weights' layout
 
@@ -35,16 +35,12 @@ def _int4(w: torch.Tensor) -> Int4Weight:
                       torch.zeros(w.shape[0], groups), 32, *w.shape)
 
 
-def _packed_w4(x, w):
-    return torch._weight_int4pack_mm_for_cpu(x, w.prepared["packed"], w.group_size, w.prepared["scales_zeros"])
-
-
 def _packed_w8(x, w):
     return torch._weight_int8pack_mm(x, w.prepared["q"], w.prepared["scales"])
 
 
 # op -> (make a canonical bundle, the backend's prepare, its packed kernel)
-_LINEARS = {"linear_w4a16": (_int4, ops.prepare_w4a16, _packed_w4),
+_LINEARS = {"linear_w4a16": (_int4, ops.prepare_w4a16, ops.packed_w4a16),
             "linear_w8a16": (Int8Weight.quantize, ops.prepare_w8a16, _packed_w8)}
 
 

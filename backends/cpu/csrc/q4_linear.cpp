@@ -1,0 +1,164 @@
+// int4 weights x int8 activations on AVX-512 VNNI: the few-row (decode) linear of a 4-bit GGUF model.
+//
+// torch's own CPU int4 kernel (_weight_int4pack_mm_for_cpu) converts every nibble to bf16 for one
+// multiply-add. Here the activations are quantised once per call to int8 in blocks of 32 (one scale
+// each, as llama.cpp's Q8 and ONNX Runtime's MatMulNBits do), and one vpdpbusd multiplies 4 nibbles of
+// each of 16 output rows by the same 4 int8 activations, broadcast: the 16 lanes are 16 outputs, so a
+// block's int32 dot needs no horizontal sum, and its scales (one per row) are one vector. The weight's
+// offset term, m * sum(x) per block, is taken from the float activations: no activation rounding in it.
+//
+// Layout (written by `pack_q4` in native.py), N a multiple of 16 and K of 32, tiles of 16 output rows:
+//   nib [N/16, K/32, 4, 16, 4] uint8: for tile t and block b, 4 chunks of 64 bytes; in chunk c, byte
+//       (j, i) holds row j's value 8c + i in its low nibble and value 8c + 4 + i in its high nibble.
+//   dm  [N/16, K/32, 2, 16] float16: the tile's 16 scales d, then its 16 offsets m: w = d * q + m, q in 0..15.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__))
+#error "q4_linear needs AVX-512 with VNNI (native.py builds it only on such CPUs)"
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;
+
+// Activations of one call, per row: x / s ~ hi + lo / 256 with hi and lo int8 (s = block absmax / 127),
+// i.e. ~15 bits per value, finer than the bf16 activations themselves, so the kernel answers as the
+// w4a16 reference does (one int8 part alone would add ~4x bf16's rounding noise). Per block of 32: the
+// scale s / 256 and the float sum.
+struct Activations {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> scale, sum;
+};
+
+template <typename T>
+inline __m512 load16(const T* v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(v);
+  } else {  // bfloat16: the float's upper half
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+inline __m128i round_to_int8(__m512 v) { return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)); }
+
+template <typename T>
+Activations quantize(const T* x, int64_t rows, int64_t k) {
+  const int64_t blocks = k / QK;
+  Activations a{std::vector<int8_t>(rows * k), std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks),
+                std::vector<float>(rows * blocks)};
+  const __m512 sign = _mm512_set1_ps(-0.0f), by256 = _mm512_set1_ps(256.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = r * k + b * QK;
+      __m512 v[2] = {load16(x + at), load16(x + at + 16)};
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v[0]), _mm512_andnot_ps(sign, v[1])));
+      __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+      for (int h = 0; h < 2; ++h) {
+        __m512 t = _mm512_mul_ps(v[h], inv);
+        __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.hi.data() + at + 16 * h), round_to_int8(whole));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.lo.data() + at + 16 * h),
+                         round_to_int8(_mm512_mul_ps(_mm512_sub_ps(t, whole), by256)));
+      }
+      a.scale[r * blocks + b] = amax / (127.0f * 256.0f);
+      a.sum[r * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+    }
+  }
+  return a;
+}
+
+// 16 floats to bfloat16, rounded to nearest even
+inline __m256i to_bf16(__m512 v) {
+  __m512i b = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16));
+}
+
+// Tiles [t0, t1) of 16 output rows for activation rows [r0, r0 + R): each weight chunk is unpacked once
+// and used for R activation rows.
+template <int R>
+void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k, int64_t r0,
+           int64_t t0, int64_t t1, uint16_t* y, int64_t n_out) {
+  const int64_t blocks = k / QK;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* w = nib + (t * blocks + b) * 256;
+      __m512i dot_hi[R], dot_lo[R];
+      for (int r = 0; r < R; ++r) dot_hi[r] = dot_lo[r] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        __m512i raw = _mm512_loadu_si512(w + 64 * c);
+        __m512i q0 = _mm512_and_si512(raw, low4), q1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (r0 + r) * k + b * QK + 8 * c;
+          const int32_t* xh = reinterpret_cast<const int32_t*>(a.hi.data() + at);
+          const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + at);
+          dot_hi[r] = _mm512_dpbusd_epi32(dot_hi[r], q0, _mm512_set1_epi32(xh[0]));
+          dot_hi[r] = _mm512_dpbusd_epi32(dot_hi[r], q1, _mm512_set1_epi32(xh[1]));
+          dot_lo[r] = _mm512_dpbusd_epi32(dot_lo[r], q0, _mm512_set1_epi32(xl[0]));
+          dot_lo[r] = _mm512_dpbusd_epi32(dot_lo[r], q1, _mm512_set1_epi32(xl[1]));
+        }
+      }
+      const uint16_t* s = dm + (t * blocks + b) * 32;
+      __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+      __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * blocks + b;
+        __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dot_hi[r], 8), dot_lo[r]);  // < 2^24: exact in float
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[at])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sum[at]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r0 + r) * n_out + 16 * t), to_bf16(acc[r]));
+  }
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& dm) {
+  TORCH_CHECK(x.dim() == 2 && nib.dim() == 5 && dm.dim() == 4,
+              "q4_linear: x [M, K], nib [N/16, K/32, 4, 16, 4], dm [N/16, K/32, 2, 16]");
+  const int64_t rows_n = x.size(0), k = x.size(1), n_tiles = nib.size(0), n_out = 16 * n_tiles;
+  TORCH_CHECK(k % QK == 0 && nib.size(1) == k / QK && dm.size(0) == n_tiles && dm.size(1) == k / QK,
+              "q4_linear: x's width does not match the packed weight's (K a multiple of 32)");
+  TORCH_CHECK(nib.scalar_type() == at::kByte && dm.scalar_type() == at::kHalf && nib.is_contiguous() && dm.is_contiguous(),
+              "q4_linear: nib must be contiguous uint8, dm contiguous float16");
+  at::Tensor xc = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+  Activations a = xc.scalar_type() == at::kBFloat16
+      ? quantize(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), rows_n, k)
+      : quantize(xc.data_ptr<float>(), rows_n, k);
+  at::Tensor y = at::empty({rows_n, n_out}, x.options().dtype(at::kBFloat16));
+  const uint8_t* w = nib.data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
+  uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
+    int64_t r = 0;
+    for (; r + 4 <= rows_n; r += 4) tiles<4>(w, s, a, k, r, t0, t1, out, n_out);
+    for (; r + 2 <= rows_n; r += 2) tiles<2>(w, s, a, k, r, t0, t1, out, n_out);
+    for (; r < rows_n; ++r) tiles<1>(w, s, a, k, r, t0, t1, out, n_out);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flagdeploy_cpu, m) {
+  m.def("q4_linear(Tensor x, Tensor nib, Tensor dm) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(flagdeploy_cpu, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+}

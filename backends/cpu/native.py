@@ -1,0 +1,129 @@
+"""The cpu backend's own C++ kernels (csrc/), built on first use with the machine's C++ compiler.
+
+torch has no x86 kernel that multiplies int4 weights by int8 activations (its int4 GEMV converts each
+nibble to bf16), and that kernel is what a 4-bit GGUF's decode step is made of. `q4_linear` is one:
+AVX-512 VNNI dot products over 16 output rows at a time (see csrc/q4_linear.cpp for the arithmetic).
+
+It is compiled once per source, torch version and CPU into the user's cache directory (~10 s, like
+inductor's own kernels under `serve --compile`) and loaded as a torch library, so that compiled graphs
+call it without Python. Where it cannot be used (another CPU, no compiler, FLAGDEPLOY_NATIVE_KERNELS=0)
+the backend keeps torch's int4 kernel: `available()` says which, and the log says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from flagdeploy.ops.weights import Int4Weight
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "q4_linear.cpp"
+# What the kernel's intrinsics need, as /proc/cpuinfo names them
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
+TILE = 16  # output rows per vpdpbusd: the kernel's N must be a multiple
+GROUP = 32  # the activations' and the weights' block along K
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compile(out: Path) -> None:
+    """g++ on csrc/q4_linear.cpp against this torch, into `out` by way of a temporary file."""
+    from torch.utils.cpp_extension import include_paths
+
+    lib = Path(torch.__file__).parent / "lib"
+    cxx = os.environ.get("CXX", "c++")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(so),
+               f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{cxx} exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
+        so.replace(out)
+
+
+def unsupported() -> str | None:
+    """Why this machine cannot run the kernel (None: it can, given a compiler to build it)."""
+    if os.environ.get("FLAGDEPLOY_NATIVE_KERNELS", "1") == "0":
+        return "switched off by FLAGDEPLOY_NATIVE_KERNELS=0"
+    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
+    if platform.machine() not in ("x86_64", "AMD64") or missing:
+        return f"this CPU lacks {', '.join(missing) or 'x86'}"
+    return None
+
+
+@functools.cache
+def available() -> bool:
+    """Whether `q4_linear` is loaded, building it first if this machine has not yet."""
+    reason = unsupported()
+    if reason:
+        log.info("cpu backend: torch's int4 kernel, not the VNNI one: %s", reason)
+        return False
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.warning("cpu backend: no C++ compiler (%s) to build the int4 x int8 VNNI kernel, so 4-bit models "
+                    "decode ~1.7x slower on torch's int4 kernel. Install g++ (or set CXX) to get it.",
+                    os.environ.get("CXX", "c++"))
+        return False
+    from flagdeploy.loaders.source import cache_dir
+
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(sorted(_cpu_flags())).encode())
+    so = cache_dir() / "kernels" / f"q4_linear-{key.hexdigest()[:16]}.so"
+    if not so.exists():
+        log.info("cpu backend: building the int4 x int8 kernel into %s (once, ~10 s)", so)
+        try:
+            _compile(so)
+        except (OSError, RuntimeError) as e:
+            log.warning("cpu backend: building %s failed, keeping torch's int4 kernel: %s", SOURCE.name, e)
+            return False
+    torch.ops.load_library(str(so))
+    torch.library.register_fake("flagdeploy_cpu::q4_linear")(_q4_linear_fake)
+    return True
+
+
+def _q4_linear_fake(x, nib, dm):
+    return x.new_empty(x.shape[0], nib.shape[0] * TILE, dtype=torch.bfloat16)
+
+
+def fits(w: Int4Weight) -> bool:
+    return w.group_size == GROUP and w.out_features % TILE == 0 and w.in_features % GROUP == 0
+
+
+def pack_q4(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nib, dm) in the kernel's layout (csrc/q4_linear.cpp) from the canonical bundle: tiles of 16 rows,
+    and per tile and block of 32, the 16 rows' nibbles interleaved by 4 (one int32 lane per row), then
+    their scales and offsets. The canonical w = (q - 8) * s + z is stored as d * q + m (d = s, m = z - 8 s)
+    in float16, which holds a GGUF's own fp16 d and m exactly."""
+    t, g = w.out_features // TILE, w.in_features // GROUP
+    q = w.q.to(torch.uint8).view(t, TILE, g, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # tile, block, chunk, nibble, row, 4
+    nib = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).contiguous()
+    d = w.scales.float()
+    m = w.zeros.float() - 8 * d
+    dm = torch.stack([v.view(t, TILE, g).transpose(1, 2) for v in (d, m)], 2).to(torch.float16).contiguous()
+    return nib, dm
+
+
+def q4_linear(x: torch.Tensor, nib: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (float32 or bf16) times the packed weight: [M, N] bf16."""
+    return torch.ops.flagdeploy_cpu.q4_linear(x, nib, dm)
