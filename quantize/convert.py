@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from flagdeploy.chips import Chip
+from flagdeploy.backends.cpu import native
 from flagdeploy.errors import FlagdeployError
 from flagdeploy.ops.weights import Int8Weight, fp8_block_dequantize, fp8_block_quantize
 
@@ -210,10 +211,12 @@ _CHUNK_ELEMENTS = 1 << 19
 
 
 def _convert_rows(tp: TensorPlan, w: torch.Tensor, scale_inv: torch.Tensor | None) -> tuple[list[torch.Tensor], float]:
+    int8 = SCHEMES[tp.scheme].int8
+    if scale_inv is not None and native.converts_fp8(w, tp.block, tp.group_size if int8 else 0):
+        return _convert_fp8_native(tp, w, scale_inv, int8)
     rows, cols = w.shape
     unit = tp.block[0] if scale_inv is not None else 1  # chunks start on a scale block's first row
     step = max(1, _CHUNK_ELEMENTS // max(cols, 1) // unit) * unit
-    int8 = SCHEMES[tp.scheme].int8
     if int8:
         q = torch.empty(rows, cols, dtype=torch.int8)
         scales = torch.empty(rows, cols // tp.group_size if tp.group_size else 1, dtype=torch.float32)
@@ -239,6 +242,18 @@ def _convert_rows(tp: TensorPlan, w: torch.Tensor, scale_inv: torch.Tensor | Non
     if not int8:
         return [out], err
     return [q, scales] + ([torch.zeros_like(scales)] if len(tp.outputs) == 3 else []), err
+
+
+def _convert_fp8_native(tp: TensorPlan, w: torch.Tensor, scale_inv: torch.Tensor, int8: bool):
+    """The same arithmetic as `_convert_rows`, value for value, in one pass of the cpu backend's kernel
+    (backends/cpu/csrc/fp8_convert.cpp) over the rows instead of several torch passes per chunk."""
+    if int8:
+        q, scales, norm2, err2 = native.fp8_to_int8(w, scale_inv, tp.block, tp.group_size)
+        outs = [q, scales] + ([torch.zeros_like(scales)] if len(tp.outputs) == 3 else [])
+    else:
+        out, norm2, err2 = native.fp8_to_bf16(w, scale_inv, tp.block)
+        outs = [out]
+    return outs, (err2 / norm2) ** 0.5 if norm2 else 0.0
 
 
 def _convert_shard(sp: ShardPlan, partial: Path, bar: tqdm, handles: dict) -> list[dict]:

@@ -127,6 +127,30 @@ def test_all_bf16_conversion_reproduces_the_dequantised_logits(src, tmp_path):
     assert (got - ref).norm() / ref.norm() < 0.01
 
 
+@pytest.mark.parametrize("policy", ["no-fp8", "bf16"])
+def test_one_pass_fp8_kernels_write_what_the_torch_path_writes(src, tmp_path, monkeypatch, policy):
+    """Where the cpu backend's kernels build, FP8 weights are converted by its one-pass kernels
+    (backends/cpu/csrc/fp8_convert.cpp): the output is byte for byte what torch's passes write, and the
+    report's errors agree to float32 accumulation."""
+    from flagdeploy.backends.cpu import native
+
+    if native.unsupported():
+        pytest.skip(f"no cpu kernels here: {native.unsupported()}")
+    calls = []
+    for name in ("fp8_to_int8", "fp8_to_bf16"):
+        kernel = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+    one_pass = quantize(src, tmp_path / "native", chip="ascend910c", policy=policy, progress=False)
+    assert calls and (policy == "bf16" or "fp8_to_int8" in calls)
+    monkeypatch.setattr(native, "converts_fp8", lambda *a, **k: False)
+    torch_path = quantize(src, tmp_path / "torch", chip="ascend910c", policy=policy, progress=False)
+    a, b = _tensors(tmp_path / "native"), _tensors(tmp_path / "torch")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    errors = [(x["rel_error"], y["rel_error"]) for x, y in zip(one_pass["tensors"], torch_path["tensors"])]
+    assert len(errors) == len(torch_path["tensors"]) > 0
+    assert all(abs(x - y) <= 1e-5 * max(y, 1e-9) + 1e-9 for x, y in errors)
+
+
 def test_groupwise_w8a16_policy_file(src, tmp_path):
     policy = tmp_path / "w8a16.yaml"
     policy.write_text("name: experts-w8a16\nrules:\n"

@@ -1,13 +1,15 @@
 """The cpu backend's own C++ kernels (csrc/), built on first use with the machine's C++ compiler.
 
-torch has no x86 kernel that multiplies int4 weights by int8 activations (its int4 GEMV converts each
-nibble to bf16), and that kernel is what a 4-bit GGUF's decode step is made of. `q4_linear` is one:
-AVX-512 VNNI dot products over 16 output rows at a time (see csrc/q4_linear.cpp for the arithmetic).
+- `q4_linear`: torch has no x86 kernel that multiplies int4 weights by int8 activations (its int4 GEMV
+  converts each nibble to bf16), and that kernel is what a 4-bit GGUF's decode step is made of. This
+  one runs AVX-512 VNNI dot products over 16 output rows at a time (csrc/q4_linear.cpp).
+- `fp8_to_int8` / `fp8_to_bf16`: `flagdeploy quantize`'s per-tensor arithmetic in one pass over an FP8
+  weight's rows, where torch's elementwise ops make several over float32 temporaries (csrc/fp8_convert.cpp).
 
-It is compiled once per source, torch version and CPU into the user's cache directory (~10 s, like
+They are compiled once per source, torch version and CPU into the user's cache directory (~20 s, like
 inductor's own kernels under `serve --compile`) and loaded as a torch library, so that compiled graphs
-call it without Python. Where it cannot be used (another CPU, no compiler, FLAGDEPLOY_NATIVE_KERNELS=0)
-the backend keeps torch's int4 kernel: `available()` says which, and the log says why.
+call them without Python. Where they cannot be used (another CPU, no compiler, FLAGDEPLOY_NATIVE_KERNELS=0)
+the callers keep torch's kernels: `available()` says which, and the log says why.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from flagdeploy.ops.weights import Int4Weight
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "q4_linear.cpp"
+SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
 # What the kernel's intrinsics need, as /proc/cpuinfo names them
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 TILE = 16  # output rows per vpdpbusd: the kernel's N must be a multiple
@@ -46,7 +48,7 @@ def _cpu_flags() -> set[str]:
 
 
 def _compile(out: Path) -> None:
-    """g++ on csrc/q4_linear.cpp against this torch, into `out` by way of a temporary file."""
+    """g++ on csrc/*.cpp against this torch, into `out` by way of a temporary file."""
     from torch.utils.cpp_extension import include_paths
 
     lib = Path(torch.__file__).parent / "lib"
@@ -56,7 +58,7 @@ def _compile(out: Path) -> None:
         so = Path(tmp) / out.name
         cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-               *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(so),
+               *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(so),
                f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
@@ -76,26 +78,27 @@ def unsupported() -> str | None:
 
 @functools.cache
 def available() -> bool:
-    """Whether `q4_linear` is loaded, building it first if this machine has not yet."""
+    """Whether the kernels are loaded, building them first if this machine has not yet."""
     reason = unsupported()
     if reason:
-        log.info("cpu backend: torch's int4 kernel, not the VNNI one: %s", reason)
+        log.info("cpu backend: torch's kernels only, not its own (csrc/): %s", reason)
         return False
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        log.warning("cpu backend: no C++ compiler (%s) to build the int4 x int8 VNNI kernel, so 4-bit models "
-                    "decode ~1.7x slower on torch's int4 kernel. Install g++ (or set CXX) to get it.",
+        log.warning("cpu backend: no C++ compiler (%s) to build its kernels, so 4-bit models decode ~1.7x slower "
+                    "on torch's int4 kernel (and quantize converts slower). Install g++ (or set CXX) to get them.",
                     os.environ.get("CXX", "c++"))
         return False
     from flagdeploy.loaders.source import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(sorted(_cpu_flags())).encode())
-    so = cache_dir() / "kernels" / f"q4_linear-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode()
+                         + " ".join(sorted(_cpu_flags())).encode())
+    so = cache_dir() / "kernels" / f"flagdeploy_cpu-{key.hexdigest()[:16]}.so"
     if not so.exists():
-        log.info("cpu backend: building the int4 x int8 kernel into %s (once, ~10 s)", so)
+        log.info("cpu backend: building its kernels into %s (once, ~20 s)", so)
         try:
             _compile(so)
         except (OSError, RuntimeError) as e:
-            log.warning("cpu backend: building %s failed, keeping torch's int4 kernel: %s", SOURCE.name, e)
+            log.warning("cpu backend: building csrc/ failed, keeping torch's kernels: %s", e)
             return False
     torch.ops.load_library(str(so))
     torch.library.register_fake("flagdeploy_cpu::q4_linear")(_q4_linear_fake)
@@ -127,3 +130,22 @@ def pack_q4(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
 def q4_linear(x: torch.Tensor, nib: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """x [M, K] (float32 or bf16) times the packed weight: [M, N] bf16."""
     return torch.ops.flagdeploy_cpu.q4_linear(x, nib, dm)
+
+
+def fp8_to_int8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], group: int):
+    """(q int8, scales float32 [R, C / group or 1], sum of squares of the dequantised weight, of the error)."""
+    q, scales, sums = torch.ops.flagdeploy_cpu.fp8_to_int8(w.view(torch.uint8), scale_inv.float().contiguous(),
+                                                          block[0], block[1], group)
+    return q, scales, float(sums[0]), float(sums[1])
+
+
+def fp8_to_bf16(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]):
+    """(bf16 weight, sum of squares of the dequantised weight, of the rounding error)."""
+    out, sums = torch.ops.flagdeploy_cpu.fp8_to_bf16(w.view(torch.uint8), scale_inv.float().contiguous(), *block)
+    return out, float(sums[0]), float(sums[1])
+
+
+def converts_fp8(w: torch.Tensor, block: tuple[int, int], group: int = 0) -> bool:
+    """Whether the one-pass FP8 kernels take this weight (e4m3, widths in multiples of 16)."""
+    return (w.dtype == getattr(torch, "float8_e4m3fn", None) and w.dim() == 2 and w.is_contiguous()
+            and w.shape[1] % 16 == 0 and block[1] % 16 == 0 and (group or 16) % 16 == 0 and available())

@@ -1,0 +1,141 @@
+// FP8 e4m3 checkpoint weights with 128x128-style block inverse scales, converted row by row in one pass
+// over the data: for `flagdeploy quantize` on a host CPU, where torch's elementwise ops made several
+// passes over float32 temporaries (decode, scale, absmax, divide, round, clamp, dequantise, norms).
+//
+// Same arithmetic as the torch path in quantize/convert.py, value for value: e4m3 decoded exactly (its
+// bits shifted into a float16, times 2^8), multiplied by the block's float32 inverse scale; int8 with
+// scale = max(absmax, 1e-12) / 127 per output row (or per group of input columns), q = round-half-even
+// of value / scale clamped to +-127; bf16 rounded to nearest even. Also returns the sums of squares of
+// the dequantised source and of the conversion's error, for the report.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// 16 e4m3 values (as bytes) to float32, exactly
+inline __m512 e4m3_to_float(const uint8_t* p) {
+  __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // sign-extended
+  h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+
+struct Shape {
+  int64_t rows, cols, block_r, block_c, scale_cols;
+};
+
+// One row's float values (times its blocks' inverse scales) into `f`; returns their sum of squares.
+inline float decode_row(const uint8_t* w, const float* scale_inv, const Shape& s, int64_t r, float* f) {
+  const float* srow = scale_inv + (r / s.block_r) * s.scale_cols;
+  __m512 sq = _mm512_setzero_ps();
+  for (int64_t c = 0; c < s.cols; c += 16) {
+    __m512 v = _mm512_mul_ps(e4m3_to_float(w + r * s.cols + c), _mm512_set1_ps(srow[c / s.block_c]));
+    _mm512_storeu_ps(f + c, v);
+    sq = _mm512_fmadd_ps(v, v, sq);
+  }
+  return _mm512_reduce_add_ps(sq);
+}
+
+void check(const at::Tensor& w, const at::Tensor& scale_inv, int64_t block_r, int64_t block_c) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "fp8 weight: contiguous [R, C] bytes");
+  TORCH_CHECK(scale_inv.scalar_type() == at::kFloat && scale_inv.is_contiguous(), "scale_inv: contiguous float32");
+  TORCH_CHECK(w.size(1) % 16 == 0 && block_c % 16 == 0, "columns and column blocks must be multiples of 16");
+  TORCH_CHECK(scale_inv.size(0) == (w.size(0) + block_r - 1) / block_r && scale_inv.size(1) == (w.size(1) + block_c - 1) / block_c,
+              "scale_inv does not cover the weight in its blocks");
+}
+
+// (q int8 [R, C], scales float32 [R, C / group], sums of squares float64 [2]: source, error)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_to_int8(const at::Tensor& w, const at::Tensor& scale_inv,
+                                                           int64_t block_r, int64_t block_c, int64_t group) {
+  check(w, scale_inv, block_r, block_c);
+  const Shape s{w.size(0), w.size(1), block_r, block_c, scale_inv.size(1)};
+  const int64_t g = group ? group : s.cols;
+  TORCH_CHECK(g % 16 == 0 && s.cols % g == 0, "the group size must divide the columns and be a multiple of 16");
+  at::Tensor q = at::empty({s.rows, s.cols}, w.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({s.rows, s.cols / g}, w.options().dtype(at::kFloat));
+  std::vector<double> norm(s.rows), err(s.rows);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = scale_inv.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* scp = scales.data_ptr<float>();
+  at::parallel_for(0, s.rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> f(s.cols);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t r = r0; r < r1; ++r) {
+      norm[r] = decode_row(wp, sp, s, r, f.data());
+      __m512 e2 = _mm512_setzero_ps();
+      for (int64_t c0 = 0; c0 < s.cols; c0 += g) {
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t c = c0; c < c0 + g; c += 16) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, _mm512_loadu_ps(&f[c])));
+        const float scale = std::max(_mm512_reduce_max_ps(m), 1e-12f) / 127.0f;
+        scp[r * (s.cols / g) + c0 / g] = scale;
+        const __m512 vs = _mm512_set1_ps(scale);
+        for (int64_t c = c0; c < c0 + g; c += 16) {
+          __m512 v = _mm512_loadu_ps(&f[c]);
+          __m512i qi = _mm512_cvtps_epi32(_mm512_div_ps(v, vs));  // round half to even
+          qi = _mm512_max_epi32(_mm512_min_epi32(qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(qp + r * s.cols + c), _mm512_cvtepi32_epi8(qi));
+          __m512 d = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qi), vs), v);
+          e2 = _mm512_fmadd_ps(d, d, e2);
+        }
+      }
+      err[r] = _mm512_reduce_add_ps(e2);
+    }
+  });
+  double n = 0, e = 0;
+  for (int64_t r = 0; r < s.rows; ++r) n += norm[r], e += err[r];
+  return {q, scales, at::tensor({n, e}, at::kDouble)};
+}
+
+// (bf16 [R, C], sums of squares float64 [2]: source, error)
+std::tuple<at::Tensor, at::Tensor> fp8_to_bf16(const at::Tensor& w, const at::Tensor& scale_inv, int64_t block_r,
+                                               int64_t block_c) {
+  check(w, scale_inv, block_r, block_c);
+  const Shape s{w.size(0), w.size(1), block_r, block_c, scale_inv.size(1)};
+  at::Tensor out = at::empty({s.rows, s.cols}, w.options().dtype(at::kBFloat16));
+  std::vector<double> norm(s.rows), err(s.rows);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = scale_inv.data_ptr<float>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, s.rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> f(s.cols);
+    for (int64_t r = r0; r < r1; ++r) {
+      norm[r] = decode_row(wp, sp, s, r, f.data());
+      __m512 e2 = _mm512_setzero_ps();
+      for (int64_t c = 0; c < s.cols; c += 16) {
+        __m512 v = _mm512_loadu_ps(&f[c]);
+        __m512i b = _mm512_castps_si512(v);  // round to nearest even on the upper 16 bits
+        b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
+                                                 _mm512_set1_epi32(0x7FFF)));
+        b = _mm512_srli_epi32(b, 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + r * s.cols + c), _mm512_cvtepi32_epi16(b));
+        __m512 d = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), v);
+        e2 = _mm512_fmadd_ps(d, d, e2);
+      }
+      err[r] = _mm512_reduce_add_ps(e2);
+    }
+  });
+  double n = 0, e = 0;
+  for (int64_t r = 0; r < s.rows; ++r) n += norm[r], e += err[r];
+  return {out, at::tensor({n, e}, at::kDouble)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flagdeploy_cpu, m) {
+  m.def("fp8_to_int8(Tensor w, Tensor scale_inv, int block_r, int block_c, int group) -> (Tensor, Tensor, Tensor)");
+  m.def("fp8_to_bf16(Tensor w, Tensor scale_inv, int block_r, int block_c) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(flagdeploy_cpu, CPU, m) {
+  m.impl("fp8_to_int8", &fp8_to_int8);
+  m.impl("fp8_to_bf16", &fp8_to_bf16);
+}
