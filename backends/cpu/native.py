@@ -94,7 +94,7 @@ def available() -> bool:
                          + " ".join(sorted(_cpu_flags())).encode())
     so = cache_dir() / "kernels" / f"flagdeploy_cpu-{key.hexdigest()[:16]}.so"
     if not so.exists():
-        log.info("cpu backend: building its kernels into %s (once, ~20 s)", so)
+        log.warning("cpu backend: building its C++ kernels (once per machine, ~20 s) into %s", so)
         try:
             _compile(so)
         except (OSError, RuntimeError) as e:
