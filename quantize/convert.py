@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from flagdeploy.chips import Chip
 from flagdeploy.backends.cpu import native
+from flagdeploy.chips import Chip
 from flagdeploy.errors import FlagdeployError
 from flagdeploy.ops.weights import Int8Weight, fp8_block_dequantize, fp8_block_quantize
 

@@ -31,7 +31,7 @@ from flagdeploy.ops.weights import Int4Weight
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
-# What the kernel's intrinsics need, as /proc/cpuinfo names them
+# What the kernels' intrinsics need, as /proc/cpuinfo names them
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 TILE = 16  # output rows per vpdpbusd: the kernel's N must be a multiple
 GROUP = 32  # the activations' and the weights' block along K
@@ -67,7 +67,8 @@ def _compile(out: Path) -> None:
 
 
 def unsupported() -> str | None:
-    """Why this machine cannot run the kernel (None: it can, given a compiler to build it)."""
+    """Why this machine cannot run the kernels (None: it can, given a compiler to build them). They are one
+    library built for AVX-512 VNNI, which the int4 kernel needs (the FP8 ones would do with AVX-512BW)."""
     if os.environ.get("FLAGDEPLOY_NATIVE_KERNELS", "1") == "0":
         return "switched off by FLAGDEPLOY_NATIVE_KERNELS=0"
     missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]

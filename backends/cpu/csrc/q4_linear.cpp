@@ -1,11 +1,11 @@
 // int4 weights x int8 activations on AVX-512 VNNI: the few-row (decode) linear of a 4-bit GGUF model.
 //
 // torch's own CPU int4 kernel (_weight_int4pack_mm_for_cpu) converts every nibble to bf16 for one
-// multiply-add. Here the activations are quantised once per call to int8 in blocks of 32 (one scale
-// each, as llama.cpp's Q8 and ONNX Runtime's MatMulNBits do), and one vpdpbusd multiplies 4 nibbles of
-// each of 16 output rows by the same 4 int8 activations, broadcast: the 16 lanes are 16 outputs, so a
-// block's int32 dot needs no horizontal sum, and its scales (one per row) are one vector. The weight's
-// offset term, m * sum(x) per block, is taken from the float activations: no activation rounding in it.
+// multiply-add. Here the activations are quantised once per call in blocks of 32 (one scale each, as
+// llama.cpp's Q8 and ONNX Runtime's MatMulNBits do, but as two int8 parts: see Activations), and one
+// vpdpbusd multiplies 4 nibbles of each of 16 output rows by the same 4 int8 activations, broadcast: the
+// 16 lanes are 16 outputs, so a block's int32 dot needs no horizontal sum, and its scales (one per row)
+// are one vector. The weight's offset term, m * sum(x) per block, is taken from the float activations.
 //
 // Layout (written by `pack_q4` in native.py), N a multiple of 16 and K of 32, tiles of 16 output rows:
 //   nib [N/16, K/32, 4, 16, 4] uint8: for tile t and block b, 4 chunks of 64 bytes; in chunk c, byte
