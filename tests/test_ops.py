@@ -237,22 +237,22 @@ def test_cpu_groupwise_w8a16_matches_reference(rows):
     torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
 
 
-def _vnni_kernel_or_skip():
+def _cpu_kernels_or_skip():
     from flagdeploy.backends.cpu import native
 
     if native.unsupported():
         pytest.skip(f"no int4 x int8 kernel here: {native.unsupported()}")
-    assert native.available(), "this CPU has AVX-512 VNNI and a compiler: the cpu backend must have built its int4 kernel"
+    assert native.available(), "this CPU and compiler can build the cpu backend's kernels, so it must have"
     return native
 
 
 @pytest.mark.parametrize("n,k", [(48, 64), (16, 32), (64, 96), (960, 576), (576, 1536)])
 def test_cpu_int4_kernel_rounds_no_worse_than_its_bf16_output(n, k):
-    """The VNNI kernel carries the activations as two int8 parts (~15 bits), so its only visible rounding
-    is the bf16 output's: against float64 its error is that rounding's, where one int8 part would add
-    ~4x bf16's noise (and torch's own kernel, bf16 throughout, adds ~1.4x). Every row count the kernel
+    """The cpu backend's int4 kernel carries the activations as two int8 parts (~15 bits), so its only
+    visible rounding is the bf16 output's: against float64 its error is that rounding's, where one int8
+    part would add ~4x bf16's noise (and torch's own kernel, bf16 throughout, adds ~1.4x). Every row count the kernel
     tiles differently (4, 2 and 1 activation rows at a time), and K with an odd number of 32-blocks."""
-    native = _vnni_kernel_or_skip()
+    native = _cpu_kernels_or_skip()
     g = torch.Generator().manual_seed(n + k)
     w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
                    torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3, torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
@@ -266,6 +266,31 @@ def test_cpu_int4_kernel_rounds_no_worse_than_its_bf16_output(n, k):
         err = (got.double() - want).norm() / want.norm()
         rounding = (want.bfloat16().double() - want).norm() / want.norm()
         assert err < 1.2 * rounding + 1e-4, f"{rows} rows: error {err:.2e} against the bf16 output's {rounding:.2e}"
+
+
+def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
+    """CPUs without AVX-512 get the same kernels built for AVX2 (two 8-row halves per tile, vpmaddubsw for
+    vpdpbusd; portable C++ for the FP8 conversions): built here without AVX-512, under another op
+    namespace, they give the default build's outputs bit for bit."""
+    from flagdeploy.ops.weights import fp8_block_quantize
+
+    native = _cpu_kernels_or_skip()
+    native._compile(tmp_path / "avx2.so", ("-mno-avx512f", "-DFLAGDEPLOY_OPS_NS=flagdeploy_cpu_avx2"))
+    torch.ops.load_library(str(tmp_path / "avx2.so"))
+    avx2, default = torch.ops.flagdeploy_cpu_avx2, torch.ops.flagdeploy_cpu
+    g = torch.Generator().manual_seed(11)
+    for n, k, rows in [(48, 64, 5), (64, 96, 4), (960, 576, 3)]:
+        w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                       torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3, torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
+        nib, dm = native.pack_q4(w)
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        assert torch.equal(avx2.q4_linear(x, nib, dm), default.q4_linear(x, nib, dm))
+    w8, s = fp8_block_quantize(torch.randn(200, 160, generator=g) * 0.05, (128, 128))
+    for group in (0, 32):
+        a, b = avx2.fp8_to_int8(w8.view(torch.uint8), s, 128, 128, group), default.fp8_to_int8(w8.view(torch.uint8), s, 128, 128, group)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        torch.testing.assert_close(a[2], b[2], rtol=1e-5, atol=0)
+    assert torch.equal(avx2.fp8_to_bf16(w8.view(torch.uint8), s, 128, 128)[0], default.fp8_to_bf16(w8.view(torch.uint8), s, 128, 128)[0])
 
 
 def test_cpu_int4_weights_no_packed_kernel_can_tile_run_the_reference():

@@ -65,3 +65,24 @@ def test_packed_model_answers(engines):
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
     out = packed.generate([ids], SamplingParams(max_tokens=16, temperature=0))[0]
     assert "Paris" in tok.decode(out)
+
+
+def test_packed_prompt_computes_the_same_after_a_prefix_cache_hit(engines):
+    """A cached prompt leaves only its last few tokens to compute, few enough rows for the packed int4
+    kernel; prompt tokens take the bf16 copy whatever their number, so the logprobs do not move."""
+    _, packed = engines
+    tok = packed.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe, please."}]))
+
+    def logprobs(rid: str) -> list[float]:
+        packed.add_request(rid, ids, SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True))
+        got: list[float] = []
+        while rid in packed.requests:
+            got += [lp.logprob for out in packed.step() if out.request_id == rid for lp in out.logprobs or []]
+        return got
+
+    first = logprobs("cold")
+    before = packed.stats()["prefix_cache_hit_tokens"]
+    second = logprobs("cached")
+    assert packed.stats()["prefix_cache_hit_tokens"] - before >= (len(ids) - 1) // 16 * 16 > 0
+    assert len(first) == 4 and second == first

@@ -2,7 +2,8 @@
 
 - `q4_linear`: torch has no x86 kernel that multiplies int4 weights by int8 activations (its int4 GEMV
   converts each nibble to bf16), and that kernel is what a 4-bit GGUF's decode step is made of. This
-  one runs AVX-512 VNNI dot products over 16 output rows at a time (csrc/q4_linear.cpp).
+  one runs AVX-512 VNNI dot products over 16 output rows at a time, or on AVX2 the same arithmetic in
+  two halves (csrc/q4_linear.cpp).
 - `fp8_to_int8` / `fp8_to_bf16`: `flagdeploy quantize`'s per-tensor arithmetic in one pass over an FP8
   weight's rows, where torch's elementwise ops make several over float32 temporaries (csrc/fp8_convert.cpp).
 
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
 # What the kernels' intrinsics need, as /proc/cpuinfo names them
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
+CPU_FLAGS = ("avx2", "fma", "f16c")  # AVX-512 (VNNI, BW) is used where -march=native has it
 TILE = 16  # output rows per vpdpbusd: the kernel's N must be a multiple
 GROUP = 32  # the activations' and the weights' block along K
 
@@ -47,7 +48,7 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _compile(out: Path) -> None:
+def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
     """g++ on csrc/*.cpp against this torch, into `out` by way of a temporary file."""
     from torch.utils.cpp_extension import include_paths
 
@@ -56,7 +57,7 @@ def _compile(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
+        cmd = [cxx, "-O3", "-march=native", *extra_flags, "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(so),
                f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
@@ -67,8 +68,8 @@ def _compile(out: Path) -> None:
 
 
 def unsupported() -> str | None:
-    """Why this machine cannot run the kernels (None: it can, given a compiler to build them). They are one
-    library built for AVX-512 VNNI, which the int4 kernel needs (the FP8 ones would do with AVX-512BW)."""
+    """Why this machine cannot run the kernels (None: it can, given a compiler to build them): x86 with
+    AVX2, FMA and F16C, the int4 kernel's least (it uses AVX-512 VNNI where the CPU has it)."""
     if os.environ.get("FLAGDEPLOY_NATIVE_KERNELS", "1") == "0":
         return "switched off by FLAGDEPLOY_NATIVE_KERNELS=0"
     missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]

@@ -12,7 +12,7 @@ from torch import nn
 import yaml
 
 from flagdeploy.ops import fused, glm, reference
-from flagdeploy.ops.registry import OPS
+from flagdeploy.ops.registry import OPS, in_prefill_step
 from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight, stripped
 
 from . import native
@@ -127,7 +127,11 @@ def packed_w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 
 
 def _w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    if x.shape[0] <= TUNE["linear_w4a16"]["packed_max_m"]:
+    """Decode rows up to `packed_max_m` take the packed kernel; prompt tokens always the bf16 copy, so that
+    a prompt computes the same however much of it a prefix-cache hit skipped (the two kernels round
+    differently: a cached prompt's first token drifted 0.16 in logprob when its last few tokens took the
+    packed one)."""
+    if x.shape[0] <= TUNE["linear_w4a16"]["packed_max_m"] and not in_prefill_step():
         return packed_w4a16(x, w)
     return _dense_mm(x, w.prepared["dense"])
 

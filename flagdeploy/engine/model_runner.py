@@ -10,11 +10,13 @@ One process runs both; several run `execute` in lock-step (flagdeploy/engine/loc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
 import torch
 
+from flagdeploy import ops
 from flagdeploy.models.attention import AttentionMetadata
 from flagdeploy.models.linear import Linear
 from flagdeploy.ops.weights import Int4Weight, Int8Weight
@@ -79,7 +81,8 @@ class _Runner:
 
     def score(self, ids: list[int]) -> torch.Tensor:
         """Logits at every position of one sequence (prompt logprobs), outside the engine's caches."""
-        return self.model.score(torch.tensor(ids, device=self.device))
+        with ops.prefill_step():
+            return self.model.score(torch.tensor(ids, device=self.device))
 
 
 class PagedRunner(_Runner):
@@ -177,7 +180,8 @@ class PagedRunner(_Runner):
             context_lens=t(step.ctx_lens, torch.int32) if step.tables else None,
             logits_indices=t(step.logits_rows),
         )
-        return self.model(t(step.ids), meta, self.kv_caches)
+        with ops.prefill_step() if step.num_prefill else contextlib.nullcontext():
+            return self.model(t(step.ids), meta, self.kv_caches)
 
 
 class SequenceStateRunner(_Runner):
@@ -249,7 +253,9 @@ class SequenceStateRunner(_Runner):
             caches.append(self.model.engine_cache(self.pools, table, row, start))
             ids.extend(new)
             cu.append(cu[-1] + len(new))
-        logits = self.model.forward_packed(torch.tensor(ids, device=self.device), torch.tensor(cu), caches)
+        prompt = any(len(new) > 1 or start == 0 for _, _, _, new, start in step.seqs)
+        with ops.prefill_step() if prompt else contextlib.nullcontext():
+            logits = self.model.forward_packed(torch.tensor(ids, device=self.device), torch.tensor(cu), caches)
         return _rows(logits, step.rows)
 
     def _decode_step(self, step: StateStep) -> torch.Tensor:

@@ -7,7 +7,9 @@ one, else to the plain-torch reference. Backends are plugins found through the e
 
 from __future__ import annotations
 
+import contextvars
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Callable
@@ -203,3 +205,25 @@ def dispatch(name: str) -> Callable:
     call.__name__ = name
     call.__doc__ = OPS[name].doc
     return call
+
+
+# ---- what kind of step the ops run in -------------------------------------------------------------------
+
+_PREFILL = contextvars.ContextVar("flagdeploy_prefill_step", default=False)
+
+
+@contextmanager
+def prefill_step():
+    """Marks a forward that computes prompt tokens (alone or beside decodes). A backend whose kernels
+    differ by row count (the cpu backend's packed int4 kernel for few rows, a bf16 GEMM for more) runs
+    every prompt token through one of them, so that a prompt computes the same values whatever part of
+    it a prefix-cache hit skipped."""
+    token = _PREFILL.set(True)
+    try:
+        yield
+    finally:
+        _PREFILL.reset(token)
+
+
+def in_prefill_step() -> bool:
+    return _PREFILL.get()

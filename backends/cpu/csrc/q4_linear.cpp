@@ -19,12 +19,22 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__))
-#error "q4_linear needs AVX-512 with VNNI (native.py builds it only on such CPUs)"
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define Q4_AVX512 1  // 16 rows per vpdpbusd
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q4_AVX512 0  // two halves of 8 rows, vpmaddubsw + vpmaddwd for each vpdpbusd
+#else
+#error "q4_linear needs AVX2 with FMA and F16C (native.py builds it only on such CPUs)"
+#endif
+
+#ifndef FLAGDEPLOY_OPS_NS
+#define FLAGDEPLOY_OPS_NS flagdeploy_cpu  // tests build an AVX2-only copy under another name
 #endif
 
 namespace {
@@ -39,6 +49,8 @@ struct Activations {
   std::vector<int8_t> hi, lo;
   std::vector<float> scale, sum;
 };
+
+#if Q4_AVX512
 
 template <typename T>
 inline __m512 load16(const T* v) {
@@ -77,6 +89,53 @@ Activations quantize(const T* x, int64_t rows, int64_t k) {
   }
   return a;
 }
+
+#else
+
+inline float as_float(float v) { return v; }
+inline float as_float(uint16_t bf16) {
+  uint32_t b = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+inline int8_t saturate_int8(float v) { return static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, v))); }
+
+// The same values as the AVX-512 version: round half to even (the default rounding mode), saturated.
+template <typename T>
+Activations quantize(const T* x, int64_t rows, int64_t k) {
+  const int64_t blocks = k / QK;
+  Activations a{std::vector<int8_t>(rows * k), std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks),
+                std::vector<float>(rows * blocks)};
+  float v[QK];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = r * k + b * QK;
+      float amax = 0.0f, sum = 0.0f;
+      for (int i = 0; i < QK; ++i) {
+        v[i] = as_float(x[at + i]);
+        amax = std::max(amax, std::fabs(v[i]));
+        sum += v[i];
+      }
+      const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+      for (int i = 0; i < QK; ++i) {
+        const float t = v[i] * inv, whole = std::nearbyint(t);
+        a.hi[at + i] = saturate_int8(whole);
+        a.lo[at + i] = saturate_int8(std::nearbyint((t - whole) * 256.0f));
+      }
+      a.scale[r * blocks + b] = amax / (127.0f * 256.0f);
+      a.sum[r * blocks + b] = sum;
+    }
+  }
+  return a;
+}
+
+#endif
+
+#if Q4_AVX512
+
+constexpr int kMaxRows = 4;
 
 // 16 floats to bfloat16, rounded to nearest even
 inline __m256i to_bf16(__m512 v) {
@@ -128,6 +187,65 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
   }
 }
 
+#else
+
+constexpr int kMaxRows = 2;
+
+// AVX2: the same arithmetic on each half of a tile (rows 0-7, then 8-15; the tile's bytes stay in L1
+// between the two). vpmaddubsw sums two nibble x int8 products into int16 (at most 2 * 15 * 128: no
+// saturation), vpmaddwd sums two of those into int32 times 256 (hi part) or 1 (lo part), so both parts
+// land in one int32 accumulator, exact as in the AVX-512 path.
+template <int R>
+void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k, int64_t r0,
+           int64_t t0, int64_t t1, uint16_t* y, int64_t n_out) {
+  const int64_t blocks = k / QK;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* w = nib + (t * blocks + b) * 256 + 32 * h;
+        __m256i dot[R];
+        for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c));
+          __m256i q0 = _mm256_and_si256(raw, low4), q1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+          for (int r = 0; r < R; ++r) {
+            const int64_t at = (r0 + r) * k + b * QK + 8 * c;
+            const int32_t* xh = reinterpret_cast<const int32_t*>(a.hi.data() + at);
+            const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + at);
+            __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(xh[0])),
+                                          _mm256_maddubs_epi16(q1, _mm256_set1_epi32(xh[1])));
+            __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(xl[0])),
+                                          _mm256_maddubs_epi16(q1, _mm256_set1_epi32(xl[1])));
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(_mm256_madd_epi16(hi, by256), _mm256_madd_epi16(lo, by1)));
+          }
+        }
+        const uint16_t* s = dm + (t * blocks + b) * 32 + 8 * h;
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+        __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (r0 + r) * blocks + b;
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[r]);
+          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sum[at]), acc[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[r]);
+        for (int j = 0; j < 8; ++j) {  // bfloat16, rounded to nearest even
+          uint32_t bits;
+          std::memcpy(&bits, &out[j], 4);
+          y[(r0 + r) * n_out + 16 * t + 8 * h + j] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+        }
+      }
+    }
+  }
+}
+
+#endif
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& dm) {
   TORCH_CHECK(x.dim() == 2 && nib.dim() == 5 && dm.dim() == 4,
               "q4_linear: x [M, K], nib [N/16, K/32, 4, 16, 4], dm [N/16, K/32, 2, 16]");
@@ -146,7 +264,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
     int64_t r = 0;
-    for (; r + 4 <= rows_n; r += 4) tiles<4>(w, s, a, k, r, t0, t1, out, n_out);
+    if constexpr (kMaxRows >= 4)
+      for (; r + 4 <= rows_n; r += 4) tiles<4>(w, s, a, k, r, t0, t1, out, n_out);
     for (; r + 2 <= rows_n; r += 2) tiles<2>(w, s, a, k, r, t0, t1, out, n_out);
     for (; r < rows_n; ++r) tiles<1>(w, s, a, k, r, t0, t1, out, n_out);
   });
@@ -155,10 +274,10 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(flagdeploy_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
   m.def("q4_linear(Tensor x, Tensor nib, Tensor dm) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(flagdeploy_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(FLAGDEPLOY_OPS_NS, CPU, m) {
   m.impl("q4_linear", &q4_linear);
 }
