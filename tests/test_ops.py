@@ -281,16 +281,18 @@ def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
     g = torch.Generator().manual_seed(11)
     for n, k, rows in [(48, 64, 5), (64, 96, 4), (960, 576, 3)]:
         w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
-                       torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3, torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
+                       torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3,
+                       torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
         nib, dm = native.pack_q4(w)
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         assert torch.equal(avx2.q4_linear(x, nib, dm), default.q4_linear(x, nib, dm))
     w8, s = fp8_block_quantize(torch.randn(200, 160, generator=g) * 0.05, (128, 128))
+    u8 = w8.view(torch.uint8)
     for group in (0, 32):
-        a, b = avx2.fp8_to_int8(w8.view(torch.uint8), s, 128, 128, group), default.fp8_to_int8(w8.view(torch.uint8), s, 128, 128, group)
+        a, b = avx2.fp8_to_int8(u8, s, 128, 128, group), default.fp8_to_int8(u8, s, 128, 128, group)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         torch.testing.assert_close(a[2], b[2], rtol=1e-5, atol=0)
-    assert torch.equal(avx2.fp8_to_bf16(w8.view(torch.uint8), s, 128, 128)[0], default.fp8_to_bf16(w8.view(torch.uint8), s, 128, 128)[0])
+    assert torch.equal(avx2.fp8_to_bf16(u8, s, 128, 128)[0], default.fp8_to_bf16(u8, s, 128, 128)[0])
 
 
 def test_cpu_int4_weights_no_packed_kernel_can_tile_run_the_reference():

@@ -149,7 +149,8 @@ void check(const at::Tensor& w, const at::Tensor& scale_inv, int64_t block_r, in
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "fp8 weight: contiguous [R, C] bytes");
   TORCH_CHECK(scale_inv.scalar_type() == at::kFloat && scale_inv.is_contiguous(), "scale_inv: contiguous float32");
   TORCH_CHECK(w.size(1) % 16 == 0 && block_c % 16 == 0, "columns and column blocks must be multiples of 16");
-  TORCH_CHECK(scale_inv.size(0) == (w.size(0) + block_r - 1) / block_r && scale_inv.size(1) == (w.size(1) + block_c - 1) / block_c,
+  TORCH_CHECK(scale_inv.size(0) == (w.size(0) + block_r - 1) / block_r &&
+                  scale_inv.size(1) == (w.size(1) + block_c - 1) / block_c,
               "scale_inv does not cover the weight in its blocks");
 }
 
@@ -202,7 +203,8 @@ std::tuple<at::Tensor, at::Tensor> fp8_to_bf16(const at::Tensor& w, const at::Te
   const Shape s{w.size(0), w.size(1), block_r, block_c, scale_inv.size(1)};
   at::Tensor out = at::empty({s.rows, s.cols}, w.options().dtype(at::kBFloat16));
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::Tensor sums = over_rows(w, scale_inv, s, [&](int64_t r, const float* f) { return bf16_row(f, s.cols, op + r * s.cols); });
+  at::Tensor sums = over_rows(w, scale_inv, s,
+                              [&](int64_t r, const float* f) { return bf16_row(f, s.cols, op + r * s.cols); });
   return {out, sums};
 }
 
