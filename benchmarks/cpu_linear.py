@@ -4,7 +4,7 @@
 
 Times one decode step's worth of SmolLM2-135M weight shapes (30 layers of qkv, o, gate_up, down, plus
 the LM head) for: float32 (the baseline), bf16 dense, bf16 laid out once for oneDNN, int4 packed
-(W4A16: the backend's own int4 x int8 VNNI kernel where it builds, with torch's int4 kernel beside it as
+(W4A16: the backend's own int4 x int8 kernel where it builds, with torch's int4 kernel beside it as
 "int4 torch") and int8 packed (W8A16); prints milliseconds per step and the ratio to float32.
 """
 
@@ -50,7 +50,7 @@ def main() -> None:
                                        torch.zeros(n, k // 32), 32, n, k)) for n, k in shapes]
     w8 = [cpu.prepare_w8a16(Int8Weight.quantize(w)) for w in dense]
     kernels["int4 packed"] = (torch.bfloat16, [lambda x, w=w: cpu.packed_w4a16(x, w) for w in w4])
-    if "nib" in w4[0].prepared:  # the backend's VNNI kernel is in use: torch's own int4 kernel beside it
+    if "nib" in w4[0].prepared:  # the backend's own kernel is in use: torch's own int4 kernel beside it
         torch4 = [(torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 1),
                    torch.rand(k // 32, n, 2).to(torch.bfloat16)) for n, k in shapes]
         kernels["int4 torch"] = (torch.bfloat16, [lambda x, p=p: torch._weight_int4pack_mm_for_cpu(x, p[0], 32, p[1])

@@ -105,8 +105,8 @@ def _dense_mm(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_w4a16(w: Int4Weight):
-    """The packed layout of the kernel that multiplies few rows (the backend's own int4 x int8 VNNI kernel
-    where it builds, else torch's int4 GEMV) and a bf16 copy for more rows."""
+    """The packed layout of the kernel that multiplies few rows (the backend's own int4 x int8 kernel where
+    it builds, else torch's int4 GEMV) and a bf16 copy for more rows."""
     if native.available() and native.fits(w):
         nib, dm = native.pack_q4(w)
         return _keyed(stripped(w, nib=nib, dm=dm, dense=_dense_copy(w)))
@@ -118,8 +118,8 @@ def prepare_w4a16(w: Int4Weight):
 
 
 def packed_w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """The few-row kernel of a prepared bundle. The VNNI kernel carries the activations as two int8 parts
-    per block of 32 (~15 bits: no rounding beyond its bf16 output's); torch's kernel multiplies in bf16."""
+    """The few-row kernel of a prepared bundle. The backend's own kernel carries the activations as two int8
+    parts per block of 32 (~15 bits: no rounding beyond its bf16 output's); torch's kernel multiplies in bf16."""
     p = w.prepared
     if "nib" in p:
         return native.q4_linear(x, p["nib"], p["dm"])
