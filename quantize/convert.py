@@ -241,7 +241,12 @@ def _convert_rows(tp: TensorPlan, w: torch.Tensor, scale_inv: torch.Tensor | Non
     err = (err2 / norm2) ** 0.5 if norm2 else 0.0
     if not int8:
         return [out], err
-    return [q, scales] + ([torch.zeros_like(scales)] if len(tp.outputs) == 3 else []), err
+    return _int8_outputs(tp, q, scales), err
+
+
+def _int8_outputs(tp: TensorPlan, q: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
+    """An int8 weight's tensors in `tp.outputs` order: q, scales, and zero offsets where the format has them."""
+    return [q, scales] + ([torch.zeros_like(scales)] if len(tp.outputs) == 3 else [])
 
 
 def _convert_fp8_native(tp: TensorPlan, w: torch.Tensor, scale_inv: torch.Tensor, int8: bool):
@@ -249,7 +254,7 @@ def _convert_fp8_native(tp: TensorPlan, w: torch.Tensor, scale_inv: torch.Tensor
     (backends/cpu/csrc/fp8_convert.cpp) over the rows instead of several torch passes per chunk."""
     if int8:
         q, scales, norm2, err2 = native.fp8_to_int8(w, scale_inv, tp.block, tp.group_size)
-        outs = [q, scales] + ([torch.zeros_like(scales)] if len(tp.outputs) == 3 else [])
+        outs = _int8_outputs(tp, q, scales)
     else:
         out, norm2, err2 = native.fp8_to_bf16(w, scale_inv, tp.block)
         outs = [out]

@@ -30,5 +30,5 @@ backend = Backend(
              "linear": ops.prepare_linear},
     priority=0,
     description=("torch CPU kernels (oneDNN / AMX, fused SDPA, packed int8 GEMV, int8 x int8 matmul) and its own "
-                 "int4 x int8 VNNI GEMV (csrc/, built on first use)"),
+                 "int4 x int8 GEMV, AVX-512 VNNI or AVX2 (csrc/, built on first use)"),
 )

@@ -31,21 +31,27 @@ from flagdeploy.ops.weights import Int4Weight
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp"))  # compiled into one library
 # What the kernels' intrinsics need, as /proc/cpuinfo names them
 CPU_FLAGS = ("avx2", "fma", "f16c")  # AVX-512 (VNNI, BW) is used where -march=native has it
 TILE = 16  # output rows per vpdpbusd: the kernel's N must be a multiple
 GROUP = 32  # the activations' and the weights' block along K
 
 
-def _cpu_flags() -> set[str]:
+def _cxx() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
@@ -53,7 +59,7 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
     from torch.utils.cpp_extension import include_paths
 
     lib = Path(torch.__file__).parent / "lib"
-    cxx = os.environ.get("CXX", "c++")
+    cxx = _cxx()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
@@ -85,15 +91,15 @@ def available() -> bool:
     if reason:
         log.info("cpu backend: torch's kernels only, not its own (csrc/): %s", reason)
         return False
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if shutil.which(_cxx()) is None:
         log.warning("cpu backend: no C++ compiler (%s) to build its kernels, so 4-bit models decode ~1.7x slower "
                     "on torch's int4 kernel (and quantize converts slower). Install g++ (or set CXX) to get them.",
-                    os.environ.get("CXX", "c++"))
+                    _cxx())
         return False
     from flagdeploy.loaders.source import cache_dir
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode()
-                         + " ".join(sorted(_cpu_flags())).encode())
+    code = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))  # the .cpp sources and their headers
+    key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(_cpu_flags())).encode())
     so = cache_dir() / "kernels" / f"flagdeploy_cpu-{key.hexdigest()[:16]}.so"
     if not so.exists():
         log.warning("cpu backend: building its C++ kernels (once per machine, ~20 s) into %s", so)

@@ -23,6 +23,8 @@
 #include <tuple>
 #include <vector>
 
+#include "bf16.h"
+
 #ifndef FLAGDEPLOY_OPS_NS
 #define FLAGDEPLOY_OPS_NS flagdeploy_cpu  // tests build an AVX2-only copy under another name
 #endif
@@ -78,10 +80,7 @@ inline float bf16_row(const float* v, int64_t n, uint16_t* out) {
   __m512 e2 = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     __m512 x = _mm512_loadu_ps(v + i);
-    __m512i b = _mm512_castps_si512(x);  // round to nearest even on the upper 16 bits
-    b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
-                                             _mm512_set1_epi32(0x7FFF)));
-    b = _mm512_srli_epi32(b, 16);
+    __m512i b = bf16_lanes(x);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(b));
     __m512 d = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), x);
     e2 = _mm512_fmadd_ps(d, d, e2);
@@ -132,10 +131,8 @@ inline float int8_group(const float* v, int64_t n, float scale, int8_t* out) {
 inline float bf16_row(const float* v, int64_t n, uint16_t* out) {
   float e2 = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
-    uint32_t b;
-    std::memcpy(&b, &v[i], 4);
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000u;
-    out[i] = static_cast<uint16_t>(b >> 16);
+    out[i] = bf16_bits(v[i]);
+    const uint32_t b = static_cast<uint32_t>(out[i]) << 16;
     float rounded;
     std::memcpy(&rounded, &b, 4);
     e2 += (rounded - v[i]) * (rounded - v[i]);

@@ -18,12 +18,14 @@
 
 #include <immintrin.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "bf16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define Q4_AVX512 1  // 16 rows per vpdpbusd
@@ -137,14 +139,6 @@ Activations quantize(const T* x, int64_t rows, int64_t k) {
 
 constexpr int kMaxRows = 4;
 
-// 16 floats to bfloat16, rounded to nearest even
-inline __m256i to_bf16(__m512 v) {
-  __m512i b = _mm512_castps_si512(v);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  b = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16));
-}
-
 // Tiles [t0, t1) of 16 output rows for activation rows [r0, r0 + R): each weight chunk is unpacked once
 // and used for R activation rows.
 template <int R>
@@ -183,7 +177,8 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
       }
     }
     for (int r = 0; r < R; ++r)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r0 + r) * n_out + 16 * t), to_bf16(acc[r]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r0 + r) * n_out + 16 * t),
+                          _mm512_cvtepi32_epi16(bf16_lanes(acc[r])));
   }
 }
 
@@ -234,11 +229,7 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
       for (int r = 0; r < R; ++r) {
         float out[8];
         _mm256_storeu_ps(out, acc[r]);
-        for (int j = 0; j < 8; ++j) {  // bfloat16, rounded to nearest even
-          uint32_t bits;
-          std::memcpy(&bits, &out[j], 4);
-          y[(r0 + r) * n_out + 16 * t + 8 * h + j] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-        }
+        for (int j = 0; j < 8; ++j) y[(r0 + r) * n_out + 16 * t + 8 * h + j] = bf16_bits(out[j]);
       }
     }
   }

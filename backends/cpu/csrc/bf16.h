@@ -1,0 +1,24 @@
+// float32 to bfloat16 rounded to nearest even, shared by the kernels that write bf16: the upper 16 bits
+// after adding 0x7FFF plus the lowest bit kept (NaN payloads are not preserved; weights and
+// activations hold none).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// 16 floats' bf16 bits, each in the low half of its 32-bit lane
+inline __m512i bf16_lanes(__m512 v) {
+  __m512i b = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+}
+#endif
+
+inline uint16_t bf16_bits(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
