@@ -3,13 +3,17 @@
 The figures live in profiles/chips.yaml so that correcting a datasheet number is a data change, not a code
 change, and each figure carries its source and a confidence so that a plan can say how much to trust it.
 This module only loads and checks that file: the planner, `plan --chip` and the backends read chips from here
-so that they all agree on one id per chip.
+so that they all agree on one id per chip. It is also the one place a `--chip` value is resolved
+(`resolve_chip`): every command takes the same values (catalog ids, and the backend names the catalog
+uses, such as cpu, cuda, ascend) and answers an unknown one with the same error.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +22,7 @@ import yaml
 from flagdeploy.errors import UnknownChipError
 from flagdeploy.profiles import PROFILES_DIR
 
-__all__ = ["Chip", "Interconnect", "Source", "all_chips", "get_chip"]
+__all__ = ["Chip", "ChipChoice", "Interconnect", "Source", "all_chips", "backend_names", "get_chip", "resolve_chip"]
 
 CATALOG = PROFILES_DIR / "chips.yaml"
 MATMUL_DTYPES = frozenset({"fp8", "int8", "int4", "bf16", "fp16", "fp32"})
@@ -69,21 +73,71 @@ class Chip:
     devices_per_node: int
     interconnect: Interconnect
     sources: dict[str, Source]
+    product_names: tuple[str, ...] = ()  # exact names nvidia-smi & co. report, where the id alone is ambiguous
 
     def supports(self, dtype: str) -> bool:
         """Whether the matrix unit runs `dtype` natively (e.g. fp8 on H100 and Ascend 950, not on 910B/910C)."""
         return dtype in self.matmul_dtypes
 
 
-def get_chip(chip_id: str) -> Chip:
-    """The chip with this id (case-insensitive); an unknown id raises UnknownChipError listing the known ids."""
-    chips = _catalog()
-    chip = chips.get(chip_id.strip().lower())
-    if chip is None:
+@dataclass(frozen=True)
+class ChipChoice:
+    """What a `--chip` value names: a chip of the catalog (and so its backend), or, for the backend names
+    kept for compatibility (cpu, cuda, ascend, ...), only a backend that several chips may share.
+
+    `value` is the canonical spelling to pass on (the catalog id, else the backend name).
+    """
+
+    value: str
+    backend: str
+    chip: Chip | None
+
+    def require_chip(self) -> Chip:
+        """The chip itself, for commands that need its specs (plan, deploy, quantize): a backend name
+        resolves only where the catalog has exactly one chip on that backend, since figures such as memory
+        size differ between the chips of one backend."""
+        if self.chip is not None:
+            return self.chip
+        mine = [c.id for c in all_chips() if c.backend == self.backend]
+        if len(mine) == 1:
+            return get_chip(mine[0])
         raise UnknownChipError(
-            f"Unknown chip {chip_id!r}. Known chips: {', '.join(chips)}. Pass one of them to --chip."
-        )
-    return chip
+            f"--chip {self.value} names the {self.backend} backend, which runs several chips of the catalog: "
+            f"{', '.join(mine) or 'none'}. This command needs the chip's own figures (memory, bandwidth): pass "
+            f"its id, e.g. --chip {mine[0] if mine else 'cpu'}.")
+
+
+def resolve_chip(value: str, plugin_backends: Iterable[str] = ()) -> ChipChoice:
+    """A `--chip` value as a ChipChoice: a catalog id (case-insensitive), else a backend name that the
+    catalog uses (cpu, cuda, ascend, cambricon, ...) or that an installed plugin provides
+    (`plugin_backends`). An unknown value raises UnknownChipError naming the valid values, with the
+    closest ones first."""
+    key = value.strip().lower()
+    chips = _catalog()
+    if key in chips:
+        return ChipChoice(key, chips[key].backend, chips[key])
+    backends = [*backend_names(), *(b for b in plugin_backends if b not in backend_names())]
+    if key in backends:
+        return ChipChoice(key, key, None)
+    raise UnknownChipError(_unknown_message(value, list(chips), backends))
+
+
+def backend_names() -> list[str]:
+    """The backends the catalog's chips run on, in file order (cpu, cuda, ascend, ...)."""
+    return list(dict.fromkeys(c.backend for c in _catalog().values()))
+
+
+def _unknown_message(value: str, ids: list[str], backends: list[str]) -> str:
+    close = difflib.get_close_matches(value.strip().lower(), ids + backends, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return (f"Unknown chip {value!r}.{hint} Known chips: {', '.join(ids)}; or a backend name: {', '.join(backends)}. "
+            f"Pass one of them to --chip (profiles/chips.yaml lists each chip's figures).")
+
+
+def get_chip(chip_id: str) -> Chip:
+    """The chip with this id (case-insensitive), or the one chip of a backend named alone; otherwise
+    UnknownChipError naming the valid values (see `resolve_chip`, `ChipChoice.require_chip`)."""
+    return resolve_chip(chip_id).require_chip()
 
 
 def all_chips() -> list[Chip]:
@@ -149,4 +203,5 @@ def _parse(chip_id: str, spec: Any) -> Chip:
         devices_per_node=int(spec["devices_per_node"]),
         interconnect=Interconnect(kind=str(link["kind"]), bandwidth_gbs=float(link["bandwidth_gbs"])),
         sources=sources,
+        product_names=tuple(str(n) for n in spec.get("product_names") or ()),
     )

@@ -30,6 +30,58 @@ def _parse_bytes(text: str) -> int:
         raise click.BadParameter(str(exc)) from None
 
 
+class ChipParam(click.ParamType):
+    """`--chip` in every command: a chip catalog id (ascend910c, h20-141g, cpu, ...) or, for compatibility, a
+    backend name (cpu, cuda, ascend), resolved through profiles/chips.yaml (`flagdeploy.chips.resolve_chip`)
+    into a ChipChoice at parse time, so that every command takes the same values and answers an unknown
+    one with the same error and a close match.
+
+    need_chip: the command needs one chip's own figures (memory, bandwidth), so a backend name that several
+    chips share is refused with their ids; allow_auto: 'auto' (the detected device) passes as the string."""
+
+    name = "chip"
+
+    def __init__(self, *, need_chip: bool = False, allow_auto: bool = False):
+        self.need_chip, self.allow_auto = need_chip, allow_auto
+
+    def convert(self, value, param, ctx):
+        from flagdeploy.chips import ChipChoice, resolve_chip
+        from flagdeploy.errors import UnknownChipError
+
+        if isinstance(value, ChipChoice):
+            return value
+        if self.allow_auto and str(value).strip().lower() == "auto":
+            return "auto"
+        try:
+            try:
+                choice = resolve_chip(str(value))
+            except UnknownChipError:  # a third-party backend plugin's name (loading the plugins costs ~1 s)
+                from flagdeploy import ops
+
+                choice = resolve_chip(str(value), plugin_backends=ops.backends())
+            if self.need_chip and choice.chip is None:
+                chip = choice.require_chip()
+                choice = ChipChoice(chip.id, chip.backend, chip)
+        except UnknownChipError as exc:
+            auto = " Or pass --chip auto to use the device detected here." if self.allow_auto else ""
+            self.fail(f"{exc}{auto}", param, ctx)
+        return choice
+
+
+def _chip_text(chip) -> str:
+    """The string the installer takes: 'auto' or the canonical --chip value."""
+    return chip if isinstance(chip, str) else chip.value
+
+
+# vLLM's --gpu-memory-utilization (SGLang: --mem-fraction-static): the share of each device the deployment
+# may fill with weights, KV cache and activations; the planner fits within it, the engines are passed it.
+memory_utilization_option = click.option(
+    "--gpu-memory-utilization", "memory_utilization", default=0.9, show_default=True,
+    type=click.FloatRange(0, 1, min_open=True),
+    help="Share of each device's memory the deployment may use (weights, KV cache, activations), as vLLM's "
+         "flag of that name: the planner fits within it and external engines are passed it.")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="flagdeploy")
 def main() -> None:
@@ -40,12 +92,15 @@ def main() -> None:
 @click.option("--model", "model", default=None, help="GGUF file, HF safetensors dir, hub id, or a bundled name (default: smollm2-135m-instruct).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--chip", default=None, help="Backend to run on (default: detected). See `flagdeploy ops list`.")
+@click.option("--chip", default=None, type=ChipParam(), metavar="CHIP",
+              help="Chip catalog id (ascend910c, h20-141g, cpu, ...: profiles/chips.yaml) or a backend name (cpu, "
+                   "cuda, ascend); runs on its backend (default: detected).")
 @click.option("--max-model-len", default=4096, show_default=True, type=int, help="Context window served (prompt + output).")
 @click.option("--max-num-seqs", default=16, show_default=True, type=int, help="Sequences decoded together.")
 @click.option("--max-num-batched-tokens", default=512, show_default=True, type=int, help="Token budget of one step (chunked prefill).")
 @click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV-cache block.")
 @click.option("--kv-cache-memory", default="2GiB", show_default=True, help="Memory for the KV cache.")
+@memory_utilization_option
 @click.option("--weight-format", default="auto", show_default=True, type=click.Choice(["auto", "dense"]),
               help="auto: keep weights as stored where the chip has kernels for them (a GGUF's 4-bit, FP8, "
                    "BF16 experts in a float32 run): fast; dense: everything in the run dtype.")
@@ -54,7 +109,9 @@ def main() -> None:
               help="dummy: random weights of the right shapes from the model's config (no checkpoint needed).")
 @click.option("--default-temperature", default=0.0, show_default=True, type=float,
               help="Temperature for requests that set none (0: greedy).")
-@click.option("--api-key", default=None, envvar="FLAGDEPLOY_API_KEY", help="Require this key (Authorization: Bearer).")
+@click.option("--api-key", default=None, envvar="FLAGDEPLOY_API_KEY",
+              help="Require this key (Authorization: Bearer, or x-api-key). Prefer the FLAGDEPLOY_API_KEY "
+                   "environment variable, which it reads: a key on the command line shows in the process list.")
 @click.option("--reasoning-parser", default="none", show_default=True,
               help="Split the model's thinking from its answer into reasoning_content (OpenAI) / thinking blocks "
                    "(Anthropic). think: <think>...</think> (DeepSeek-R1, Qwen3, GLM); none: off, for models that do not think.")
@@ -66,7 +123,11 @@ def main() -> None:
                    "Default: no limit.")
 @click.option("--max-waiting", default=64, show_default=True, type=click.IntRange(min=-1),
               help="Requests allowed to wait for a free sequence slot; past it, new requests get 429 (OpenAI) / "
-                   "529 (Anthropic) with Retry-After instead of queueing. -1: unbounded.")
+                   "529 (Anthropic) with Retry-After instead of queueing; a request larger than --max-num-seqs + "
+                   "this (n choices) gets 400. -1: unbounded.")
+@click.option("--max-tokens-policy", default="error", show_default=True, type=click.Choice(["error", "clamp"]),
+              help="A max_tokens that cannot fit the context after the prompt: error: 400 with the numbers (as "
+                   "OpenAI and vLLM answer); clamp: generate what fits (for clients that send one large value).")
 @click.option("--profile", "profile_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A deployment profile (`flagdeploy plan --emit profile`); options given here override it.")
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1),
@@ -94,14 +155,15 @@ def main() -> None:
               help="Seconds a launched engine may take to become ready before it is marked failed.")
 @click.pass_context
 def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
-          weight_format, load_format, served_names, default_temperature, api_key, reasoning_parser, max_waiting,
-          tool_call_parser, request_timeout, profile_file, tp, ep, dp, compile_, log_level, engine, upstreams, config_file,
-          startup_timeout) -> None:
+          memory_utilization, weight_format, load_format, served_names, default_temperature, api_key, reasoning_parser,
+          max_waiting, max_tokens_policy, tool_call_parser, request_timeout, profile_file, tp, ep, dp, compile_, log_level,
+          engine, upstreams, config_file, startup_timeout) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     With --engine (not builtin), --upstream or --config, the model runs on external engines behind this
     endpoint instead (docs/gateway.md)."""
     _setup_logging(log_level)
+    chip = chip.value if chip else None  # the catalog id or backend name, resolved again wherever it goes
     from flagdeploy.gateway.replicas import exit_with_parent
 
     exit_with_parent()  # a replica launched by `--dp` ends with its gateway, however that ends
@@ -124,7 +186,8 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, kv_cache_memory=kv_cache_memory,
             weight_format=weight_format, load_format=load_format, default_temperature=default_temperature,
             reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser, request_timeout=request_timeout,
-            max_waiting=max_waiting, tp=tp, ep=ep, compile=compile_)
+            max_waiting=max_waiting, max_tokens_policy=max_tokens_policy, memory_utilization=memory_utilization,
+            tp=tp, ep=ep, compile=compile_)
         _serve_gateway(ctx, engine=engine, upstreams=upstreams, config_file=config_file, model=model, host=host,
                        port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names,
@@ -143,13 +206,15 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         serve_onnx(model=model, host=host, port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                    kv_cache_memory=_parse_bytes(kv_cache_memory), served_names=served_names, api_key=api_key,
                    default_temperature=default_temperature, reasoning_parser=reasoning_parser, max_waiting=max_waiting,
-                   tool_call_parser=tool_call_parser, request_timeout=request_timeout, log_level=log_level)
+                   tool_call_parser=tool_call_parser, request_timeout=request_timeout, log_level=log_level,
+                   max_tokens_policy=max_tokens_policy)
         return
     if engine != "builtin" or upstreams or config_file:
         _serve_gateway(ctx, engine=engine, upstreams=upstreams, config_file=config_file, model=model, host=host,
                        port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names,
-                       api_key=api_key, profile_file=profile_file, startup_timeout=startup_timeout, log_level=log_level)
+                       api_key=api_key, profile_file=profile_file, startup_timeout=startup_timeout, log_level=log_level,
+                       memory_utilization=memory_utilization)
         return
     from flagdeploy.engine import AsyncEngine, EngineConfig
     from flagdeploy.engine.loader import build_llm_engine, check_source, check_split
@@ -177,7 +242,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     except FlagdeployError as exc:
         _fail(str(exc))
     if not profile_file:
-        _print_plan(src, chip, max_model_len, max_num_seqs, _parse_bytes(kv_cache_memory), tp, ep)
+        _print_plan(src, chip, max_model_len, max_num_seqs, _parse_bytes(kv_cache_memory), tp, ep, memory_utilization)
     config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                           kv_cache_memory=_parse_bytes(kv_cache_memory), weight_format=weight_format,
@@ -192,17 +257,20 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
 
     def load() -> AsyncEngine:
         try:
-            engine = AsyncEngine(build_llm_engine(src.path, src.format, config, chip=chip, progress=True))
+            llm = build_llm_engine(src.path, src.format, config, chip=chip, progress=True)
+            engine = AsyncEngine(llm)
         except BaseException as exc:
             failure.append(exc)
             server.should_exit = True
             raise
+        _print_held(llm.model, config.device, tp * ep)
         click.echo(f"flagdeploy: serving {names[0]} on http://{host}:{port}/v1 (ready)", err=True)
         return engine
 
     app = create_app(load, names, api_key=api_key, default_temperature=default_temperature,
                      reasoning_parser=reasoning_parser, max_waiting=None if max_waiting < 0 else max_waiting,
-                     tool_call_parser=tool_call_parser, request_timeout=request_timeout)
+                     tool_call_parser=tool_call_parser, request_timeout=request_timeout,
+                     max_tokens_policy=max_tokens_policy)
     server = make_server(app, host, port, log_level)
     click.echo(f"flagdeploy: loading {src.path} ... (/ready answers 503 until done)", err=True)
     server.run()
@@ -213,7 +281,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
 
 def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, chip, max_model_len, max_num_seqs,
                    max_num_batched_tokens, block_size, served_names, api_key, profile_file, startup_timeout,
-                   log_level, entry=None) -> None:
+                   log_level, memory_utilization=0.9, entry=None) -> None:
     """`serve` with external engines: the gateway (flagdeploy/gateway) from serve.yaml or from the options.
     `entry`: the one model entry already built by the caller (--dp's builtin replicas), used as given."""
     from click.core import ParameterSource
@@ -261,10 +329,10 @@ def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, ch
                     if not served_names and prof.get("served_model_name"):
                         entry["names"] = [prof["served_model_name"]]
                     args = {k: v for k, v in prof.items() if k not in ("model", "chip", "port")}
-                if engine != "llama.cpp":
+                if engine != "llama.cpp":  # profile fields; engines.yaml maps memory_utilization to each engine's flag
                     args |= {name: value for name, value in (("max_num_seqs", max_num_seqs),
-                             ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size))
-                             if explicit(name)}
+                             ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size),
+                             ("memory_utilization", memory_utilization)) if explicit(name)}
                 entry["args"] = args
             cfg = parse_config({"api_key": api_key, "startup_timeout": startup_timeout, "models": [entry]},
                                "serve options")
@@ -316,20 +384,23 @@ def _engine_layout(tp: int, ep: int, dp: int) -> tuple[int, int, int]:
 
 
 def _print_plan(src, chip: str | None, max_model_len: int, max_num_seqs: int, kv_cache_memory: int, tp: int = 1,
-                ep: int = 1) -> None:
-    """The planner's ledger line for what is about to load: the replica's tp x ep devices of the chip the
-    backend runs, in the planner's terms (the inverse of `_engine_layout`)."""
+                ep: int = 1, memory_utilization: float = 0.9) -> None:
+    """The planner's line for what is about to load: the replica's tp x ep devices of the chip (the one named
+    by --chip, else the first catalog chip of the backend), in the planner's terms (the inverse of
+    `_engine_layout`). The weights are reported after loading (`_print_held`): what the backend holds
+    depends on its kernels, not only on the checkpoint."""
     import json
 
     from flagdeploy import ops
-    from flagdeploy.chips import all_chips
+    from flagdeploy.chips import all_chips, resolve_chip
     from flagdeploy.planner import PlanRequest, make_plan
     from flagdeploy.planner.cost import Layout
     from flagdeploy.planner.report import serve_line
 
     try:
+        choice = resolve_chip(chip) if chip else None
         backend = ops.get_backend(chip) if chip else ops.detect_backend()
-        chip_id = next(c.id for c in all_chips() if c.backend == backend.name)
+        spec = choice.chip if choice and choice.chip else next(c for c in all_chips() if c.backend == backend.name)
         if src.format == "gguf":
             from flagdeploy.loaders import gguf_reader
 
@@ -341,11 +412,24 @@ def _print_plan(src, chip: str | None, max_model_len: int, max_num_seqs: int, kv
         else:
             config = json.loads((src.path / "config.json").read_text())
         layout = Layout(tp=tp, dp=ep, ep=tp * ep if ep > 1 else 1)
-        plan = make_plan(PlanRequest(src.name, chip_id, tp * ep, max_model_len=max_model_len, concurrency=max_num_seqs,
-                                     config=config, layout=layout))
+        plan = make_plan(PlanRequest(src.name, spec.id, tp * ep, max_model_len=max_model_len, concurrency=max_num_seqs,
+                                     config=config, layout=layout, memory_utilization=memory_utilization))
         click.echo(f"flagdeploy: {serve_line(plan, kv_cache_memory)}", err=True)
     except (FlagdeployError, ValueError, KeyError, StopIteration, OSError) as exc:  # the plan is advice: never block serving
         logging.getLogger(__name__).info("no plan for %s: %s", src.name, exc)
+
+
+def _print_held(model, device: str, ranks: int) -> None:
+    """The weights as loaded, by format (Q4 blocks, the backend's bf16 copy for many-row steps, an int8
+    head, ...), measured from the model's tensors: the honest size of a quantized model."""
+    from flagdeploy.planner.held import held_line, held_weights
+
+    try:
+        line = held_line(held_weights(model), device)
+    except Exception as exc:  # noqa: BLE001 - a report: never take a loaded model down
+        logging.getLogger(__name__).info("could not count the weights held: %r", exc)
+        return
+    click.echo(f"flagdeploy: {line}" + (f", rank 0 of {ranks}" if ranks > 1 else ""), err=True)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -385,7 +469,8 @@ def models() -> None:
 @main.command()
 @click.argument("src", type=click.Path(path_type=str))
 @click.option("-o", "--output", "dst", required=True, type=click.Path(path_type=str), help="Output directory (must not exist).")
-@click.option("--chip", required=True, help="Target chip id from the chip catalog, e.g. ascend910c, h200.")
+@click.option("--chip", required=True, type=ChipParam(need_chip=True), metavar="CHIP",
+              help="Target chip id from the chip catalog, e.g. ascend910c, h200.")
 @click.option("--policy", default=None, help="Shipped policy name (no-fp8, fp8, bf16) or a policy YAML file "
               "(default: the chip's: fp8 chips keep FP8, int8 chips get no-fp8, others bf16).")
 @click.option("--format", "fmt", default="flagdeploy", show_default=True, type=click.Choice(["flagdeploy", "vllm-ascend"]),
@@ -401,7 +486,7 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 
     _setup_logging(log_level)
     try:
-        report = run(src, dst, chip=chip, policy=policy, fmt=fmt, eval_text=eval_text, overwrite=overwrite)
+        report = run(src, dst, chip=chip.value, policy=policy, fmt=fmt, eval_text=eval_text, overwrite=overwrite)
     except FlagdeployError as exc:
         _fail(str(exc))
     click.echo(format_table(report))
@@ -412,7 +497,8 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 
 @main.command()
 @click.option("--model", "model", required=True, help="Preset (glm-5.3-flash), a config.json, or a model directory.")
-@click.option("--chip", required=True, help="Chip catalog id, e.g. ascend910c, h200, l20.")
+@click.option("--chip", required=True, type=ChipParam(need_chip=True), metavar="CHIP",
+              help="Chip catalog id, e.g. ascend910c, h200, h20-141g, l20 (profiles/chips.yaml).")
 @click.option("--devices", default=8, show_default=True, type=int, help="Devices per node.")
 @click.option("--nodes", default=1, show_default=True, type=int)
 @click.option("--interconnect", default=None, type=click.Choice(["hccs", "nvlink", "pcie", "roce"]),
@@ -423,12 +509,13 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 @click.option("--mtp/--no-mtp", default=False, show_default=True, help="Multi-token-prediction speculative decoding.")
 @click.option("--policy", default=None, help="Plan the weights as `flagdeploy quantize --policy` would convert them.")
 @click.option("--kv-cache-dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp8", "int8"]))
+@memory_utilization_option
 @click.option("--layout", default=None, help="Evaluate exactly this layout, e.g. tp=4,ep=4,dp=1.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: chosen, alternatives, rejected.")
 @click.option("--emit", default=None, type=click.Choice(["profile", "vllm", "vllm-ascend", "sglang", "mindie"]),
               help="Print the profile YAML, or the launch command of that engine, for the chosen layout.")
 def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, objective, mtp, policy, kv_cache_dtype,
-         layout, as_json, emit) -> None:
+         memory_utilization, layout, as_json, emit) -> None:
     """Will it fit, and how to split it: TP x DP x EP x PP layouts for a model on a chip."""
     import json
 
@@ -436,9 +523,10 @@ def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, 
     from flagdeploy.planner.report import parse_layout, table, to_json
 
     try:
-        req = PlanRequest(model, chip, devices, nodes=nodes, interconnect=interconnect, max_model_len=max_model_len,
-                          concurrency=concurrency, objective=objective, mtp=mtp, policy=policy,
-                          layout=parse_layout(layout) if layout else None, kv_cache_dtype=kv_cache_dtype)
+        req = PlanRequest(model, chip.value, devices, nodes=nodes, interconnect=interconnect,
+                          max_model_len=max_model_len, concurrency=concurrency, objective=objective, mtp=mtp,
+                          policy=policy, layout=parse_layout(layout) if layout else None,
+                          kv_cache_dtype=kv_cache_dtype, memory_utilization=memory_utilization)
         result = make_plan(req)
         if emit and result.chosen:
             from flagdeploy.planner.emit import emit as emit_engine
@@ -459,14 +547,15 @@ def ops() -> None:
 
 
 @ops.command("list")
-@click.option("--chip", default=None, help="Backend to show (default: detected).")
+@click.option("--chip", default=None, type=ChipParam(), metavar="CHIP",
+              help="Chip catalog id or backend name whose backend to show (default: detected).")
 def ops_list(chip) -> None:
     """Per op: native (the backend's own kernel), composite (built from its other ops) or reference."""
     from flagdeploy import ops as fops
     from flagdeploy.ops.registry import implementation
 
     try:
-        be = fops.get_backend(chip) if chip else fops.detect_backend()
+        be = fops.get_backend(chip.value) if chip else fops.detect_backend()
     except FlagdeployError as exc:
         _fail(str(exc))
     click.echo(f"backend: {be.name} ({be.vendor}, device {be.device_type}, collectives {be.collective}): {be.description}")
@@ -490,7 +579,8 @@ def _run_checks(be, model_config: str | None, dtypes: tuple[str, ...]):
 
 
 @ops.command("check")
-@click.option("--chip", default=None, help="Backend to check (default: detected).")
+@click.option("--chip", default=None, type=ChipParam(), metavar="CHIP",
+              help="Chip catalog id or backend name whose backend to check (default: detected).")
 @click.option("--model", "model_config", default=None, help="Check at this model's shapes (preset, config.json or directory).")
 @click.option("--dtype", "dtypes", multiple=True, default=("float32", "bfloat16"), show_default=True,
               type=click.Choice(["float32", "bfloat16", "float16"]))
@@ -504,7 +594,7 @@ def ops_check(chip, model_config, dtypes, as_json) -> None:
     from flagdeploy.ops.check import format_results
 
     try:
-        be = fops.get_backend(chip) if chip else fops.detect_backend()
+        be = fops.get_backend(chip.value) if chip else fops.detect_backend()
         results = _run_checks(be, model_config, dtypes)
     except (FlagdeployError, ValueError) as exc:
         _fail(str(exc))
@@ -514,7 +604,8 @@ def ops_check(chip, model_config, dtypes, as_json) -> None:
 
 
 @ops.command("tune")
-@click.option("--chip", default=None, help="Backend to tune (default: detected).")
+@click.option("--chip", default=None, type=ChipParam(), metavar="CHIP",
+              help="Chip catalog id or backend name whose backend to tune (default: detected).")
 @click.option("-o", "--output", default=None, help="Where to write the table (default: print it).")
 def ops_tune(chip, output) -> None:
     """Measure this machine's shape-bucket crossovers and write the backend's tune table (YAML)."""
@@ -526,7 +617,7 @@ def ops_tune(chip, output) -> None:
     from flagdeploy import ops as fops
 
     try:
-        be = fops.get_backend(chip) if chip else fops.detect_backend()
+        be = fops.get_backend(chip.value) if chip else fops.detect_backend()
         tuner = importlib.import_module(f"flagdeploy.backends.{be.name}.tune")
     except FlagdeployError as exc:
         _fail(str(exc))
@@ -544,7 +635,9 @@ def ops_tune(chip, output) -> None:
 
 
 @main.command()
-@click.option("--chip", required=True, help="Chip catalog id (ascend910c, h20, cpu, ...) or auto.")
+@click.option("--chip", required=True, type=ChipParam(allow_auto=True), metavar="CHIP",
+              help="Chip catalog id (ascend910c, h20, cpu, ...), a backend name (cuda, ascend: the chip of it found "
+                   "here) or auto.")
 @click.option("--engine", default="builtin", show_default=True,
               type=click.Choice(["builtin", "vllm-ascend", "vllm", "sglang", "mindie", "onnxruntime"]))
 @click.option("--dry-run", is_flag=True, help="Print the plan; install nothing (works for a chip not on this host).")
@@ -565,7 +658,7 @@ def install(chip, engine, dry_run, yes, download_only, offline, index_url, env_f
 
     try:
         info = detect(Path(root))
-        chip_id = pick_chip(info, chip, present_required=not (dry_run or download_only))
+        chip_id = pick_chip(info, _chip_text(chip), present_required=not (dry_run or download_only))
         plan = inst.make_plan(info, chip_id, engine)
         click.echo(f"found: {info.describe()}")
         click.echo(plan.describe())
@@ -603,7 +696,8 @@ def install(chip, engine, dry_run, yes, download_only, offline, index_url, env_f
 
 
 @main.command()
-@click.option("--chip", default="auto", show_default=True, help="Chip catalog id or auto.")
+@click.option("--chip", default="auto", show_default=True, type=ChipParam(allow_auto=True), metavar="CHIP",
+              help="Chip catalog id, a backend name (the chip of it found here) or auto.")
 @click.option("--model", default=None, help="Also check that this model fits and that its weights fit on disk.")
 @click.option("--devices", default=None, type=int, help="Devices to plan the model on (default: a node's).")
 @click.option("--max-model-len", default=32768, show_default=True, type=int)
@@ -617,7 +711,7 @@ def doctor(chip, model, devices, max_model_len, root) -> None:
 
     try:
         info = detect(Path(root))
-        chip_id = pick_chip(info, chip, present_required=False)
+        chip_id = pick_chip(info, _chip_text(chip), present_required=False)
         findings = doc.run(info, chip_id, model, devices, max_model_len)
     except FlagdeployError as exc:
         _fail(str(exc))
@@ -629,22 +723,24 @@ def doctor(chip, model, devices, max_model_len, root) -> None:
 
 @main.command()
 @click.argument("kind", type=click.Choice(["docker", "compose", "k8s"]))
-@click.option("--chip", required=True)
+@click.option("--chip", required=True, type=ChipParam(need_chip=True), metavar="CHIP",
+              help="Chip catalog id, e.g. ascend910c, h200, h20-141g.")
 @click.option("--model", required=True, help="Model to serve (path, hub id or preset); the planner picks the layout.")
 @click.option("--devices", default=None, type=int, help="Devices to use (default: a node's).")
 @click.option("--max-model-len", default=32768, show_default=True, type=int)
+@memory_utilization_option
 @click.option("--image", default=None, help="Container image (default: a digest placeholder to pin).")
 @click.option("-o", "--output", default=".", show_default=True, help="Directory to write the files into.")
 @click.option("--overwrite", is_flag=True)
-def deploy(kind, chip, model, devices, max_model_len, image, output, overwrite) -> None:
+def deploy(kind, chip, model, devices, max_model_len, memory_utilization, image, output, overwrite) -> None:
     """Container and Kubernetes artefacts that run `flagdeploy serve` with the planner's profile."""
-    from flagdeploy.chips import get_chip
     from flagdeploy.installer.deploy import write
     from flagdeploy.planner import PlanRequest, make_plan
 
     try:
-        spec = get_chip(chip)
-        plan = make_plan(PlanRequest(model, spec.id, devices or spec.devices_per_node, max_model_len=max_model_len))
+        spec = chip.chip
+        plan = make_plan(PlanRequest(model, spec.id, devices or spec.devices_per_node, max_model_len=max_model_len,
+                                     memory_utilization=memory_utilization))
         paths = write(kind, plan.profile(), output, image=image, overwrite=overwrite)
     except (FlagdeployError, ValueError, FileExistsError) as exc:
         _fail(str(exc))
@@ -653,7 +749,8 @@ def deploy(kind, chip, model, devices, max_model_len, image, output, overwrite) 
 
 
 @main.command()
-@click.option("--chip", required=True, help="Chip catalog id (ascend910c, h200, cpu, ...).")
+@click.option("--chip", required=True, type=ChipParam(), metavar="CHIP",
+              help="Chip catalog id (ascend910c, h200, cpu, ...) or a backend name (cpu, cuda, ascend).")
 @click.option("--model", "model_config", default=None, help="Also check at this model's shapes.")
 @click.option("-o", "--output", default=None, help="JSON report path (default: flagdeploy-selftest-CHIP.json).")
 def selftest(chip, model_config, output) -> None:
@@ -664,18 +761,14 @@ def selftest(chip, model_config, output) -> None:
     import platform
 
     from flagdeploy import ops as fops
-    from flagdeploy.chips import get_chip
     from flagdeploy.ops.check import as_json as to_json
     from flagdeploy.ops.check import format_results
 
+    what = f"{chip.chip.name} ({chip.value})" if chip.chip else f"{chip.backend} backend"
     try:
-        spec = get_chip(chip)
+        be = fops.get_backend(chip.value)  # a backend that is not installed is named, with how to install it
     except FlagdeployError as exc:
         _fail(str(exc))
-    if spec.backend not in fops.backends():
-        _fail(f"{chip} runs on the {spec.backend!r} backend, which is not installed here (installed: "
-              f"{', '.join(sorted(fops.backends()))}). Install flagdeploy with that backend (`flagdeploy install --chip {chip}`).")
-    be = fops.get_backend(spec.backend)
     found = fops.registry._safe_detect(be)
     info = {}
     try:  # a backend may describe what it found (SoC, device count, memory): backends/<name>/detect.py
@@ -685,13 +778,13 @@ def selftest(chip, model_config, output) -> None:
     except Exception as exc:  # noqa: BLE001 - detection trouble is part of the report
         info = {"error": repr(exc)}
     if not found:
-        _fail(f"no {spec.name} ({chip}) device is visible to the {be.name} backend on this host. Check the driver and "
-              f"runtime install (`flagdeploy install --chip {chip}`), the device nodes and visibility variables; detected: "
-              f"{info or 'nothing'}.")
+        _fail(f"no {what} device is visible to the {be.name} backend on this host. Check the driver and runtime "
+              f"install (`flagdeploy install --chip {chip.value}`), the device nodes and visibility variables; "
+              f"detected: {info or 'nothing'}.")
     fops.use_backend(be)
     results = _run_checks(be, model_config, ("float32", "bfloat16"))
-    report = to_json(be, results, chip=chip, host=platform.node(), detected=info)
-    path = output or f"flagdeploy-selftest-{chip}.json"
+    report = to_json(be, results, chip=chip.value, host=platform.node(), detected=info)
+    path = output or f"flagdeploy-selftest-{chip.value}.json"
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(report, f, indent=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,14 @@ class Tokenizer:
                 f"tokenizer; a safetensors directory needs tokenizer.json / tokenizer_config.json."
             ) from exc
         return cls(tok, extra_eos_ids)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for (its vocabulary spelling: a byte-level
+        token spells one character per byte, a byte-fallback token more than its one byte), so that
+        `len(text) / max_token_chars` tokens is a lower bound for any text, known without tokenizing."""
+        spellings = self.hf.convert_ids_to_tokens(list(range(len(self.hf))))
+        return max(1, max(len(s) for s in spellings if s is not None))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flagdeploy.backends.ascend.detect import FAMILY_CHIP, detect_info, soc_family
-from flagdeploy.chips import all_chips, get_chip
+from flagdeploy.chips import all_chips, get_chip, resolve_chip
 from flagdeploy.errors import FlagdeployError, UnknownChipError
 
 __all__ = ["Accelerator", "SystemInfo", "ChipNotPresentError", "detect", "pick_chip", "chip_family"]
@@ -45,7 +45,7 @@ _ACCEL_CLASS = re.compile(r"^0x(03|12|0b40)")
 # Ascend PCI device ids -> family, used only when npu-smi is absent. UNCONFIRMED (recalled).
 ASCEND_PCI_FAMILY = {"0xd802": "A2", "0xd803": "A3", "0xd500": "310P"}
 # NVIDIA: compute capability per catalog chip, for when nvidia-smi gives no compute_cap column.
-NVIDIA_SM = {"h20": "sm90", "h100": "sm90", "h200": "sm90", "a100": "sm80", "l20": "sm89"}
+NVIDIA_SM = {"h20": "sm90", "h20-141g": "sm90", "h100": "sm90", "h200": "sm90", "a100": "sm80", "l20": "sm89"}
 # Where the CANN version is written ([4.1]); the first file that yields a version wins.
 CANN_FILES = (
     "usr/local/Ascend/ascend-toolkit/latest/*-linux/ascend_toolkit_install.info",  # what VA collect_env reads
@@ -174,9 +174,12 @@ def _ascend(root: Path, pci: list[tuple[str, str, str]]) -> tuple[Accelerator | 
 
 
 def _nvidia_chip(name: str) -> str | None:
-    """Catalog id from a product name: 'NVIDIA H20' -> h20, 'NVIDIA A100-SXM4-80GB' -> a100."""
+    """Catalog id from a product name: a chip's own `product_names` first ('NVIDIA H20-3e' -> h20-141g, whose
+    name also holds the token h20), else an id among the name's tokens ('NVIDIA A100-SXM4-80GB' -> a100)."""
+    nvidia = [c for c in all_chips() if c.vendor == "nvidia"]
+    exact = next((c.id for c in nvidia if name.strip().lower() in (n.lower() for n in c.product_names)), None)
     tokens = set(re.split(r"[^a-z0-9]+", name.lower()))
-    return next((c.id for c in all_chips() if c.vendor == "nvidia" and c.id in tokens), None)
+    return exact or next((c.id for c in nvidia if c.id in tokens), None)
 
 
 def _nvidia(root: Path, pci: list[tuple[str, str, str]]) -> tuple[Accelerator | None, str | None]:
@@ -320,9 +323,10 @@ def chip_family(chip: str) -> str | None:
 
 
 def pick_chip(info: SystemInfo, requested: str, present_required: bool = True) -> str:
-    """The catalog id to install for. 'auto' takes the first detected chip. A named chip must exist in the
-    catalog and, when `present_required` (a real install rather than a dry run), be on this host: another
-    member of the same Ascend family counts (910B4 for 910B), and the CPU is always present."""
+    """The catalog id to install for. 'auto' takes the first detected chip; a backend name (cuda, ascend) the
+    detected chip of that backend. A named chip must exist in the catalog and, when `present_required` (a
+    real install rather than a dry run), be on this host: another member of the same Ascend family counts
+    (910B4 for 910B), and the CPU is always present."""
     requested = requested.strip().lower()
     if requested == "auto":
         if info.chips:
@@ -331,7 +335,10 @@ def pick_chip(info: SystemInfo, requested: str, present_required: bool = True) -
             f"--chip auto found no device it can name (found: {info.describe()}). Pass --chip with one of: "
             f"{', '.join(c.id for c in all_chips())}.")
     try:
-        chip = get_chip(requested)
+        choice = resolve_chip(requested)
+        # a backend name (cuda, ascend) means the chip of that backend found here, else its only catalog chip
+        here = [c for c in info.chips if choice.chip is None and get_chip(c).backend == choice.backend]
+        chip = get_chip(here[0]) if here else choice.require_chip()
     except UnknownChipError as e:
         raise UnknownChipError(f"{e} Or pass --chip auto to use the detected device.") from None
     if not present_required or chip.id in ("cpu", "cpu-edge") or chip.id in info.chips:

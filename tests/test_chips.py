@@ -10,7 +10,7 @@ from flagdeploy.errors import UnknownChipError
 
 REQUIRED_IDS = [
     "ascend910b", "ascend910b4", "ascend910c", "ascend950", "ascend310p", "ascend310b",
-    "h20", "h100", "h200", "a100", "l20", "cpu",
+    "h20", "h20-141g", "h100", "h200", "a100", "l20", "cpu",
 ]
 REQUIRED_VENDORS = ["cambricon", "kunlunxin", "hygon", "metax", "mthreads", "iluvatar", "enflame"]
 
@@ -32,7 +32,7 @@ def test_one_part_per_other_vendor_with_its_own_backend():
 
 def test_backends():
     assert {get_chip(i).backend for i in REQUIRED_IDS if i.startswith("ascend")} == {"ascend"}
-    assert {get_chip(i).backend for i in ("h20", "h100", "h200", "a100", "l20")} == {"cuda"}
+    assert {get_chip(i).backend for i in ("h20", "h20-141g", "h100", "h200", "a100", "l20")} == {"cuda"}
     assert get_chip("cpu").backend == "cpu"
 
 
@@ -44,7 +44,7 @@ def test_910b_910c_have_int8_and_bf16_but_no_fp8(chip_id):
     assert "fp8" not in chip.tflops
 
 
-@pytest.mark.parametrize("chip_id", ["h200", "h100", "h20", "l20", "ascend950"])
+@pytest.mark.parametrize("chip_id", ["h200", "h100", "h20", "h20-141g", "l20", "ascend950"])
 def test_fp8_chips(chip_id):
     assert get_chip(chip_id).supports("fp8")
     assert "fp8" in get_chip(chip_id).tflops
@@ -61,6 +61,44 @@ def test_memory_facts_from_the_ascend_doc():
     assert get_chip("ascend910b").memory_gib == 64
     c = get_chip("ascend910c")  # one die of the two-die package
     assert c.memory_gib == 64 and c.devices_per_node == 16
+
+
+def test_h20_141g_is_the_h20_with_the_h200s_memory():
+    """The seeds' 4x H20 deployment is the 141 GB part: same compute and links as the 96 GB H20, HBM3e as on
+    the H200 (nvidia-smi reports 143771 MiB for both)."""
+    big, small, h200 = get_chip("h20-141g"), get_chip("h20"), get_chip("h200")
+    assert big.memory_gib == h200.memory_gib == 140.4 and big.memory_bandwidth_gbs == 4800
+    assert big.tflops == small.tflops == {"fp8": 296, "int8": 296, "bf16": 148, "fp16": 148}
+    assert big.interconnect == small.interconnect and big.matmul_dtypes == small.matmul_dtypes
+    assert big.product_names == ("NVIDIA H20-3e",)
+
+
+def test_resolve_chip_takes_ids_and_backend_names():
+    from flagdeploy.chips import ChipChoice, backend_names, resolve_chip
+
+    assert resolve_chip(" Ascend910C ") == ChipChoice("ascend910c", "ascend", get_chip("ascend910c"))
+    assert resolve_chip("cpu").chip is get_chip("cpu")  # an id first, though cpu is also a backend
+    assert resolve_chip("CUDA") == ChipChoice("cuda", "cuda", None)
+    assert {"cpu", "cuda", "ascend"} <= set(backend_names())
+    assert resolve_chip("demo", plugin_backends=["demo"]) == ChipChoice("demo", "demo", None)
+
+
+def test_a_backend_name_is_a_chip_only_where_the_catalog_has_one_chip_of_it():
+    from flagdeploy.chips import resolve_chip
+
+    assert get_chip("cambricon").id == "mlu590"
+    with pytest.raises(UnknownChipError, match=r"--chip cuda names the cuda backend.*h20, h20-141g, h100, h200"):
+        resolve_chip("cuda").require_chip()
+
+
+def test_an_unknown_value_suggests_the_close_ones():
+    with pytest.raises(UnknownChipError) as info:
+        get_chip("h20-141")
+    msg = str(info.value)
+    assert msg.startswith("Unknown chip 'h20-141'. Did you mean 'h20-141g'")
+    assert "or a backend name: " in msg and "cuda" in msg
+    with pytest.raises(UnknownChipError, match="Unknown chip 'zzz'. Known chips"):  # nothing close: no guess
+        get_chip("zzz")
 
 
 def test_unknown_id_lists_known_ids():

@@ -45,7 +45,7 @@ def test_version_and_ops_list():
     assert "backend: cpu" in r.output
     assert "attention_prefill" in r.output and "native" in r.output and "reference" in r.output
     r = CliRunner().invoke(main, ["ops", "list", "--chip", "no-such-chip"])
-    assert r.exit_code == 1 and "installed: " in r.output
+    assert r.exit_code == 2 and "Unknown chip 'no-such-chip'" in r.output
 
 
 def test_models_lists_the_cached_default(default_model):
@@ -109,3 +109,163 @@ def test_serve_rejects_bad_model_files(tmp_path, case):
     assert proc.returncode == 1, err
     assert err.startswith("error: ") and expected in err
     assert "Traceback" not in err
+
+
+# ---- --chip: one meaning in every command (issue 32) ---------------------------------------------------------
+
+SYSTEMS = __import__("pathlib").Path(__file__).parent / "fixtures" / "systems"
+
+
+def _commands_with_chip(group=main, path=()):
+    """(command path, its --chip option) for every command of the CLI that takes --chip."""
+    import click
+
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            yield from _commands_with_chip(cmd, (*path, name))
+        for param in cmd.params:
+            if "--chip" in getattr(param, "opts", ()):
+                yield (*path, name), param
+
+
+def test_every_chip_option_is_the_one_resolver():
+    """A command added later with a plain --chip option would take a different set of values: every --chip is
+    the same ParamType, so all of them accept the catalog ids and the backend names, and fail alike."""
+    from flagdeploy.cli import ChipParam
+
+    found = {" ".join(path): type(param.type).__name__ for path, param in _commands_with_chip()}
+    assert {"serve", "ops list", "ops check", "ops tune", "quantize", "plan", "install", "doctor", "deploy",
+            "selftest"} <= set(found)
+    assert all(kind == ChipParam.__name__ for kind in found.values()), found
+
+
+# each command with the arguments it needs besides --chip, so that only the chip can be wrong
+_ARGS = {
+    "serve": ["serve", "--port", "0"],
+    "ops list": ["ops", "list"],
+    "ops check": ["ops", "check"],
+    "ops tune": ["ops", "tune"],
+    "quantize": ["quantize", "src", "-o", "dst"],
+    "plan": ["plan", "--model", "glm-5.3-flash"],
+    "install": ["install", "--dry-run"],
+    "doctor": ["doctor"],
+    "deploy": ["deploy", "docker", "--model", "glm-5.3-flash"],
+    "selftest": ["selftest"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(_ARGS))
+def test_an_unknown_chip_gets_the_same_error_in_every_command(command):
+    """Parse time, before anything loads: the value, the closest ids, every catalog id and the backend names."""
+    from flagdeploy.chips import all_chips
+
+    r = CliRunner().invoke(main, [*_ARGS[command], "--chip", "ascend91c"])
+    assert r.exit_code == 2, r.output
+    assert "Invalid value for '--chip': Unknown chip 'ascend91c'. Did you mean 'ascend910c'" in r.output
+    listed = r.output.split("Known chips: ", 1)[1]
+    assert all(c.id in listed for c in all_chips())
+    assert "or a backend name: " in listed and all(b in listed for b in ("cpu", "cuda", "ascend"))
+
+
+@pytest.mark.parametrize("chip,backend", [("ascend910c", "ascend"), ("h20-141g", "cuda"), ("cpu-edge", "cpu"),
+                                          ("ascend", "ascend"), ("CUDA", "cuda"), ("cpu", "cpu")])
+def test_ops_list_takes_catalog_ids_and_backend_names(chip, backend):
+    r = CliRunner().invoke(main, ["ops", "list", "--chip", chip])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"backend: {backend} ")
+
+
+def test_ops_check_and_tune_resolve_a_chip_to_its_backend():
+    """ops tune --chip h200 reaches the cuda backend (which has nothing to tune), not a 'no backend' error;
+    ops check takes the same value (checked here up to the backend it would check)."""
+    r = CliRunner().invoke(main, ["ops", "tune", "--chip", "h200"])
+    assert r.exit_code == 1 and "the cuda backend has nothing to tune" in r.output
+    from flagdeploy import ops
+
+    assert ops.get_backend("ascend910c").name == "ascend" and ops.get_backend("h20-141g").name == "cuda"
+
+
+def test_a_chip_whose_backend_is_not_installed_says_how_to_install_it(monkeypatch):
+    from flagdeploy.errors import UnknownChipError
+    from flagdeploy.ops import registry
+
+    monkeypatch.setattr(registry, "_backends", {"cpu": registry.backends()["cpu"]})
+    with pytest.raises(UnknownChipError, match=r"--chip ascend910c runs on the 'ascend' backend, which is not "
+                                               r"installed here \(installed: cpu\).*flagdeploy install --chip ascend910c"):
+        registry.get_backend("ascend910c")
+
+
+def test_selftest_takes_catalog_ids_and_backend_names():
+    """No device here: the message names the chip (or backend) asked for; both reached the cuda backend."""
+    r = CliRunner().invoke(main, ["selftest", "--chip", "h20-141g"])
+    assert r.exit_code == 1 and "no NVIDIA H20 (141 GB" in r.output and "(h20-141g) device is visible to the cuda" in r.output
+    r = CliRunner().invoke(main, ["selftest", "--chip", "cuda"])
+    assert r.exit_code == 1 and "no cuda backend device is visible to the cuda backend" in r.output
+
+
+def test_commands_that_need_the_chip_refuse_a_shared_backend_name(tmp_path):
+    """plan, deploy and quantize need one chip's memory and dtypes: `cuda` names six chips, so they ask which,
+    at parse time; a backend the catalog has one chip of resolves to it."""
+    for args in (["plan", "--model", "glm-5.3-flash"], ["deploy", "docker", "--model", "glm-5.3-flash"],
+                 ["quantize", "src", "-o", "dst"]):
+        r = CliRunner().invoke(main, [*args, "--chip", "cuda"])
+        assert r.exit_code == 2, r.output
+        assert "--chip cuda names the cuda backend" in r.output and "h20, h20-141g, h100, h200, a100, l20" in r.output
+    r = CliRunner().invoke(main, ["plan", "--model", "glm-5.3-flash", "--chip", "cambricon", "--json"])
+    assert r.output and __import__("json").loads(r.output)["chip"] == "mlu590"
+
+
+def test_deploy_takes_a_catalog_id_and_the_memory_share(tmp_path):
+    import yaml
+
+    r = CliRunner().invoke(main, ["deploy", "compose", "--chip", "h20-141g", "--model", "glm-5.3-flash", "--devices", "4",
+                                  "--gpu-memory-utilization", "0.85", "-o", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert "--profile" in (tmp_path / "compose.yaml").read_text()
+    profile = yaml.safe_load((tmp_path / "profile.yaml").read_text())["profile"]
+    assert profile["chip"] == "h20-141g" and profile["memory_utilization"] == 0.85
+
+
+def test_install_and_doctor_take_a_backend_name_as_the_chip_found_here():
+    r = CliRunner().invoke(main, ["install", "--chip", "cuda", "--dry-run", "--root", str(SYSTEMS / "h20")])
+    assert r.exit_code == 0, r.output
+    assert "chip h20 (sm90)" in r.output
+    r = CliRunner().invoke(main, ["doctor", "--chip", "ascend", "--root", str(SYSTEMS / "a3")])
+    assert "found: 16 x ascend910c" in r.output
+    r = CliRunner().invoke(main, ["install", "--chip", "ascend", "--dry-run", "--root", str(SYSTEMS / "h20")])
+    assert r.exit_code == 1 and "names the ascend backend" in r.output and "--chip auto" in r.output
+
+
+def test_serve_takes_a_catalog_id_and_plans_on_that_chip(default_model, capsys):
+    """serve --chip ascend910c is accepted (the failure is the model's, not the chip's); the plan line serve
+    prints before loading is for the chip named, not the first chip of its backend."""
+    r = CliRunner().invoke(main, ["serve", "--chip", "ascend910c", "--port", "0", "--model", "/nonexistent/m.gguf"])
+    assert r.exit_code == 1 and "m.gguf" in r.output and "chip" not in r.output
+    from flagdeploy.cli import _print_plan
+
+    _print_plan(default_model, "h20-141g", 4096, 4, 1 << 30, memory_utilization=0.8)
+    err = capsys.readouterr().err
+    assert "plan: smollm2-135m-instruct" in err and "h20-141g x1 tp=1,dp=1,ep=1,pp=1 in 80% of 140.4 GiB" in err
+
+
+def test_serve_passes_the_chip_and_memory_share_to_a_launched_engine(monkeypatch):
+    """serve --engine vllm --chip h20-141g --gpu-memory-utilization 0.8: the launched vLLM gets the planner's
+    flags for that chip and the share, as `plan --emit vllm` prints them (nothing is started here)."""
+    import flagdeploy.gateway
+    import flagdeploy.server
+    from flagdeploy.gateway.config import launch_plan
+
+    built = []
+
+    class _Gateway:
+        pools = []
+
+    monkeypatch.setattr(flagdeploy.gateway, "build_gateway", lambda cfg: built.append(cfg) or _Gateway())
+    monkeypatch.setattr(flagdeploy.server, "make_server", lambda *a, **k: type("S", (), {"run": lambda self: None})())
+    r = CliRunner().invoke(main, ["serve", "--engine", "vllm", "--model", "zai-org/GLM-5.3-Flash", "--chip", "h20-141g",
+                                  "--gpu-memory-utilization", "0.8", "--port", "0"])
+    assert r.exit_code == 0, r.output
+    entry = built[0].models[0]
+    assert entry.chip == "h20-141g"
+    argv = launch_plan(entry, 9000).argv
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.8"

@@ -119,3 +119,12 @@ def test_every_row_has_a_source_and_detected_families_resolve():
     assert all(r.source for r in all_rows())
     for system in ("a2", "a3", "310p", "h20", "cpu"):
         assert resolve(detect(SYSTEMS / system).accelerators[0].family, "builtin")
+
+
+@pytest.mark.parametrize("name,chip", [("NVIDIA H20-3e", "h20-141g"), ("NVIDIA H20", "h20"),
+                                       ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100")])
+def test_nvidia_product_names(name, chip):
+    """nvidia-smi calls the 141 GB H20 'NVIDIA H20-3e': its catalog product name, not the token h20, decides."""
+    from flagdeploy.installer.detect import _nvidia_chip
+
+    assert _nvidia_chip(name) == chip

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,10 @@ def test_serve_prints_the_plan_and_runs_a_profile(tmp_path, default_model):
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert "plan: smollm2-135m-instruct: 0.13B params" in err and "KiB/token" in err
+    # the weights as held, after loading: Q4 blocks, the bf16 copy for prompts, the int8 head; not "0.50 GiB (fp32)"
+    plan_line = next(line for line in err.splitlines() if "plan: " in line)
+    held = next(line for line in err.splitlines() if "weights held on cpu: " in line)
+    assert "fp32" not in plan_line and "q4 blocks" in held and "int8" in held and "bf16 copy (many-row steps)" in held
 
 
 def test_unknown_decoder_gets_a_generic_estimate(tmp_path):
@@ -237,3 +242,107 @@ def test_unknown_decoder_gets_a_generic_estimate(tmp_path):
     assert experts == 7 * 16 * 3 * 2048 * 1024  # 7 MoE layers after one dense one
     with pytest.raises(ValueError, match="intermediate_size"):
         make_plan(PlanRequest("bad", "h100", 2, config={"model_type": "mystery", "hidden_size": 8}))
+
+
+# ---- plans that reproduce real deployments (issue 32) -----------------------------------------------------
+
+GIB = 1 << 30
+DAY_ONE = PlanRequest("glm-5.3-flash", "h20-141g", 4, layout=Layout(tp=4, ep=4), max_model_len=1_048_576, concurrency=1)
+
+
+def test_the_4x_h20_141g_day_one_deployment_fits():
+    """The seeds' SGLang setup on 4x H20 (docs/glm-5.3-flash.md): FP8 weights at TP4 + EP4, BF16 KV over a
+    1,048,576-token context. The figures are the ledger's own, not tuned to fit: ~75.8 GiB of weights per
+    card (the report says 75-78), and per token the MLA latent (512) and the DSA indexer rows (2 x 128) of
+    each of the 11 indexed layers, in BF16, on every card (they have no head axis for TP to split)."""
+    plan = make_plan(DAY_ONE)
+    assert plan.chosen is not None and plan.chosen.layout == Layout(tp=4, ep=4)
+    m = plan.chosen.memory
+    assert 75 * GIB < m.weights < 78 * GIB
+    assert plan.cache.kv_bytes_per_token(2) == 11 * (512 + 2 * 128) * 2
+    assert m.kv_cache == 11 * (512 + 2 * 128) * 2 * 1_048_576  # 16.5 GiB
+    assert m.capacity == int(140.4 * GIB * 0.9) and m.free > 0
+    # the catalog's only H20 was the 96 GB one, on which this plan says nothing fits
+    assert make_plan(replace(DAY_ONE, chip="h20")).chosen is None
+    r = _plan("--model", "glm-5.3-flash", "--chip", "h20-141g", "--devices", "4", "--layout", "tp=4,ep=4",
+              "--max-model-len", "1048576", "--concurrency", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "-> tp=4,dp=1,ep=4,pp=1" in r.stdout and "h20-141g (140.4 GiB, 90% of it usable" in r.stdout
+
+
+def test_gpu_memory_utilization_bounds_the_plan_and_reaches_the_engines():
+    short = make_plan(replace(DAY_ONE, memory_utilization=0.6))
+    assert short.chosen is None and "has 84.2 GiB" in short.rejected[0].reason  # 140.4 GiB x 0.6
+    args = ("--model", "glm-5.3-flash", "--chip", "h20-141g", "--devices", "4", "--layout", "tp=4,ep=4",
+            "--max-model-len", "1048576", "--concurrency", "1", "--gpu-memory-utilization", "0.85")
+    assert "--gpu-memory-utilization 0.85" in _plan(*args, "--emit", "vllm").stdout
+    assert "--mem-fraction-static 0.85" in _plan(*args, "--emit", "sglang").stdout
+    assert "memory_utilization: 0.85" in _plan(*args, "--emit", "profile").stdout
+    r = _plan(*args[:-1], "1.5")
+    assert r.returncode == 2 and "--gpu-memory-utilization" in r.stderr
+
+
+def test_a_context_that_does_not_fit_says_the_largest_concurrency_and_the_shortest_context():
+    """Eight sequences of 1M tokens do not fit on 4x H20 141 GB; the plan names both ways out, and both are the
+    edge: at them it fits, one step further it does not."""
+    req = replace(DAY_ONE, concurrency=8)
+    plan = make_plan(req)
+    assert plan.chosen is None
+    most, longest = plan.fits_at["max_concurrency"], plan.fits_at["max_model_len"]
+    text = "\n".join(plan.suggestions)
+    assert f"fewer sequences: --concurrency {most} fits at --max-model-len 1048576" in text
+    assert f"a shorter context: --max-model-len {longest} fits at --concurrency 8" in text
+    assert most == 2  # (126.4 GiB usable - 75.8 weights - 3 activations and reserve) / 16.5 GiB per sequence
+    assert make_plan(replace(req, concurrency=most)).chosen and not make_plan(replace(req, concurrency=most + 1)).chosen
+    assert make_plan(replace(req, max_model_len=longest)).chosen
+    assert not make_plan(replace(req, max_model_len=longest + 256)).chosen
+    assert to_json(plan)["fits_at"] == {"max_concurrency": 2, "max_model_len": longest}
+    # on the 96 GB H20 not even one 1M-token sequence fits: said as such, beside the shorter context
+    small = make_plan(replace(req, chip="h20"))
+    assert small.fits_at["max_concurrency"] is None
+    assert any("not even one of --max-model-len 1048576 tokens fits" in x for x in small.suggestions)
+
+
+def test_serve_reports_the_weights_the_backend_holds(default_model):
+    """The default model as the cpu backend holds it (weight format auto): its GGUF's Q4_1 blocks (20 bytes
+    per 32 weights, however the backend packs them), a bf16 copy of every quantized linear for prompt steps,
+    the head re-stored as int8 with a bf16 scale per row (and its bf16 copy), the fp32 embedding and norms.
+    The line adds up to those bytes, not to the checkpoint's dequantised 0.50 GiB."""
+    from conftest import make_engine
+
+    from flagdeploy.planner.held import held_line, held_weights
+
+    engine = make_engine(default_model, "auto", kv_cache_memory=64 << 20)
+    cfg = engine.model.cfg
+    h, v, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+    d = cfg.head_dim
+    linear = layers * (h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size)
+    held = held_weights(engine.model)
+    assert held["q4 blocks"] == linear * 20 // 32
+    assert held["int8"] == v * h + v * 2
+    assert held["bf16 copy"] == pytest.approx((linear + v * h) * 2, rel=0.01)  # oneDNN's layout may pad
+    assert held["fp32"] == (v * h + (2 * layers + 1) * h) * 4
+    assert set(held) == {"q4 blocks", "int8", "bf16 copy", "fp32"}
+    line = held_line(held, "cpu")
+    assert line.startswith(f"weights held on cpu: {sum(held.values()) / GIB:.2f} GiB = ") and "q4 blocks 0.06" in line
+
+
+def test_held_weights_count_each_form_and_each_storage_once():
+    """A dequantised copy kept beside the packed form is a copy; kept alone (the cuda backend's) it is that
+    format's weight; a tied head counts once; a table derived at start-up (RoPE) is not a weight."""
+    from torch import nn
+
+    from flagdeploy.models.linear import Linear
+    from flagdeploy.ops.weights import Int4Weight, stripped
+    from flagdeploy.planner.held import held_weights
+
+    w = Int4Weight(torch.zeros(64, 32, dtype=torch.uint8), torch.ones(64, 1), torch.zeros(64, 1), 32, 64, 32)
+    m = nn.Module()
+    m.alone, m.beside, m.head = (Linear(64, 32, torch.float32, (p,)) for p in "abh")
+    m.alone.qweight = stripped(w, dense=torch.zeros(64, 32, dtype=torch.bfloat16))
+    m.beside.qweight = stripped(w, nib=torch.zeros(64, 16, dtype=torch.uint8), dense=torch.zeros(64, 32, dtype=torch.bfloat16))
+    m.embed = nn.Parameter(torch.zeros(10, 32), requires_grad=False)
+    m.head.weight = m.embed
+    m.rope_cos = torch.zeros(1000)
+    assert held_weights(m) == {"bf16 from q4 blocks": 64 * 32 * 2, "bf16 copy": 64 * 32 * 2, "q4 blocks": 64 * 16,
+                               "fp32": 10 * 32 * 4}

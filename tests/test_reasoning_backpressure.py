@@ -87,6 +87,8 @@ def test_serve_help_documents_the_options() -> None:
 class ScriptedTokenizer:
     """Renders a Qwen3-like template: it opens <think> unless enable_thinking is False."""
 
+    max_token_chars = 1
+
     def __init__(self) -> None:
         self.kwargs: list[dict[str, Any]] = []
 
@@ -106,6 +108,7 @@ class ScriptedEngine:
     """Replays `deltas` as the output of every request."""
 
     max_model_len = 4096
+    input_modalities = frozenset({"text"})
 
     def __init__(self, deltas: list[str]) -> None:
         self.deltas = deltas

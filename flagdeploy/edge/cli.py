@@ -52,7 +52,7 @@ def export_onnx_cmd(model, output, weights, target, block_size, int4_method, ove
 
 def serve_onnx(*, model, host, port, chip, max_model_len, max_num_seqs, kv_cache_memory, served_names, api_key,
                default_temperature, reasoning_parser, max_waiting, tool_call_parser, request_timeout, log_level,
-               weights: str = "int4") -> None:
+               max_tokens_policy: str = "error", weights: str = "int4") -> None:
     """`serve --engine onnxruntime`: the same server as the builtin engine, with the ONNX engine in this process."""
     from pathlib import Path
 
@@ -91,7 +91,8 @@ def serve_onnx(*, model, host, port, chip, max_model_len, max_num_seqs, kv_cache
 
     app = create_app(load, names, api_key=api_key, default_temperature=default_temperature,
                      reasoning_parser=reasoning_parser, max_waiting=None if max_waiting < 0 else max_waiting,
-                     tool_call_parser=tool_call_parser, request_timeout=request_timeout)
+                     tool_call_parser=tool_call_parser, request_timeout=request_timeout,
+                     max_tokens_policy=max_tokens_policy)
     server = make_server(app, host, port, log_level)
     click.echo(f"flagdeploy: loading {model or names[0]} with onnxruntime (exported on first use) ... "
                f"(/ready answers 503 until done)", err=True)

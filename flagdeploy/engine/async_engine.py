@@ -38,14 +38,19 @@ class RequestMetrics:
 
 
 class AsyncEngine:
+    # What the builtin runtime's models take as input: text only, so far (the server refuses other
+    # media with a 400 rather than dropping them).
+    input_modalities: frozenset[str] = frozenset({"text"})
+
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self._inbox: queue.Queue = queue.Queue()
-        self._inbox_adds = 0  # requests handed to the engine thread and not yet taken by it
-        self._count_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Written on the event loop (submit) and, through call_soon_threadsafe, when the engine thread
+        # is done with a request: the admission count (`would_wait`).
+        self._in_flight: dict[str, asyncio.AbstractEventLoop] = {}
         self._stop = threading.Event()
         self.metrics = RequestMetrics()
         self._thread = threading.Thread(target=self._loop, name="flagdeploy-engine", daemon=True)
@@ -53,17 +58,22 @@ class AsyncEngine:
 
     # ---- called from the event loop --------------------------------------------------------------
 
-    async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Submit a request now and return its outputs as an async iterator.
+
+        Submission is synchronous on purpose: the request counts as in flight (`would_wait`) from the
+        moment this returns, so an admission check followed by `generate` on the event loop, with no
+        await between them, holds its limit for any arrival pattern. Raises what `check_prompt` does."""
         self.engine.check_prompt(prompt_token_ids)  # raise before anything is queued
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
-        with self._count_lock:
-            self._inbox_adds += 1
-        metrics, submitted, last = self.metrics, time.perf_counter(), None
+        self._in_flight[request_id] = loop
         self._inbox.put(("add", request_id, prompt_token_ids, params))
+        return self._outputs(request_id, q, time.perf_counter())
+
+    async def _outputs(self, request_id: str, q: asyncio.Queue, submitted: float) -> AsyncIterator[RequestOutput]:
+        metrics, last = self.metrics, None
         finished, failed = False, False
         try:
             while True:
@@ -95,16 +105,27 @@ class AsyncEngine:
         self.engine.check_prompt(prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
+        """Stop a request; its stream gets nothing more. It stays in flight until the engine thread
+        has dropped it, so a burst of aborts cannot make room that is not there yet."""
+        self._streams.pop(request_id, None)
         self._inbox.put(("abort", request_id))
 
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.scheduler.max_num_seqs
+
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished, failed or dropped by the engine thread."""
+        return len(self._in_flight)
+
     def would_wait(self, n: int) -> int:
-        """How many requests would wait (queued, not running) if `n` more arrived now: those in the
-        inbox and the scheduler's waiting list, plus the newcomers, less the free sequence slots.
-        Read from the event loop without a step's lock: the lengths are at most one step stale,
-        which is precise enough to bound a queue."""
-        scheduler = self.engine.scheduler
-        free = max(0, scheduler.max_num_seqs - len(scheduler.running))
-        return max(0, self._inbox_adds + len(scheduler.waiting) + n - free)
+        """How many requests would wait (in flight beyond the sequence slots) if `n` more arrived now.
+
+        Counted on the event loop from submissions and the engine thread's confirmations, never from
+        the scheduler's lists: those change under a running step, and a burst checked against them
+        saw an empty queue thirty times over. A request leaves the count only when the engine thread
+        says it is gone, so the count is never below the truth."""
+        return max(0, len(self._in_flight) + n - self.max_num_seqs)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
@@ -122,6 +143,14 @@ class AsyncEngine:
         if target is not None:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, item)
+        if isinstance(item, BaseException) or item.finished:
+            self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        """The request no longer holds a place in the engine (finished, failed or aborted)."""
+        loop = self._in_flight.get(request_id)
+        if loop is not None:
+            loop.call_soon_threadsafe(self._in_flight.pop, request_id, None)
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -136,11 +165,9 @@ class AsyncEngine:
                     self.engine.add_request(rid, prompt, params)
                 except Exception as exc:  # bad input for this request only
                     self._deliver(rid, exc)
-                finally:  # after add_request: in the waiting list now, so never counted as gone
-                    with self._count_lock:
-                        self._inbox_adds -= 1
             elif msg[0] == "abort":
                 self.engine.abort(msg[1])
+                self._release(msg[1])
 
     def _loop(self) -> None:
         while not self._stop.is_set():

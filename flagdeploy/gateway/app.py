@@ -24,11 +24,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from flagdeploy.errors import FlagdeployError
 from flagdeploy.net import free_port
 from flagdeploy.server import errors
-from flagdeploy.server.app import (
-    _presented_key,
-    normalize_model_name,
-    strip_context_suffix,
-)
+from flagdeploy.server.auth import presented_key
+from flagdeploy.server.names import normalize_model_name, strip_context_suffix
 from flagdeploy.server.errors import APIError
 from flagdeploy.server.protocol import ModelCard, ModelList, now
 from flagdeploy.units import parse_bytes
@@ -293,7 +290,7 @@ class Gateway:
     async def _authorized(self, scope: Scope, send: Send, path: str) -> bool:
         if self.api_key is None:
             return True
-        given = _presented_key(Request(scope))
+        given = presented_key(Request(scope))
         if given and hmac.compare_digest(given.encode(), self.api_key.encode()):
             return True
         await self._error(send, path, errors.invalid_api_key(given))

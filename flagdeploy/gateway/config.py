@@ -126,7 +126,7 @@ class ServeConfig(BaseModel):
             raise ValueError("at most one model may use engine 'builtin' with one replica (it runs in this process); "
                              "give the others `replicas: 2` or more (launched as their own processes), or serve them "
                              "with a launched engine or `engine: upstream`")
-        from flagdeploy.server.app import normalize_model_name
+        from flagdeploy.server.names import normalize_model_name
 
         seen: dict[str, int] = {}
         for i, m in enumerate(self.models):

@@ -44,6 +44,8 @@ SERVE_FLAGS = {
     "tool_call_parser": "--tool-call-parser",
     "request_timeout": "--request-timeout",
     "max_waiting": "--max-waiting",
+    "max_tokens_policy": "--max-tokens-policy",
+    "memory_utilization": "--gpu-memory-utilization",
     "tp": "--tp",
     "ep": "--ep",
     "compile": "--compile",  # a switch: True → --compile, False → --no-compile

@@ -125,13 +125,21 @@ def backends() -> dict[str, Backend]:
 
 
 def get_backend(name: str) -> Backend:
+    """The installed backend `name`, or the backend a chip of the catalog runs on (ascend910c -> ascend):
+    a user names the chip they own, the op layer needs its backend (flagdeploy.chips.resolve_chip)."""
     bes = backends()
-    if name not in bes:
+    if name in bes:
+        return bes[name]
+    from flagdeploy.chips import resolve_chip
+
+    choice = resolve_chip(name, plugin_backends=bes)  # an unknown value raises the one --chip error
+    if choice.backend not in bes:
         raise UnknownChipError(
-            f"No backend named {name!r} is installed (installed: {', '.join(sorted(bes)) or 'none'}). "
-            f"Pick one of those with --chip, or install the plugin that provides {name!r}."
+            f"--chip {choice.value} runs on the {choice.backend!r} backend, which is not installed here (installed: "
+            f"{', '.join(sorted(bes)) or 'none'}). Install its stack (`flagdeploy install --chip {choice.value}`) or "
+            f"the plugin that provides {choice.backend!r}, or pick an installed backend with --chip."
         )
-    return bes[name]
+    return bes[choice.backend]
 
 
 def detect_backend() -> Backend:

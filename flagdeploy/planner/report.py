@@ -48,14 +48,18 @@ def to_json(plan: Plan) -> dict:
             "alternatives": [_row(e) for e in plan.alternatives],
             "rejected": [{"tp": x.layout.tp, "dp": x.layout.dp, "ep": x.layout.ep, "pp": x.layout.pp, "reason": x.reason}
                          for x in plan.rejected],
-            "notes": plan.notes, "suggestions": plan.suggestions}
+            "memory_utilization": r.memory_utilization, "notes": plan.notes, "suggestions": plan.suggestions,
+            "fits_at": plan.fits_at or None}
 
 
-def ledger_line(plan: Plan) -> str:
+def ledger_line(plan: Plan, weights: bool = True) -> str:
+    """The ledger in one line; `weights=False` leaves out the checkpoint's weight bytes (serve reports the
+    bytes the backend holds instead, once loaded: flagdeploy/planner/held.py)."""
     s = ledger_summary(plan)
     dtypes = sorted({g.dtype for g in plan.groups})
-    return (f"{plan.model_name}: {s['params'] / 1e9:.2f}B params, weights {s['weight_bytes'] / GIB:.2f} GiB "
-            f"({'/'.join(dtypes)}), KV {s['kv_bytes_per_token'] / 1024:.1f} KiB/token"
+    held = f", weights {s['weight_bytes'] / GIB:.2f} GiB ({'/'.join(dtypes)})" if weights else ""
+    return (f"{plan.model_name}: {s['params'] / 1e9:.2f}B params{held}, "
+            f"KV {s['kv_bytes_per_token'] / 1024:.1f} KiB/token"
             + (f", linear state {s['linear_state_bytes_per_sequence'] / 2**20:.1f} MiB/sequence"
                if s["linear_state_bytes_per_sequence"] else ""))
 
@@ -67,8 +71,8 @@ def _gib(n: int) -> str:
 def table(plan: Plan) -> str:
     r = plan.request
     lines = [ledger_line(plan),
-             f"on {r.nodes} x {r.devices} {plan.chip.id} ({plan.chip.memory_gib:g} GiB, "
-             f"{r.interconnect or plan.chip.interconnect.kind}), max-model-len {r.max_model_len}, concurrency "
+             f"on {r.nodes} x {r.devices} {plan.chip.id} ({plan.chip.memory_gib:g} GiB, {r.memory_utilization:.0%} "
+             f"of it usable, {r.interconnect or plan.chip.interconnect.kind}), max-model-len {r.max_model_len}, concurrency "
              f"{r.concurrency}, objective {r.objective}"]
     lines += [f"note: {n}" for n in plan.notes]
     head = f"   {'layout':<24}{'decode tok/s':>13}{'ms/token':>10}{'weights':>9}{'KV':>8}{'state':>8}{'free':>8}  GiB/device"
@@ -91,10 +95,13 @@ def table(plan: Plan) -> str:
 
 
 def serve_line(plan: Plan, kv_cache_memory: int) -> str:
-    """What `flagdeploy serve` prints before loading: the ledger, the layout, what the KV cache holds."""
+    """What `flagdeploy serve` prints before loading: the ledger without the weights (the checkpoint's bytes
+    are not what a backend holds; serve prints those after loading), the layout, what the KV cache holds."""
     per_token = plan.cache.kv_bytes_per_token(plan.workload.kv_dtype_bytes)
     need = per_token * plan.request.max_model_len * plan.request.concurrency
+    r = plan.request
     layout = plan.chosen.layout if plan.chosen else "no layout fits"
-    return (f"plan: {ledger_line(plan)}; {plan.chip.id} x{plan.request.devices} {layout}; --kv-cache-memory "
+    return (f"plan: {ledger_line(plan, weights=False)}; {plan.chip.id} x{r.devices} {layout} in "
+            f"{r.memory_utilization:.0%} of {plan.chip.memory_gib:g} GiB; --kv-cache-memory "
             f"{kv_cache_memory / GIB:.2f} GiB holds {kv_cache_memory // max(per_token, 1)} tokens (max-model-len x "
             f"max-num-seqs needs {need / GIB:.2f} GiB)")

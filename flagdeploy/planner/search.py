@@ -28,6 +28,7 @@ class PlanRequest:
     avg_context: int | None = None  # default: half of max_model_len
     kv_cache_dtype: str = "bf16"
     config: dict | None = None  # the HF config itself, when there is no file to name (a GGUF's, say)
+    memory_utilization: float = 0.9  # share of each device's memory to fill, as vLLM's --gpu-memory-utilization
 
 
 @dataclass
@@ -50,6 +51,9 @@ class Plan:
     rejected: list[Rejected]
     notes: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
+    # when nothing fits: the largest --concurrency at the asked --max-model-len and the longest
+    # --max-model-len at the asked --concurrency that do (None: none does), for --json readers
+    fits_at: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def weight_bytes(self) -> int:
@@ -66,7 +70,7 @@ class Plan:
                        tp=e.layout.tp, dp=e.layout.dp, ep=e.layout.ep, pp=e.layout.pp, max_model_len=r.max_model_len,
                        max_num_seqs=max(1, r.concurrency // e.layout.dp),
                        kv_cache_dtype="auto" if r.kv_cache_dtype == "bf16" else r.kv_cache_dtype,
-                       quantization=quantization, mtp=r.mtp)
+                       quantization=quantization, mtp=r.mtp, memory_utilization=r.memory_utilization)
 
 
 def model_facts(config: dict, groups: list[WeightGroup]) -> ModelFacts:
@@ -161,6 +165,9 @@ def _rank(fits: list[Estimate], objective: str) -> list[Estimate]:
 def make_plan(req: PlanRequest) -> Plan:
     if req.objective not in ("latency", "throughput"):
         raise PlanInputError(f"objective must be latency or throughput, not {req.objective!r}.")
+    if not 0 < req.memory_utilization <= 1:
+        raise PlanInputError(f"memory utilization must be in (0, 1], the share of each device's memory to use; "
+                             f"got {req.memory_utilization}.")
     chip = get_chip(req.chip)
     name, config = (req.model, req.config) if req.config is not None else load_config(req.model)
     notes = []
@@ -193,7 +200,8 @@ def make_plan(req: PlanRequest) -> Plan:
     facts = model_facts(config, groups)
     kv_bytes = {"bf16": 2, "fp16": 2, "auto": 2, "fp8": 1, "int8": 1}[req.kv_cache_dtype]
     load = Workload(req.max_model_len, req.concurrency, req.avg_context or max(1, req.max_model_len // 2),
-                    min(req.max_model_len, 8192), kv_dtype_bytes=kv_bytes, mtp=req.mtp)
+                    min(req.max_model_len, 8192), kv_dtype_bytes=kv_bytes, memory_utilization=req.memory_utilization,
+                    mtp=req.mtp)
     total = req.devices * req.nodes
     layouts = [req.layout] if req.layout else candidate_layouts(total, facts)
     if req.layout and req.layout.devices != total:
@@ -206,16 +214,47 @@ def make_plan(req: PlanRequest) -> Plan:
     plan = Plan(req, name, config.get("model_type", "?"), chip, groups, cache, load, ranked[0] if ranked else None,
                 ranked[1:4], rejected, notes)
     if not ranked:
-        plan.suggestions = _suggestions(req, chip, config, groups, cache, facts, load, rejected, policy)
+        plan.suggestions, plan.fits_at = _suggestions(req, chip, config, groups, cache, facts, load, rejected, policy)
     return plan
 
 
-def _suggestions(req, chip, config, groups, cache, facts, load, rejected, policy) -> list[str]:
-    """How far from fitting, and the nearest changes that would fit: more devices, a policy, less context."""
+def _largest_concurrency(groups, cache, facts, chip, load: Workload, legal: list[Layout]) -> int | None:
+    """The most sequences of `load.max_model_len` tokens that fit on any of `legal`, below the asked
+    concurrency (None: not even one, or not as few as a layout's DP replicas). Memory grows with the
+    sequences per replica, so each layout is a binary search over [dp, concurrency - 1]."""
+    best = None
+    for lay in legal:
+        lo, hi = lay.dp - 1, load.concurrency - 1  # lo: fits (or below the layout's floor), hi: the bound to test
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if memory(groups, cache, facts, chip, lay, replace(load, concurrency=mid)).free >= 0:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo >= lay.dp:
+            best = max(best or 0, lo)
+    return best
+
+
+def _longest_context(groups, cache, facts, chip, load: Workload, legal: list[Layout]) -> int | None:
+    """The longest --max-model-len (a multiple of 256) at which the asked concurrency fits on any of `legal`."""
+    lo, hi = 0, load.max_model_len
+    while hi - lo > 256:
+        mid = (lo + hi) // 2
+        if any(memory(groups, cache, facts, chip, lay, replace(load, max_model_len=mid)).free >= 0 for lay in legal):
+            lo = mid
+        else:
+            hi = mid
+    return lo // 256 * 256 if lo >= 256 else None
+
+
+def _suggestions(req, chip, config, groups, cache, facts, load, rejected, policy) -> tuple[list[str], dict]:
+    """How far from fitting, and the nearest changes that would fit: more devices, a policy, fewer
+    concurrent sequences at the asked context, a shorter context at the asked concurrency."""
     out = []
     legal = [r.layout for r in rejected if r.reason.startswith("does not fit")]
     if not legal:
-        return ["no layout passes the divisibility rules for this device count; try a power-of-two device count"]
+        return ["no layout passes the divisibility rules for this device count; try a power-of-two device count"], {}
     mems = {lay: memory(groups, cache, facts, chip, lay, load) for lay in legal}
     best = max(legal, key=lambda lay: mems[lay].free)
     out.append(f"closest layout {best} is short by {_gib(-mems[best].free)} per device")
@@ -237,18 +276,16 @@ def _suggestions(req, chip, config, groups, cache, facts, load, rejected, policy
         if _evaluate(req, chip, q_groups, cache, facts, load, legal)[0]:
             out.append(f"a quantize policy: `flagdeploy quantize --policy no-fp8` (INT8 experts/MLPs) shrinks the weights "
                        f"from {_gib(sum(g.bytes for g in groups))} to {_gib(sum(g.bytes for g in q_groups))} and it fits")
-    lo, hi = 0, req.max_model_len
-    while hi - lo > 256:
-        mid = (lo + hi) // 2
-        shorter = replace(load, max_model_len=mid)
-        if any(memory(groups, cache, facts, chip, lay, shorter).free >= 0 for lay in legal):
-            lo = mid
-        else:
-            hi = mid
-    if lo >= 256:
-        out.append(f"a shorter context: --max-model-len {lo // 256 * 256} fits at --concurrency {req.concurrency}")
+    most = _largest_concurrency(groups, cache, facts, chip, load, legal)
+    longest = _longest_context(groups, cache, facts, chip, load, legal)
+    if most:
+        out.append(f"fewer sequences: --concurrency {most} fits at --max-model-len {req.max_model_len}")
+    elif req.concurrency > 1:
+        out.append(f"fewer sequences do not help: not even one of --max-model-len {req.max_model_len} tokens fits")
+    if longest:
+        out.append(f"a shorter context: --max-model-len {longest} fits at --concurrency {req.concurrency}")
     else:
         least = min(mems[lay].weights for lay in legal)
         out.append(f"no context length helps: the weights alone need {_gib(least)} per device at best, "
                    f"{_gib(mems[best].capacity)} is available")
-    return out
+    return out, {"max_concurrency": most, "max_model_len": longest}

@@ -40,22 +40,15 @@ from flagdeploy.engine.sampling import RequestOutput
 
 from . import errors
 from .answer import AnswerDelta, AnswerParser, parse_answer
-from .app import (
-    EngineSlot,
-    ModelNames,
-    ServerSettings,
-    _chat_prompt,
-    _first_output,
-    _grammar,
-    _jobs,
-    _tool_plan,
-    strip_context_suffix,
-)
+from .engine_slot import EngineSlot
 from .errors import APIError
 from .generation import ClientDisconnected, EventStream, Generation, unless_disconnected
+from .names import ModelNames, strip_context_suffix
+from .pipeline import ServerSettings, chat_prompt, check_grammar, first_output, make_jobs, tool_plan
 from .protocol import SamplingFields, thinking_switch, thinking_template_kwargs
 from .reasoning import RequestReasoning
 from .tools import ToolPlan
+from .validate import ANTHROPIC, check_anthropic_tools, content_parts, parse_body, refuse_media
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
@@ -178,6 +171,13 @@ class MessagesRequest(_Lenient):
             turns += _structured(m) if structured and isinstance(m.content, list) else [{"role": m.role, "content": _text(m.content)}]
         return turns
 
+    def media_parts(self) -> list[tuple[str, str]]:
+        """(path, type) of every block in `system` and `messages`, tool results' own blocks included."""
+        parts = list(content_parts(self.model_dump()["system"], "system", ANTHROPIC, nested="content"))
+        for i, m in enumerate(self.messages):
+            parts += content_parts(m.model_dump()["content"], f"messages.{i}.content", ANTHROPIC, nested="content")
+        return parts
+
     def sampling(self) -> SamplingFields:
         return SamplingFields(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               stop=[s for s in self.stop_sequences or [] if s])
@@ -219,7 +219,7 @@ class AnthropicRoute(APIRoute):
 
 
 async def _parse(request: Request) -> MessagesRequest:
-    body = errors.parse_json_body(await request.body())
+    body = parse_body(await request.body(), ANTHROPIC)
     try:
         return MessagesRequest.model_validate(body)
     except ValidationError as exc:
@@ -441,29 +441,31 @@ def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
     `style` the model's reasoning tags (None: no thinking blocks); `max_waiting` the queue bound."""
     router = APIRouter(prefix="/v1/messages", dependencies=[Depends(auth)], route_class=AnthropicRoute)
 
-    def prepare(req: MessagesRequest) -> tuple["AsyncEngine", str, list[int], RequestReasoning | None, ToolPlan | None]:
+    async def prepare(req: MessagesRequest) -> tuple["AsyncEngine", str, list[int], RequestReasoning | None, ToolPlan | None]:
         """Engine, the model name to echo (bare: Anthropic echoes the id without `[1m]`), prompt ids,
         how to split reasoning from the answer, and the request's tools."""
         names.resolve(req.model)  # 404 for a name we do not serve
         model = strip_context_suffix(req.model) if req.model and req.model.strip() else names.canonical
         engine = slot.get()
-        tools = _tool_plan(engine, req.function_tools(), req.choice(), settings.tool_call_parser)
-        prompt, prompt_text = _chat_prompt(engine, req.template_messages(structured=tools is not None),
-                                           req.template_kwargs(), tools)
+        refuse_media(req.media_parts(), engine.input_modalities, model)
+        check_anthropic_tools(req.tools, req.tool_choice)
+        tools = tool_plan(engine, req.function_tools(), req.choice(), settings.tool_call_parser)
+        prompt, prompt_text = await chat_prompt(engine, req.template_messages(structured=tools is not None),
+                                                req.template_kwargs(), tools)
         return engine, model, prompt, RequestReasoning.for_prompt(settings.style, prompt_text), tools
 
     @router.post("")
     async def create_message(request: Request) -> Response:
         req = await _parse(request)
-        engine, model, prompt, reasoning, tools = prepare(req)
+        engine, model, prompt, reasoning, tools = await prepare(req)
         mid = f"msg_{uuid.uuid4().hex}"
         sampling = req.sampling()
         stops = sampling.stop_list()
-        grammar = _grammar(engine, tools.grammar(engine.tokenizer), "tool_choice") if tools is not None else None
-        gen = settings.generation(engine, _jobs(engine, sampling, req.max_tokens, [prompt], mid,
-                                                settings.default_temperature, grammar=grammar), overload_status=529)
+        grammar = check_grammar(engine, tools.grammar(engine.tokenizer), "tool_choice") if tools is not None else None
+        gen = settings.generation(engine, make_jobs(engine, settings, sampling, req.max_tokens, [prompt], mid,
+                                                    grammar=grammar), overload_status=529)
         if req.stream:
-            first = await _first_output(request, gen, "messages")
+            first = await first_output(request, gen, "messages")
             if first is None:
                 return Response(status_code=499)
             return EventStream(_events(engine, gen, first, mid, model, stops, reasoning, tools), gen.close)
@@ -494,7 +496,7 @@ def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
     @router.post("/count_tokens")
     async def count_tokens(request: Request) -> dict[str, int]:
         """The prompt as generation would see it (chat template applied), without generating."""
-        _, _, prompt, _, _ = prepare(await _parse(request))
+        _, _, prompt, _, _ = await prepare(await _parse(request))
         return {"input_tokens": len(prompt)}
 
     return router

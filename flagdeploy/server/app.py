@@ -1,41 +1,40 @@
-"""The FastAPI app: model loading state, auth, model names, and the OpenAI routes."""
+"""The FastAPI app and the OpenAI routes (chat completions, completions, models); the other protocols
+add their routers (anthropic.py, responses.py) over the same pipeline (pipeline.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
-import threading
-import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from flagdeploy.engine.grammar import GrammarError, GrammarSpec
-from flagdeploy.engine.grammar import validate as validate_grammar
-from flagdeploy.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
+from flagdeploy.engine.grammar import GrammarSpec
+from flagdeploy.engine.sampling import RequestOutput, TokenLogprob
 
 from . import errors
 from .answer import AnswerParser, parse_answer
+from .auth import api_key_check
+from .engine_slot import EngineSlot
 from .errors import APIError
-from .generation import (
-    SSE_DONE,
-    ClientDisconnected,
-    EventStream,
-    Generation,
-    Job,
-    collect,
-    sse,
-    unless_disconnected,
-)
+from .generation import SSE_DONE, EventStream, Generation, collect, sse
 from .metrics import HTTPMetricsMiddleware, ServerMetrics
+from .names import ModelNames
+from .pipeline import (
+    MaxTokensPolicy,
+    ServerSettings,
+    chat_prompt,
+    check_grammar,
+    encode_text,
+    first_output,
+    make_jobs,
+    tool_plan,
+)
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -51,193 +50,40 @@ from .protocol import (
     ModelCard,
     ModelList,
     NamedToolChoice,
-    SamplingFields,
     ToolCall,
     Usage,
     new_id,
     now,
 )
-from .reasoning import ReasoningStyle, RequestReasoning, get_style
-from .tools import ToolPlan, get_parser, plan_tools
+from .anthropic import MessagesRequest, anthropic_router
+from .reasoning import RequestReasoning, get_style
+from .responses import ResponsesRequest, responses_router
+from .tools import ToolPlan, get_parser
+from .validate import check_openai_tools, parse_body, refuse_media
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
-MAX_CHOICES = 128  # engine requests one HTTP request may start (prompts x n): a queue, not a flood
 
-_CONTEXT_SUFFIX = re.compile(r"(\s*\[1m\])+\s*$", re.IGNORECASE)
-
-
-# ---- model names ---------------------------------------------------------------------------------
-
-
-def strip_context_suffix(name: str) -> str:
-    """The bare name: Claude Code's `[1m]` (1M-context) marker is client-side decoration."""
-    return _CONTEXT_SUFFIX.sub("", name.strip()).strip()
-
-
-def normalize_model_name(name: str) -> str:
-    """The lookup key: the bare name, case-insensitive."""
-    return strip_context_suffix(name).lower()
-
-
-class ModelNames:
-    """The names one model answers to; the first is the id every response shows."""
-
-    def __init__(self, names: list[str]):
-        if not names:
-            raise ValueError("create_app needs at least one served model name")
-        self.names = list(names)
-        self.canonical = names[0]
-        self._keys = {normalize_model_name(n) for n in names}
-
-    def resolve(self, name: str | None) -> str:
-        """The canonical id for `name`; a missing or empty name means the one model served."""
-        if name is None or not name.strip() or normalize_model_name(name) in self._keys:
-            return self.canonical
-        raise errors.model_not_found(name)
-
-
-# ---- settings ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """What the operator chose at startup that every generation route applies (see create_app)."""
-
-    default_temperature: float = 0.0
-    style: ReasoningStyle | None = None
-    max_waiting: int | None = None
-    tool_call_parser: str = "auto"
-    request_timeout: float | None = None
-
-    def generation(self, engine: "AsyncEngine", jobs: list[Job], overload_status: int = 429) -> Generation:
-        """The request's engine requests, admitted (or refused: backpressure) and started."""
-        gen = Generation(engine, jobs, self.request_timeout)
-        _admit(engine, gen.jobs, self.max_waiting, overload_status)
-        return gen.start()
-
-
-# ---- engine loading ------------------------------------------------------------------------------
-
-
-class EngineSlot:
-    """Holds the engine once `load_engine` returns; loading runs on a thread so the server can
-    answer /health and /ready (and a clear 503) while weights are read."""
-
-    def __init__(self, load_engine: Callable[[], "AsyncEngine"]):
-        self._load_engine = load_engine
-        self.engine: "AsyncEngine | None" = None
-        self.error: str | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._load, name="flagdeploy-load", daemon=True)
-        self._thread.start()
-
-    def _load(self) -> None:
-        started = time.monotonic()
-        try:
-            engine = self._load_engine()
-        except BaseException as exc:  # noqa: BLE001 - a failed load must leave the server answering
-            self.error = str(exc) or type(exc).__name__
-            log.error("loading the model failed: %s", self.error, exc_info=exc)
-            return
-        self.engine = engine
-        log.info("model loaded in %.1f s", time.monotonic() - started)
-
-    def get(self) -> "AsyncEngine":
-        if self.engine is not None:
-            return self.engine
-        if self.error is not None:
-            raise errors.model_load_failed(self.error)
-        raise errors.model_loading()
-
-    def shutdown(self) -> None:
-        stop = getattr(self.engine, "shutdown", None)
-        if stop is not None:
-            try:
-                stop()
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                log.exception("engine shutdown failed")
-
-
-# ---- auth ----------------------------------------------------------------------------------------
-
-
-def _presented_key(request: Request) -> str | None:
-    """OpenAI clients send `Authorization: Bearer`, Anthropic-style ones `x-api-key`."""
-    auth = request.headers.get("authorization")
-    if auth:
-        scheme, _, value = auth.partition(" ")
-        return value.strip() if scheme.lower() == "bearer" else auth.strip()
-    return request.headers.get("x-api-key")
-
-
-def _auth_dependency(api_key: str | None) -> Callable[[Request], Any]:
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = _presented_key(request)
-        if not given or not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise errors.invalid_api_key(given)
-
-    return check_api_key
-
-
-# ---- request parsing and sampling ----------------------------------------------------------------
+# ---- request parsing -----------------------------------------------------------------------------
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
     """Parse the body ourselves: any Content-Type (curl -d sends a form type), and every failure
     a 400 in the OpenAI envelope naming the field."""
-    body = errors.parse_json_body(await request.body())
+    body = parse_body(await request.body())
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         raise errors.from_validation(exc.errors(include_url=False)) from None
 
 
-def _sampling_params(req: SamplingFields, max_tokens: int, seed: int | None, default_temperature: float,
-                     **engine_fields: Any) -> SamplingParams:
-    """`engine_fields`: the SamplingParams a route adds (grammar, logprobs, prompt_logprobs)."""
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=default_temperature if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,  # vLLM's -1 means off
-            seed=seed,
-            stop=req.stop_list(),
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=bool(req.ignore_eos),
-            **engine_fields,
-        )
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from None
-
-
-def _jobs(engine: "AsyncEngine", req: SamplingFields, requested_max: int | None, prompts: list[list[int]],
-          stem: str, default_temperature: float, **engine_fields: Any) -> list[Job]:
-    """One engine request per (prompt, choice); choice i of a seeded request uses seed + i so that
-    the n answers differ yet the whole request is reproducible."""
-    n = req.n or 1
-    if len(prompts) * n > MAX_CHOICES:
-        raise APIError(400, f"This request asks for {len(prompts) * n} completions (prompts x n); at most "
-                            f"{MAX_CHOICES} are served per request. Split it into several requests.", param="n")
-    jobs = []
-    for p, prompt_ids in enumerate(prompts):
-        # Default: whatever fits. An explicit max_tokens beyond the window is capped by the engine,
-        # not refused: Dify sends 4096 to models of any size.
-        max_tokens = requested_max if requested_max is not None else max(1, engine.max_model_len - len(prompt_ids))
-        for i in range(n):
-            seed = None if req.seed is None else req.seed + i
-            index = p * n + i
-            params = _sampling_params(req, max_tokens, seed, default_temperature, **engine_fields)
-            jobs.append(Job(index, p, prompt_ids, params, f"{stem}-{index}"))
-    return jobs
+def _chat_media(req: ChatCompletionRequest) -> list[tuple[str, str]]:
+    """(path, type) of every content part of the messages."""
+    return [(f"messages[{i}].content[{k}]", part.type) for i, m in enumerate(req.messages)
+            if isinstance(m.content, list) for k, part in enumerate(m.content)]
 
 
 def _finish_reason(out: RequestOutput, called: bool = False) -> str:
@@ -249,44 +95,6 @@ def _finish_reason(out: RequestOutput, called: bool = False) -> str:
         return out.finish_reason
     # "abort" only reaches a client that is still connected when the engine gave up on it.
     raise errors.server_error(f"generation ended with finish reason {out.finish_reason!r}")
-
-
-def _chat_prompt(engine: "AsyncEngine", messages: list[dict[str, Any]],
-                 template_kwargs: dict[str, Any] | None = None, tools: ToolPlan | None = None) -> tuple[list[int], str]:
-    """Token ids and text of `messages` (template dicts) through the model's chat template;
-    `template_kwargs` are extra template variables (enable_thinking, reasoning_effort, ...), `tools`
-    how the request's tools reach the prompt. The text tells whether the template opened a
-    reasoning section for the output."""
-    kwargs = dict(template_kwargs or {})
-    if tools is not None:
-        messages = tools.messages(messages)
-        kwargs["tools"] = tools.template_tools()
-    try:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
-        # The template rejects the conversation (roles out of order, no template, ...): the
-        # client can fix that, so 400 rather than 500.
-        raise APIError(400, f"The messages could not be formatted with the model's chat template: {exc}",
-                       param="messages") from None
-    return engine.tokenizer.encode(text), text  # the template already carries the special tokens
-
-
-def _tool_plan(engine: "AsyncEngine", definitions: list[dict[str, Any]] | None, choice: str | None,
-               parser: str) -> ToolPlan | None:
-    try:
-        return plan_tools(engine.tokenizer, definitions, choice, parser)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="tool_choice") from None
-
-
-def _grammar(engine: "AsyncEngine", spec: GrammarSpec | None, param: str) -> GrammarSpec | None:
-    """Check a request's grammar before anything is queued: a schema the library refuses is a 400."""
-    if spec is not None:
-        try:
-            validate_grammar(engine.tokenizer, spec)
-        except GrammarError as exc:
-            raise APIError(400, f"The {param} cannot be enforced: {exc}", param=param) from None
-    return spec
 
 
 def _output_grammar(req: ChatCompletionRequest) -> tuple[GrammarSpec | None, str]:
@@ -308,19 +116,7 @@ def _output_grammar(req: ChatCompletionRequest) -> tuple[GrammarSpec | None, str
     return (GrammarSpec("json_schema", schema) if schema is not None else None), "response_format"
 
 
-def _admit(engine: "AsyncEngine", jobs: list[Job], max_waiting: int | None, status: int = 429) -> None:
-    """Backpressure: refuse at once, with Retry-After, a request whose engine requests would push
-    the wait queue past `max_waiting`, instead of queueing without bound (every SDK retries 429 and
-    529 after Retry-After, so a burst is spread out rather than piled up). `status` is 429 for the
-    OpenAI routes and 529 (Anthropic's overloaded_error) for the Anthropic ones."""
-    if max_waiting is None:
-        return
-    would_wait = getattr(engine, "would_wait", None)
-    if would_wait is not None and would_wait(len(jobs)) > max_waiting:
-        raise errors.overloaded(max_waiting, status)
-
-
-def _completion_prompts(engine: "AsyncEngine", req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+async def _completion_prompts(engine: "AsyncEngine", req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
     """Token ids and text of each prompt (the text is what `echo` sends back)."""
     ids, texts = [], []
     prompts = req.prompts()
@@ -329,7 +125,7 @@ def _completion_prompts(engine: "AsyncEngine", req: CompletionRequest) -> tuple[
                        param="prompt")
     for prompt in prompts:
         if isinstance(prompt, str):
-            ids.append(engine.tokenizer.encode(prompt, add_special_tokens=True))
+            ids.append(await encode_text(engine, prompt, "prompt"))
             texts.append(prompt)
         else:  # token ids: refused here if outside the vocabulary, before `echo` would decode them
             try:
@@ -339,24 +135,6 @@ def _completion_prompts(engine: "AsyncEngine", req: CompletionRequest) -> tuple[
             ids.append(list(prompt))
             texts.append(engine.tokenizer.decode(list(prompt)) if req.echo else "")
     return ids, texts
-
-
-async def _first_output(request: Request, gen: Generation, prompt_param: str) -> tuple[int, RequestOutput] | None:
-    """Wait for the first output before committing to a 200 stream, so that a prompt that is too
-    long or a bad sampling value still gets a proper 4xx instead of an error event. None: the
-    client left meanwhile."""
-    try:
-        return await unless_disconnected(request, gen.next())
-    except ClientDisconnected:
-        gen.close()
-        log.info("client disconnected before the first token, aborted")
-        return None
-    except Exception as exc:
-        gen.close()
-        raise errors.from_generation(exc, prompt_param) from None
-    except BaseException:  # cancelled: the request is over either way
-        gen.close()
-        raise
 
 
 def _usage(gen: Generation) -> Usage:
@@ -370,15 +148,17 @@ def _usage(gen: Generation) -> Usage:
 def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: list[str],
                api_key: str | None = None, default_temperature: float = 0.0,
                reasoning_parser: str | None = None, max_waiting: int | None = None,
-               tool_call_parser: str = "auto", request_timeout: float | None = None) -> FastAPI:
+               tool_call_parser: str = "auto", request_timeout: float | None = None,
+               max_tokens_policy: MaxTokensPolicy = "error") -> FastAPI:
     """The server app. `load_engine` runs on a background thread at startup; until it returns,
     /ready and the inference routes answer 503.
 
     `reasoning_parser` (a REASONING_PARSERS name; None: off) splits the model's thinking from its
-    answer. `max_waiting` bounds the engine's wait queue (None: unbounded); see `_admit`.
+    answer. `max_waiting` bounds the engine's wait queue (None: unbounded); see `pipeline.admit`.
     `tool_call_parser` names the convention tool calls are read in (tool_parsers.yaml), or "auto"
     to take it from the model's chat template. `request_timeout` (seconds, None: none) aborts a
     generation that runs longer: 408 before the first byte, an error event in a stream after it.
+    `max_tokens_policy` ("error" or "clamp") answers a max_tokens that cannot fit after the prompt.
 
     `default_temperature` applies when a request sets none. It is 0 (greedy) unless the operator
     says otherwise: a bare request gets the model's own best answer, reproducibly, and clients that
@@ -388,7 +168,7 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
     if tool_call_parser != "auto":
         get_parser(tool_call_parser)  # an unknown name fails here, at startup
     settings = ServerSettings(default_temperature, get_style(reasoning_parser), max_waiting, tool_call_parser,
-                              request_timeout)
+                              request_timeout, max_tokens_policy)
     slot = EngineSlot(lambda: app_metrics.attach(load_engine()))
     app_metrics = ServerMetrics(lambda: slot.engine)  # this app's own registry
     started = now()
@@ -428,7 +208,8 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         body, content_type = app_metrics.exposition()
         return Response(body, media_type=content_type)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
+    auth = api_key_check(api_key)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
 
     @v1.get("/models")
     async def list_models() -> ModelList:
@@ -441,17 +222,22 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         model = names.resolve(req.model)
         engine = slot.get()
         cid = new_id("chatcmpl")
+        refuse_media(_chat_media(req), engine.input_modalities, model)
+        check_openai_tools(req.tools, req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice)
+                           else req.tool_choice)
         choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
-        tools = _tool_plan(engine, req.tools, choice, settings.tool_call_parser)
-        prompt, prompt_text = _chat_prompt(engine, [m.to_template() for m in req.messages], req.template_kwargs(), tools)
+        tools = tool_plan(engine, req.tools, choice, settings.tool_call_parser)
+        prompt, prompt_text = await chat_prompt(engine, [m.to_template() for m in req.messages], req.template_kwargs(),
+                                                tools)
         reasoning = RequestReasoning.for_prompt(settings.style, prompt_text)
         grammar, grammar_param = (tools.grammar(engine.tokenizer), "tool_choice") if tools and tools.forced else _output_grammar(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        gen = settings.generation(engine, _jobs(engine, req, req.requested_max_tokens(), [prompt], cid,
-                                                settings.default_temperature,
-                                                grammar=_grammar(engine, grammar, grammar_param), logprobs=logprobs))
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        gen = settings.generation(engine, make_jobs(engine, settings, req, req.requested_max_tokens(), [prompt], cid,
+                                                    max_param, grammar=check_grammar(engine, grammar, grammar_param),
+                                                    logprobs=logprobs))
         if req.stream:
-            first = await _first_output(request, gen, "messages")
+            first = await first_output(request, gen, "messages")
             if first is None:
                 return Response(status_code=499)
             return EventStream(_chat_events(engine, gen, first, cid, model, req.include_usage, reasoning, tools), gen.close)
@@ -473,15 +259,15 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         model = names.resolve(req.model)
         engine = slot.get()
         cid = new_id("cmpl")
-        prompt_ids, prompt_texts = _completion_prompts(engine, req)
+        prompt_ids, prompt_texts = await _completion_prompts(engine, req)
         # echo + logprobs scores the prompt too (perplexity): each prompt token given those before it
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-        gen = settings.generation(engine, _jobs(engine, req, req.requested_max_tokens(), prompt_ids, cid,
-                                                settings.default_temperature, logprobs=req.logprobs,
-                                                prompt_logprobs=prompt_logprobs))
+        gen = settings.generation(engine, make_jobs(engine, settings, req, req.requested_max_tokens(), prompt_ids, cid,
+                                                    prompt_param="prompt", logprobs=req.logprobs,
+                                                    prompt_logprobs=prompt_logprobs))
         echo = {job.index: prompt_texts[job.prompt_index] for job in gen.jobs} if req.echo else {}
         if req.stream:
-            first = await _first_output(request, gen, "prompt")
+            first = await first_output(request, gen, "prompt")
             if first is None:
                 return Response(status_code=499)
             return EventStream(_completion_events(engine, gen, first, cid, model, req.include_usage, echo,
@@ -502,14 +288,8 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         return JSONResponse(Completion(id=cid, model=model, choices=choices, usage=_usage(gen)).model_dump())
 
     app.include_router(v1)
-    # Imported here: the Anthropic routes build on this module's helpers.
-    from .anthropic import anthropic_router
-
-    app.include_router(anthropic_router(slot, names, _auth_dependency(api_key), settings))
-    from .anthropic import MessagesRequest
-    from .responses import ResponsesRequest, responses_router
-
-    app.include_router(responses_router(slot, names, _auth_dependency(api_key), settings))
+    app.include_router(anthropic_router(slot, names, auth, settings))
+    app.include_router(responses_router(slot, names, auth, settings))
     _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
                            "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": MessagesRequest,
                            "/v1/responses": ResponsesRequest})

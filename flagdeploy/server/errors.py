@@ -8,7 +8,6 @@ the raw body. So client mistakes are always 4xx (never FastAPI's 422) and the bo
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Iterable
 
@@ -16,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flagdeploy.errors import PromptTooLongError
 
@@ -97,6 +97,15 @@ def overloaded(max_waiting: int, status: int = 429) -> APIError:
                     headers={"Retry-After": "1"})
 
 
+def max_tokens_too_large(max_model_len: int, prompt_tokens: int, requested: int, param: str) -> APIError:
+    """`max_tokens` cannot fit after the prompt (with --max-tokens-policy error, the default): the
+    numbers, in the words OpenAI and vLLM use, so that a client can size its next request."""
+    return APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                         f"{prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, {requested} in the "
+                         f"completion: `{param}`). Please reduce the length of the prompt or `{param}` (at most "
+                         f"{max_model_len - prompt_tokens} here).", param=param, code="context_length_exceeded")
+
+
 def request_timeout(seconds: float) -> APIError:
     """The request ran past --request-timeout; its engine requests are aborted."""
     return APIError(408, f"The request took longer than the server's limit of {seconds:g} s (--request-timeout) and "
@@ -161,22 +170,16 @@ def _mask(key: str) -> str:
     return key[:3] + "*" * 4 + key[-4:] if len(key) > 8 else "*" * len(key)
 
 
-def parse_json_body(raw: bytes) -> Any:
-    """Decode a request body ourselves (whatever its Content-Type, as `curl -d` sends form type)."""
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise bad_json() from None
-
-
 # ---- handlers ------------------------------------------------------------------------------------
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Client errors through FastAPI's handlers; anything else through `UnexpectedErrors`, added last
+    so that it wraps the app's other middleware (whose request counters then see the 500)."""
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
-    app.add_exception_handler(Exception, _on_unexpected)
+    app.add_middleware(UnexpectedErrors)
 
 
 async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -199,6 +202,30 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
     return JSONResponse(error_body(message, type_), status_code=exc.status_code, headers=exc.headers)
 
 
-async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return server_error().response()
+class UnexpectedErrors:
+    """A bug becomes one 500 in the envelope and one log line. (A handler for `Exception` would answer
+    too, but Starlette re-raises after it, and uvicorn logs the same traceback a second time.) Once a
+    response has started nothing can be answered any more; the error is left to the server then."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:
+            if started:
+                raise
+            log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            await server_error().response()(scope, receive, send)

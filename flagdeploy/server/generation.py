@@ -60,14 +60,22 @@ class Generation:
         self._closed = False
 
     def start(self) -> "Generation":
+        """Submit every engine request now, on the caller's turn of the event loop (the admission
+        check just before counted on exactly that), and pump their outputs in tasks."""
         if self.timeout is not None:
             self._deadline = time.monotonic() + self.timeout
-        self._tasks = [asyncio.create_task(self._pump(job), name=job.request_id) for job in self.jobs]
+        for job in self.jobs:
+            try:
+                stream = self.engine.generate(job.prompt_ids, job.params, job.request_id)
+            except Exception as exc:  # a bad prompt: handed to the consumer like any failure
+                self._queue.put_nowait((job.index, exc))
+                continue
+            self._tasks.append(asyncio.create_task(self._pump(job, stream), name=job.request_id))
         return self
 
-    async def _pump(self, job: Job) -> None:
+    async def _pump(self, job: Job, stream: AsyncIterator[RequestOutput]) -> None:
         try:
-            async for out in self.engine.generate(job.prompt_ids, job.params, job.request_id):
+            async for out in stream:
                 self._queue.put_nowait((job.index, out))
                 if out.finished:
                     return

@@ -28,21 +28,15 @@ from flagdeploy.engine.sampling import RequestOutput
 
 from . import errors
 from .answer import AnswerDelta, AnswerParser, parse_answer
-from .app import (
-    EngineSlot,
-    ModelNames,
-    ServerSettings,
-    _chat_prompt,
-    _first_output,
-    _grammar,
-    _jobs,
-    _tool_plan,
-)
+from .engine_slot import EngineSlot
 from .errors import APIError
 from .generation import EventStream, Generation, collect
+from .names import ModelNames
+from .pipeline import ServerSettings, chat_prompt, check_grammar, first_output, make_jobs, tool_plan
 from .protocol import SamplingFields, now
 from .reasoning import RequestReasoning
 from .tools import ToolPlan
+from .validate import OPENAI, check_responses_tools, content_parts, parse_body, refuse_media
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
@@ -101,6 +95,13 @@ class ResponsesRequest(_Lenient):
             return None
         return GrammarSpec("json_schema", fmt.schema_ if fmt.type == "json_schema" and fmt.schema_ else {"type": "object"})
 
+    def media_parts(self) -> list[tuple[str, str]]:
+        """(path, type) of every content part of the input items."""
+        if isinstance(self.input, str):
+            return []
+        return [part for i, item in enumerate(self.input)
+                for part in content_parts(item.get("content"), f"input[{i}].content", OPENAI)]
+
     def template_kwargs(self) -> dict[str, Any]:
         effort = (self.reasoning or {}).get("effort")
         return {"reasoning_effort": effort} if isinstance(effort, str) else {}
@@ -145,7 +146,7 @@ def _item_text(content: Any) -> str:
 
 
 async def _parse(request: Request) -> ResponsesRequest:
-    body = errors.parse_json_body(await request.body())
+    body = parse_body(await request.body())
     try:
         return ResponsesRequest.model_validate(body)
     except ValidationError as exc:
@@ -349,15 +350,18 @@ def responses_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
         model = names.resolve(req.model)
         engine: "AsyncEngine" = slot.get()
         rid = _id("resp")
-        tools = _tool_plan(engine, req.function_tools(), req.choice(), settings.tool_call_parser)
-        prompt, prompt_text = _chat_prompt(engine, req.messages(), req.template_kwargs(), tools)
+        refuse_media(req.media_parts(), engine.input_modalities, model)
+        check_responses_tools(req.tools, req.tool_choice)
+        tools = tool_plan(engine, req.function_tools(), req.choice(), settings.tool_call_parser)
+        prompt, prompt_text = await chat_prompt(engine, req.messages(), req.template_kwargs(), tools, "input")
         reasoning = RequestReasoning.for_prompt(settings.style, prompt_text)
         grammar, param = (tools.grammar(engine.tokenizer), "tool_choice") if tools and tools.forced else (req.grammar(), "text.format")
         sampling = SamplingFields(temperature=req.temperature, top_p=req.top_p)
-        gen = settings.generation(engine, _jobs(engine, sampling, req.max_output_tokens, [prompt], rid,
-                                                settings.default_temperature, grammar=_grammar(engine, grammar, param)))
+        gen = settings.generation(engine, make_jobs(engine, settings, sampling, req.max_output_tokens, [prompt], rid,
+                                                    "max_output_tokens", "input",
+                                                    grammar=check_grammar(engine, grammar, param)))
         if req.stream:
-            first = await _first_output(request, gen, "input")
+            first = await first_output(request, gen, "input")
             if first is None:
                 return Response(status_code=499)
             return EventStream(_stream(gen, first, rid, model, req, reasoning, tools), gen.close)
