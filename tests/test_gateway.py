@@ -327,15 +327,16 @@ def llama_servers(llama_cpp_available, default_model):
             proc.wait()
 
 
-def _attached(urls: list[str], names: list[str], slack: int = 2) -> Gateway:
-    pool = ModelPool(names, [AttachedUpstream(u, interval=0.5) for u in urls], slack=slack)
+def _attached(urls: list[str], names: list[str], slack: int = 2, model: str | None = None) -> Gateway:
+    pool = ModelPool(names, [AttachedUpstream(u, interval=0.5) for u in urls], slack=slack, model=model)
     return Gateway([pool], api_key=API_KEY, timeouts=Timeouts(connect=2.0, read=60.0))
 
 
 @pytest.fixture(scope="module")
-def attached(llama_servers):
-    """Gateway -> one attached llama.cpp server, served as `tiny-llama`."""
-    live = _serve(_attached(llama_servers[:1], ["tiny-llama", "TinyAlias"]))
+def attached(llama_servers, default_model):
+    """Gateway -> one attached llama.cpp server, served as `tiny-llama`, its GGUF known (serve.yaml's
+    `model:`) so that its chat template is read for counting prompt tokens."""
+    live = _serve(_attached(llama_servers[:1], ["tiny-llama", "TinyAlias"], model=str(default_model.path)))
     assert _wait_ready(live.url).status_code == 200
     yield live
     live.stop()
@@ -395,9 +396,8 @@ def test_upstream_errors_reach_the_client_in_our_shape(attached):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "context_length_exceeded"
     r = httpx.post(f"{attached.url}/v1/messages/count_tokens", headers=auth,
-                   json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 400 and r.json()["type"] == "error"
-    assert "builtin models only" in r.json()["error"]["message"]
+                   json={"model": "tiny-llama", "messages": []})
+    assert r.status_code == 400 and r.json()["type"] == "error"  # checked as /v1/messages would be
     r = httpx.post(f"{attached.url}/v1/messages", headers=auth, json={"model": "tiny-llama", "messages": []})
     assert r.status_code == 400 and r.json()["type"] == "error"  # Anthropic's shape on the Anthropic route
     r = httpx.post(f"{attached.url}/v1/responses", headers=auth, json={"model": "tiny-llama", "input": "hi",
@@ -426,6 +426,71 @@ def test_anthropic_and_responses_through_llama_cpp(attached):
     assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
         events[-1].response.output[0].content[0].text
+
+
+ASK = {"system": "Be brief.", "messages": [{"role": "user", "content": "Name three colours."}]}
+TOOLS = [{"name": "get_weather", "description": "The weather in a city.",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+def _claude(live: LiveServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=live.url, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_prompt_tokens_are_the_engines_own_count(attached):
+    """Claude Code's count_tokens, and the input_tokens of a stream's message_start (llama.cpp sends
+    no usage in streams), equal the prompt tokens llama.cpp itself reports for the same request: its
+    chat template over the system prompt, the messages and the tools."""
+    claude = _claude(attached)
+    for extra in ({}, {"tools": TOOLS}):
+        counted = claude.messages.count_tokens(model="tiny-llama", **ASK, **extra).input_tokens
+        made = claude.messages.create(model="tiny-llama", max_tokens=1, **ASK, **extra)
+        assert counted == made.usage.input_tokens > 10  # the engine's usage.prompt_tokens
+        with claude.messages.stream(model="tiny-llama", max_tokens=4, **ASK, **extra) as stream:
+            start = next(iter(stream))
+            final = stream.get_final_message()
+        assert start.type == "message_start" and start.message.usage.input_tokens == counted
+        assert final.usage.input_tokens == counted and final.usage.output_tokens > 0
+
+
+def test_prompt_tokens_approximated_without_model_files(llama_servers):
+    """An attached engine whose files the gateway does not know, and which cannot render its own
+    template (llama-cpp-python): ChatML stands in for the template, counted by the engine."""
+    live = _serve(_attached(llama_servers[:1], ["tiny-bare"]))
+    try:
+        assert _wait_ready(live.url).status_code == 200
+        claude = _claude(live)
+        counted = claude.messages.count_tokens(model="tiny-bare", **ASK).input_tokens
+        exact = claude.messages.create(model="tiny-bare", max_tokens=1, **ASK).usage.input_tokens
+        assert abs(counted - exact) <= 2 + exact // 10, (counted, exact)
+    finally:
+        live.stop()
+
+
+def test_stop_sequences_through_llama_cpp(attached):
+    """A stop sequence the model reaches ends the answer with stop_reason "stop_sequence" and the
+    sequence, streamed and not (llama.cpp does not say which stop hit: the gateway matches), with
+    the text before it, as the same greedy answer without stops shows."""
+    claude = _claude(attached)
+    ask = {"model": "tiny-llama", "max_tokens": 24, "extra_body": {"temperature": 0},  # the SDK has no argument
+           "messages": [{"role": "user", "content": "Count from one to ten in words."}]}
+    free = claude.messages.create(**ask)
+    text = free.content[0].text
+    stop = text.split()[len(text.split()) // 2]  # a word from the middle of what it says unprompted
+    before = text[:text.index(stop)]
+
+    made = claude.messages.create(**ask, stop_sequences=["never said", stop])
+    assert (made.stop_reason, made.stop_sequence) == ("stop_sequence", stop)
+    assert made.content[0].text == before and made.usage.input_tokens == free.usage.input_tokens
+    with claude.messages.stream(**ask, stop_sequences=[stop]) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == before and (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    assert final.usage.input_tokens == free.usage.input_tokens
+
+    unmatched = claude.messages.create(**ask, stop_sequences=["never said"])
+    assert unmatched.content[0].text == text and unmatched.stop_sequence is None
+    assert unmatched.stop_reason == free.stop_reason
 
 
 def test_client_disconnect_closes_the_upstream_stream(attached):
@@ -484,6 +549,9 @@ def test_unreachable_upstream_is_a_quick_503():
                        json={"model": "ghost", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
         assert r.status_code == 503 and r.headers["retry-after"] and time.monotonic() - started < 2
         assert r.json()["error"]["code"] == "upstream_unavailable"
+        r = httpx.post(f"{live.url}/v1/messages/count_tokens", headers={"x-api-key": API_KEY}, timeout=10,
+                       json={"model": "ghost", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
         assert httpx.get(f"{live.url}/health").status_code == 200
     finally:
         live.stop()
@@ -549,6 +617,21 @@ def test_builtin_and_upstream_on_one_port(llama_servers):
         assert r.status_code == 200 and r.json()["type"] == "message"  # replayed to the builtin app
         r = httpx.post(f"{live.url}/v1/messages", json={"model": "smollm2", "max_tokens": 4, "messages": []})
         assert r.status_code == 401 and r.json()["type"] == "error"
+
+        # This server as a replica of the builtin engine (what --dp launches): a translated stream's
+        # message_start is counted by the replica's own engine, as its count_tokens is.
+        pool = ModelPool(["smollm2"], [AttachedUpstream(live.url, API_KEY, interval=0.5)], engine="builtin")
+        front = _serve(Gateway([pool], api_key=API_KEY, timeouts=Timeouts(connect=2.0, read=60.0)))
+        try:
+            assert _wait_ready(front.url).status_code == 200
+            claude = _claude(front)
+            counted = claude.messages.count_tokens(model="smollm2", **ASK).input_tokens
+            with claude.messages.stream(model="smollm2", max_tokens=4, **ASK) as stream:
+                start = next(iter(stream))
+                final = stream.get_final_message()
+            assert start.message.usage.input_tokens == counted == final.usage.input_tokens > 0
+        finally:
+            front.stop()
     finally:
         live.stop()
 
@@ -610,3 +693,213 @@ def test_responses_translation_of_a_tool_stream():
     items = final["response"]["output"]
     assert [i["type"] for i in items] == ["reasoning", "function_call"]
     assert items[1]["call_id"] == "call_1" and json.loads(items[1]["arguments"]) == {"city": "Paris"}
+
+
+# ---- Claude Code on an external engine: stop sequences and prompt tokens, on recorded shapes ---------
+
+def _stream(*deltas: dict, finish: dict | None = None) -> list[dict]:
+    """Chat chunks carrying `deltas`, the last one finished with `finish` (finish_reason and the
+    engine's stop key, as each engine sends them)."""
+    chunks = [{"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+               "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    if finish is not None:
+        chunks.append({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                       "choices": [{"index": 0, "delta": {}} | finish]})
+    return chunks
+
+
+def _frames(dialect, chunks: list[dict]) -> list[dict]:
+    import asyncio
+
+    async def payloads():
+        for chunk in chunks:
+            yield json.dumps(chunk)
+        yield "[DONE]"
+
+    async def run():
+        return [frame async for frame in dialect.frames(payloads())]
+
+    return [json.loads(frame.decode().split("data: ", 1)[1]) for frame in asyncio.run(run())]
+
+
+@pytest.mark.parametrize("finish, want", [
+    ({"finish_reason": "stop", "stop_reason": "###"}, ("stop_sequence", "###")),  # vLLM: the stop string
+    ({"finish_reason": "stop", "stop_reason": 128009}, ("end_turn", None)),        # vLLM: a stop token id
+    ({"finish_reason": "stop", "matched_stop": "###"}, ("stop_sequence", "###")),  # SGLang
+    ({"finish_reason": "stop", "stop_reason": None}, ("end_turn", None)),          # EOS
+    ({"finish_reason": "length", "stop_reason": None}, ("max_tokens", None)),
+])
+def test_engine_stop_signal_becomes_stop_sequence(finish, want):
+    """An engine that says which stop sequence ended the answer is sent them, and its word is mapped,
+    streamed (message_delta) and not."""
+    from flagdeploy.gateway.translate import AnthropicDialect
+
+    request = {"model": "glm", "max_tokens": 50, "stop_sequences": ["###", "END"], "stream": True,
+               "messages": [{"role": "user", "content": "hi"}]}
+    dialect = AnthropicDialect("glm", engine_says_stop=True)
+    chat = dialect.chat_request(request)
+    assert chat["stop"] == ["###", "END"] and chat["stream"] and dialect.client_stream
+    delta = [e for e in _frames(dialect, _stream({"content": "Answer: 42"}, finish=finish))
+             if e["type"] == "message_delta"][0]
+    assert (delta["delta"]["stop_reason"], delta["delta"]["stop_sequence"]) == want
+
+    dialect.chat_request(request | {"stream": False})
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Answer: 42"}} | finish],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 4}}
+    message = dialect.answer(body)
+    assert (message["stop_reason"], message["stop_sequence"]) == want and message["usage"]["input_tokens"] == 9
+
+
+def test_stop_sequences_matched_here_for_an_engine_that_does_not_say():
+    """llama-cpp-python and llama.cpp's OpenAI routes end a stop sequence with a bare "stop": the
+    gateway keeps the sequences, streams from the engine, holds back text that could grow into one,
+    cuts at the match and reports it; a held-back prefix that does not grow is sent on."""
+    from flagdeploy.gateway.translate import AnthropicDialect
+
+    def dialect():
+        made = AnthropicDialect("tiny")
+        chat = made.chat_request({"model": "tiny", "max_tokens": 50, "stop_sequences": ["Paris."], "stream": False,
+                                  "messages": [{"role": "user", "content": "Capital of France?"}]})
+        assert "stop" not in chat and chat["stream"] and made.client_stream is False and made.wants_prompt_count
+        made.input_tokens = 21  # counted before sending (the engine sends no usage in a stream)
+        return made
+
+    chunks = _stream({"role": "assistant", "content": "It is P"}, {"content": "ar"}, {"content": "t of "},
+                     {"content": "Paris"}, {"content": ". More"}, {"content": " text"},
+                     finish={"finish_reason": "length"})
+    events = _frames(dialect(), chunks)
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    delta = [e for e in events if e["type"] == "message_delta"][0]
+    assert text == "It is Part of "  # "P", "Par" held back, then sent on; cut before "Paris."
+    assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "Paris."}
+    assert delta["usage"] == {"input_tokens": 21, "output_tokens": 5}  # chunks counted: the engine's usage never came
+    assert events[0]["message"]["usage"]["input_tokens"] == 21
+
+    import asyncio
+
+    async def payloads():
+        for chunk in chunks:
+            yield json.dumps(chunk)
+        yield "[DONE]"
+
+    message = asyncio.run(dialect().collected(payloads()))  # the non-streamed answer, from the engine's stream
+    assert message["content"] == [{"type": "text", "text": "It is Part of "}]
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "Paris.")
+    assert message["usage"]["input_tokens"] == 21
+
+
+def test_stop_matcher_flushes_held_text_at_the_end():
+    from flagdeploy.gateway.normalize import StopMatcher
+
+    matcher = StopMatcher(["</done>"])
+    out = matcher.chunk(_stream({"content": "all </do"})[0])
+    assert out[0]["choices"][0]["delta"]["content"] == "all " and not matcher.done
+    assert matcher.end()[0]["choices"][0]["delta"]["content"] == "</do"  # the stream ended: not a stop after all
+
+
+class _Engine:
+    """The token-counting routes of an engine, in the shapes each one documents and answers (vLLM
+    and SGLang: protocol.py's TokenizeRequest/Response; llama.cpp: tools/server; llama-cpp-python:
+    llama_cpp/server/app.py), as an httpx transport. Text is "tokenized" by words."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.seen: list[tuple[str, dict]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path, body = request.url.path, json.loads(request.content)
+        self.seen.append((path, body))
+        answer = getattr(self, f"_{self.kind}")(path, body)
+        return answer if isinstance(answer, httpx.Response) else httpx.Response(200, json=answer)
+
+    @staticmethod
+    def _words(text: str) -> list[int]:
+        return [1] * len(text.split())
+
+    def _vllm(self, path, body):
+        if path != "/tokenize":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        tokens = self._words(json.dumps(body["messages"])) if "messages" in body else self._words(body["prompt"])
+        return {"count": len(tokens), "max_model_len": 4096, "tokens": tokens}
+
+    def _sglang(self, path, body):
+        if path != "/tokenize":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if "prompt" not in body:
+            return httpx.Response(400, json={"object": "error", "message": "prompt: Field required", "code": 400})
+        tokens = self._words(body["prompt"])
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": 4096}
+
+    def _llama_server(self, path, body):
+        if path == "/v1/chat/completions/input_tokens":
+            return {"input_tokens": 17, "object": "response.input_tokens"}
+        if path == "/tokenize":  # without `content` it answers no tokens
+            return {"tokens": self._words(body.get("content", ""))}
+        return httpx.Response(404, text="File Not Found")
+
+    def _old_llama_server(self, path, body):
+        if path == "/apply-template":
+            return {"prompt": "<|user|> " + " ".join(m["content"] for m in body["messages"]) + " <|assistant|>"}
+        return self._llama_server(path, body) if path == "/tokenize" else httpx.Response(404, text="File Not Found")
+
+    def _llama_cpp_python(self, path, body):
+        if path == "/extras/tokenize/count":
+            return {"count": 1 + len(self._words(body["input"]))}  # it always adds BOS
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    def _mindie(self, path, body):
+        return httpx.Response(404, text="Not Found")
+
+
+CHAT = {"model": "m", "stream": True,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]}
+
+
+@pytest.mark.parametrize("kind, found_by, then", [
+    ("vllm", ["/tokenize"], ["/tokenize"]),
+    ("llama_server", ["/tokenize", "/v1/chat/completions/input_tokens"], ["/v1/chat/completions/input_tokens"]),
+    ("old_llama_server", ["/tokenize", "/v1/chat/completions/input_tokens", "/apply-template", "/tokenize"],
+     ["/v1/chat/completions/input_tokens", "/apply-template", "/tokenize"]),
+    ("sglang", ["/tokenize", "/v1/chat/completions/input_tokens", "/apply-template", "/tokenize", "/tokenize"],
+     ["/tokenize"]),
+    ("llama_cpp_python", ["/tokenize", "/v1/chat/completions/input_tokens", "/apply-template", "/tokenize",
+                          "/extras/tokenize/count", "/extras/tokenize/count"], ["/extras/tokenize/count"]),
+])
+def test_prompt_counted_by_each_engines_own_route(kind, found_by, then):
+    """The first route an engine answers in its shape is found once, then used alone. Engines that
+    render the chat count it themselves; for the others the template is rendered here (ChatML
+    without model files) and what the route adds to any text (llama-cpp-python's BOS) taken off."""
+    import asyncio
+
+    from flagdeploy.gateway.tokens import CHATML, TokenCounter
+
+    engine = _Engine(kind)
+    counter = TokenCounter(None)
+    want = {"vllm": len(json.dumps(CHAT["messages"]).split()), "llama_server": 17,
+            "old_llama_server": len("<|user|> Be brief. Say hello. <|assistant|>".split())
+            }.get(kind, len(CHATML.render(CHAT).split()))
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+            return [await counter.count(client, AttachedUpstream("http://engine"), CHAT) for _ in range(2)]
+
+    assert asyncio.run(run()) == [want, want]
+    assert [path for path, _ in engine.seen] == found_by + then
+    if kind == "vllm":
+        assert engine.seen[0][1] == {"model": "m", "messages": CHAT["messages"], "add_generation_prompt": True,
+                                     "add_special_tokens": False}
+
+
+def test_an_engine_without_a_counting_route_is_a_clear_400():
+    import asyncio
+
+    from flagdeploy.gateway.tokens import TokenCounter
+    from flagdeploy.server.errors import APIError
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(_Engine("mindie"))) as client:
+            return await TokenCounter(None).count(client, AttachedUpstream("http://engine"), CHAT)
+
+    with pytest.raises(APIError) as exc:
+        asyncio.run(run())
+    assert exc.value.status == 400 and "no route that counts tokens" in exc.value.message

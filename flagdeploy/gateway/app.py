@@ -7,7 +7,8 @@ model's upstream pool or replays it, byte for byte, to the builtin app made by
 builtin model configured, the wrapper runs alone.
 
 /health is the process (always 200); /ready is every model (503 with Retry-After while any engine is
-not ready, each model's state in the body); /v1/models lists builtin and upstream models together.
+not ready, each model's state in the body); /v1/models lists builtin and upstream models together;
+/v1/messages/count_tokens of an upstream model is counted by its engine (gateway/tokens.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import httpx
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -32,16 +34,17 @@ from flagdeploy.units import parse_bytes
 
 from .balancer import Balancer, Replica
 from .config import ConfigError, ModelConfig, ServeConfig, launch_plan
-from .normalize import RETRY_AFTER_S, upstream_unavailable
+from .normalize import RETRY_AFTER_S, prepare_request, upstream_unavailable
 from .proxy import Proxy, Timeouts, _send_error, _send_json
 from .supervisor import AttachedUpstream, State, Supervisor, Upstream
-from .translate import dialect_for
+from .tokens import TokenCounter, count_on_builtin
+from .translate import AnthropicDialect, dialect_for
 
 log = logging.getLogger(__name__)
 
 PROXIED = ("/v1/chat/completions", "/v1/completions")
 TRANSLATED = ("/v1/responses", "/v1/messages")  # served through the upstream's chat completions
-BUILTIN_ONLY = ("/v1/messages/count_tokens",)
+COUNT_TOKENS = "/v1/messages/count_tokens"
 _SEVERITY = [State.FAILED, State.DOWN, State.RESTARTING, State.STARTING, State.STOPPED]
 
 
@@ -49,15 +52,18 @@ _SEVERITY = [State.FAILED, State.DOWN, State.RESTARTING, State.STARTING, State.S
 
 
 class ModelPool:
-    """The replicas of one upstream model, the names it answers to, and its state."""
+    """The replicas of one upstream model, the names it answers to, and its state. `model`: the
+    model's files (GGUF or directory), read for its chat template when its engine cannot count
+    prompt tokens by itself."""
 
     def __init__(self, names: list[str], upstreams: list[Upstream], engine: str = "upstream",
-                 max_model_len: int | None = None, slack: int = 2):
+                 max_model_len: int | None = None, slack: int = 2, model: str | None = None):
         self.configured_names = list(names)
         self.upstreams = upstreams
         self.engine = engine
         self._max_model_len = max_model_len
         self.balancer = Balancer([u.url for u in upstreams], slack=slack)
+        self.counter = TokenCounter(model)
         self._by_url = {u.url: u for u in upstreams}
 
     @property
@@ -81,6 +87,19 @@ class ModelPool:
     @property
     def ready(self) -> bool:
         return all(u.ready for u in self.upstreams)
+
+    async def count_tokens(self, client: httpx.AsyncClient, upstream: Upstream, chat: dict[str, Any],
+                           request: dict[str, Any] | None = None) -> int:
+        """The prompt tokens of a request on `upstream`: flagdeploy's own replicas count the client's
+        Anthropic `request` themselves; other engines count the translated `chat` (gateway/tokens.py)."""
+        if self.engine == "builtin" and request is not None:
+            return await count_on_builtin(client, upstream, request)
+        return await self.counter.count(client, upstream, chat)
+
+    @property
+    def says_which_stop(self) -> bool:
+        """Its engine reports which stop sequence ended an answer (learned from its answers)."""
+        return any(u.says_which_stop for u in self.upstreams)
 
     @property
     def max_model_len(self) -> int | None:
@@ -194,7 +213,7 @@ class Gateway:
         elif path == "/v1/models" and method == "GET":
             if await self._authorized(scope, send, path):
                 await _send_json(send, 200, self._models().model_dump())
-        elif method == "POST" and path in PROXIED + TRANSLATED + BUILTIN_ONLY:
+        elif method == "POST" and path in PROXIED + TRANSLATED + (COUNT_TOKENS,):
             await self._model_route(scope, receive, send, path)
         elif path == "/metrics":
             await self._metrics(scope, receive, send)
@@ -226,15 +245,14 @@ class Gateway:
             return
         if not await self._authorized(scope, send, path):
             return
-        if path in BUILTIN_ONLY and pool.engine == "builtin" and isinstance(body, dict):
+        if path == COUNT_TOKENS and pool.engine == "builtin" and isinstance(body, dict):
             await self._to_builtin_replica(pool, path, body, send)  # our engine counts tokens
             return
-        if path in BUILTIN_ONLY:
-            await self._error(send, path, APIError(
-                400, f"{path} is served for builtin models only: `{pool.name}` runs on an external engine "
-                     f"({pool.engine}), which cannot count tokens for us.", param="model"))
+        if path == COUNT_TOKENS:
+            await self._count_tokens(pool, body, send)
             return
-        dialect = dialect_for(path, strip_context_suffix(name) if isinstance(name, str) and name.strip() else pool.name)
+        shown = strip_context_suffix(name) if isinstance(name, str) and name.strip() else pool.name
+        dialect = dialect_for(path, shown, pool.says_which_stop)
         try:
             body = dialect.chat_request(body) if isinstance(body, dict) else body
         except APIError as exc:
@@ -246,6 +264,24 @@ class Gateway:
         assert self.proxy is not None, "the gateway was not started (its ASGI lifespan did not run)"
         await self.proxy.handle(pool, path, body, receive, send, dialect)
 
+    async def _count_tokens(self, pool: ModelPool, body: Any, send: Send) -> None:
+        """count_tokens of an upstream model: the request translated as /v1/messages would be, and
+        its prompt counted by a ready replica's engine (gateway/tokens.py)."""
+        assert self.proxy is not None, "the gateway was not started (its ASGI lifespan did not run)"
+        try:
+            if not isinstance(body, dict):
+                raise errors.bad_json() if body is None else APIError(400, "The request body must be a JSON object.")
+            chat = AnthropicDialect(pool.name).chat_request(body)
+            picked = pool.pick(None)
+            if picked is None:
+                raise pool.unavailable()
+            upstream = picked[1]
+            counted = await pool.count_tokens(self.proxy.client, upstream, prepare_request(chat, upstream.model_id)[0])
+        except APIError as exc:
+            await self._error(send, COUNT_TOKENS, exc)
+            return
+        await _send_json(send, 200, {"input_tokens": counted})
+
     async def _to_builtin_replica(self, pool: ModelPool, path: str, body: dict[str, Any], send: Send) -> None:
         """A builtin-only route (count_tokens) of a builtin model served by launched replicas (--dp):
         any ready replica answers it, as the in-process builtin app would."""
@@ -255,8 +291,10 @@ class Gateway:
             await self._error(send, path, pool.unavailable())
             return
         _, upstream = picked
+        headers = {"Authorization": f"Bearer {upstream.api_key}"} if upstream.api_key else {}
         try:
-            r = await self.proxy.client.post(f"{upstream.url}{path}", json=body | {"model": upstream.model_id})
+            r = await self.proxy.client.post(f"{upstream.url}{path}", json=body | {"model": upstream.model_id},
+                                             headers=headers)
         except Exception as exc:  # noqa: BLE001 - the replica is gone or stalled: a 503, as for chat
             upstream.report_failure(str(exc))
             await self._error(send, path, upstream_unavailable(pool.name, f"{type(exc).__name__}: {exc}", RETRY_AFTER_S))
@@ -429,8 +467,18 @@ def build_gateway(config: ServeConfig, inner: ASGIApp | None = None,
         # An attached engine without names answers to the ids it serves (learned from its /v1/models).
         names = entry.names if entry.engine == "upstream" else (entry.names or [_default_name(entry)])
         pools.append(ModelPool(names, _upstreams(entry, config, supervisor_options or {}), engine=entry.engine,
-                               max_model_len=entry.max_model_len))
+                               max_model_len=entry.max_model_len, model=_model_files(entry)))
     return Gateway(pools, inner, config.api_key, Timeouts(config.connect_timeout, config.read_timeout))
+
+
+def _model_files(entry: ModelConfig) -> str | None:
+    """Where the model's own files are (for its chat template): `model`, or the default model that
+    a launched llama.cpp runs without one."""
+    if entry.model or entry.engine != "llama.cpp" or entry.command:
+        return entry.model
+    from flagdeploy.loaders.source import DEFAULT_MODEL
+
+    return DEFAULT_MODEL
 
 
 def _default_name(entry: ModelConfig) -> str:

@@ -58,7 +58,9 @@ class ModelConfig(BaseModel):
     names: list[str] = Field(default_factory=list, description="the first is the id responses show; "
                              "empty: the model's own name (builtin, launched) or the upstream's (upstream)")
     engine: Engine = "builtin"
-    model: str | None = Field(None, description="GGUF file, model directory, hub id or bundled name")
+    model: str | None = Field(None, description="GGUF file, model directory, hub id or bundled name; for engine "
+                              "'upstream', the files of the model it serves (optional: its chat template makes "
+                              "counted prompt tokens exact on engines that cannot count a chat themselves)")
     upstreams: list[str] = Field(default_factory=list, description="base URLs of running engines (engine: upstream)")
     replicas: int = Field(1, ge=1, description="engine processes to launch and balance (launched engines; "
                           "builtin: 1 runs in this process, more are launched as `flagdeploy serve` replicas)")

@@ -17,6 +17,9 @@ chunk shapes without any server:
 - errors: upstream bodies in any of the shapes engines use become our OpenAI envelope; 4xx stay 4xx
   (422 becomes 400: the SDKs never expect 422), 5xx become 503 with Retry-After, because the failure
   is the engine's and a retry (maybe on another replica) can succeed.
+- which stop sequence ended a choice: vLLM says it in `stop_reason`, SGLang in `matched_stop`;
+  llama-cpp-python and llama.cpp's OpenAI routes say only "stop". For those, `StopMatcher` applies
+  the stop sequences here and reports the match the way vLLM does.
 """
 
 from __future__ import annotations
@@ -140,6 +143,91 @@ def _normalize_tool_deltas(calls: _ToolCalls, deltas: list[Any]) -> list[dict[st
     return out
 
 
+# ---- stop sequences ------------------------------------------------------------------------------
+
+STOP_SIGNALS = ("stop_reason", "matched_stop")  # vLLM's, SGLang's: the stop string (or token id) that hit
+
+
+def matched_stop(choice: dict[str, Any]) -> Any:
+    """The engine's own word on what ended a finished choice: the stop string, a stop token id, or
+    None (EOS, the length limit, or an engine that does not say)."""
+    return next((choice[k] for k in STOP_SIGNALS if choice.get(k) is not None), None)
+
+
+def says_which_stop(choice: dict[str, Any]) -> bool:
+    """Whether a finished choice comes from an engine that reports its stop: vLLM and SGLang put
+    the key in every finished choice (null after EOS); the others never do."""
+    return choice.get("finish_reason") is not None and any(k in choice for k in STOP_SIGNALS)
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """(where, which) of the earliest stop sequence in `text`."""
+    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    return min(hits) if hits else None
+
+
+def _partial_stop(text: str, stops: list[str]) -> int:
+    """How many characters at the end of `text` could still grow into a stop sequence."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
+def counted_usage(output_chunks: int) -> dict[str, Any]:
+    """Usage when the upstream sent none: completion tokens are the chunks that carried output
+    (engines stream one token per chunk; a multi-byte character held back makes it a slight
+    undercount); the prompt is not tokenized here, so prompt_tokens is 0. `estimated` marks it."""
+    return {"prompt_tokens": 0, "completion_tokens": output_chunks, "total_tokens": output_chunks, "estimated": True}
+
+
+def _carries_output(delta: dict[str, Any]) -> bool:
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+
+
+class StopMatcher:
+    """Stop sequences applied to a normalised chat stream, for an engine that cannot say which one
+    stopped it (it is then not sent them): the answer's text, minus the end that could still grow
+    into a stop sequence, goes on chunk by chunk; on a match, the text before it goes out in a
+    finishing chunk shaped as vLLM's (finish_reason "stop", stop_reason: the sequence), then a
+    counted usage chunk (the engine's own would come at the end, which is not waited for), and `done`
+    is set: the caller leaves the upstream stream, and closing it aborts the generation.
+    Stop sequences apply to the answer's text, not to reasoning or tool-call arguments."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.done = False
+        self._held = ""
+        self._chunks = 0
+        self._last: dict[str, Any] = {}
+
+    def chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunks one normalised chunk becomes (0 to 2)."""
+        if self.done or not chunk.get("choices"):
+            return [] if self.done else [chunk]
+        self._last = chunk
+        choice = dict(chunk["choices"][0])
+        delta = dict(choice.get("delta") or {})
+        self._chunks += int(_carries_output(delta))
+        text = self._held + (delta.get("content") or "")
+        hit = _first_stop(text, self.stops)
+        if hit is not None:
+            self.done = True
+            choice.update(delta=delta | {"content": text[:hit[0]]}, finish_reason="stop", stop_reason=hit[1])
+            usage = {k: chunk[k] for k in ("id", "object", "created", "model") if k in chunk}
+            return [chunk | {"choices": [choice]}, usage | {"choices": [], "usage": counted_usage(self._chunks)}]
+        keep = 0 if choice.get("finish_reason") else _partial_stop(text, self.stops)
+        self._held = text[len(text) - keep:] if keep else ""
+        if text or "content" in delta:
+            delta["content"] = text[:len(text) - keep]
+        return [chunk | {"choices": [choice | {"delta": delta}]}]
+
+    def end(self) -> list[dict[str, Any]]:
+        """The text still held back when the upstream stream ended without a finishing chunk."""
+        if self.done or not self._held or not self._last:
+            return []
+        held, self._held = self._held, ""
+        return [self._last | {"choices": [{"index": 0, "delta": {"content": held}, "finish_reason": None}]}]
+
+
 # ---- streams -------------------------------------------------------------------------------------
 
 
@@ -159,6 +247,7 @@ class StreamNormalizer:
         self.usage_sent = False
         self.done = False
         self.content_chunks = 0  # chunks that carried generated text: the counted completion tokens
+        self.says_which_stop = False  # a finished choice carried vLLM's / SGLang's stop key
         self._template: dict[str, Any] = {}
         self._tools: dict[int, _ToolCalls] = {}
 
@@ -200,6 +289,7 @@ class StreamNormalizer:
 
     def _choice(self, choice: dict[str, Any]) -> dict[str, Any]:
         choice = dict(choice)
+        self.says_which_stop |= says_which_stop(choice)
         if self.kind == "text":
             if choice.get("text"):
                 self.content_chunks += 1
@@ -232,11 +322,7 @@ class StreamNormalizer:
         return [body]
 
     def counted_usage(self) -> dict[str, Any]:
-        """Usage when the upstream sent none: completion tokens are the chunks that carried text
-        (engines stream one token per chunk; a multi-byte character held back makes it a slight
-        undercount); the prompt was not tokenized here, so prompt_tokens is 0. `estimated` marks it."""
-        n = self.content_chunks
-        return {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n, "estimated": True}
+        return counted_usage(self.content_chunks)
 
     def end(self) -> list[str]:
         """What the stream still owes when the upstream ended (with or without `[DONE]`)."""

@@ -7,6 +7,8 @@ What a client can rely on, whichever engine answers:
 - streams pass through chunk by chunk (no buffering), rewritten by `normalize.StreamNormalizer`.
 - a client that disconnects (mid-stream, or while waiting for a non-streamed answer) closes the
   upstream request at once, so the engine aborts the generation instead of finishing it for nobody.
+- a dialect that shows the prompt's tokens before the engine answers (Anthropic's message_start)
+  has them counted first, on the replica that then serves the request (gateway/tokens.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .normalize import (
     normalize_response,
     parse_body,
     prepare_request,
+    says_which_stop,
     upstream_error,
     upstream_unavailable,
 )
@@ -122,6 +125,9 @@ class Proxy:
                     pool.balancer.release(replica)
 
             try:
+                if dialect.wants_prompt_count:  # before the request: llama-cpp-python serves one at a time
+                    counting = self._prompt_tokens(pool, upstream, up_body, dialect.request)
+                    dialect.input_tokens = await until_disconnect(receive, counting)
                 request = self.client.build_request("POST", f"{upstream.url}{path}", json=up_body, headers=headers)
                 try:
                     response = await until_disconnect(receive, self.client.send(request, stream=True))
@@ -149,6 +155,16 @@ class Proxy:
                 return
             finally:
                 release()
+
+    async def _prompt_tokens(self, pool: "ModelPool", upstream: Any, body: dict[str, Any],
+                             request: dict[str, Any] | None) -> int | None:
+        """The prompt's tokens for a dialect to show before the engine answers (`request`: the
+        client's own body). A failed count costs only that number (logged), never the request."""
+        try:
+            return await pool.count_tokens(self.client, upstream, body, request)
+        except APIError as exc:
+            log.warning("%s: prompt tokens not counted on %s: %s", pool.name, upstream.url, exc.message)
+            return None
 
     async def _answer(self, response: httpx.Response, model: str, path: str, stream: bool, wants_usage: bool,
                       upstream: Any, receive: Receive, send: Send, release: Callable[[], None],
@@ -178,11 +194,25 @@ class Proxy:
             if not isinstance(body, dict):
                 await _send_error(send, upstream_unavailable(model, "the engine answered something that is not JSON"))
                 return
+            choices = [c for c in body.get("choices") or [] if isinstance(c, dict)]
+            upstream.says_which_stop |= any(says_which_stop(c) for c in choices)
             await _send_json(send, 200, dialect.answer(normalize_response(body, model)))
             return
         kind = "chat" if path.endswith("/chat/completions") else "text"
         normalizer = StreamNormalizer(model, wants_usage, kind)
-        await stream_to_client(dialect.frames(_events(response, normalizer, model, upstream, release)), receive, send)
+        events = _events(response, normalizer, model, upstream, release)
+        try:
+            if dialect.client_stream is False:  # the dialect streams upstream for an answer of its own
+                try:
+                    answer = await until_disconnect(receive, dialect.collected(events))
+                except APIError as exc:
+                    await _send_error(send, exc)
+                    return
+                await _send_json(send, 200, answer)
+            else:
+                await stream_to_client(dialect.frames(events), receive, send)
+        finally:
+            upstream.says_which_stop |= normalizer.says_which_stop
 
 
 async def _events(response: httpx.Response, normalizer: StreamNormalizer, model: str, upstream: Any,

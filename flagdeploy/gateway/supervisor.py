@@ -98,6 +98,8 @@ class Upstream:
         self.detail = "not probed yet"
         self.configured_model = upstream_model
         self.models: list[dict[str, Any]] = []
+        # Learned from its answers (normalize.says_which_stop): it reports which stop sequence hit.
+        self.says_which_stop = False
         self.since = time.monotonic()
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None

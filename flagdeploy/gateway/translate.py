@@ -8,6 +8,12 @@ chunk, reasoning_content, tool-call deltas with index) back into its protocol, s
 with the same event builders as the builtin routes so that both look identical to a client.
 
 OpenAI chat and completions pass through unchanged (`PASSTHROUGH`).
+
+Claude Code also needs what the engine does not send in an OpenAI answer: the prompt's tokens in
+the stream's message_start (counted before the request goes, gateway/tokens.py, and set as
+`input_tokens`), and which stop sequence ended the answer (the engine's `stop_reason` /
+`matched_stop`, or, for an engine that does not say, `normalize.StopMatcher` applied here, with the
+upstream asked for a stream that the gateway can leave at the match).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from flagdeploy.server.protocol import now
 from flagdeploy.server.responses import (ResponsesRequest, _call_item, _id, _message_item, _reasoning_item, _response,
                                          response_events, usage_body)
 
+from .normalize import StopMatcher, matched_stop
+
 _ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 
 
@@ -34,6 +42,10 @@ class Dialect:
     """OpenAI itself: bodies and frames pass through."""
 
     upstream_path: str | None = None  # None: the client's path
+    client_stream: bool | None = None  # whether the client gets a stream; None: as the upstream request
+    wants_prompt_count = False  # the proxy counts the prompt into `input_tokens` before sending
+    input_tokens: int | None = None
+    request: dict[str, Any] | None = None  # the client's body, in its own protocol
 
     def chat_request(self, body: dict[str, Any]) -> dict[str, Any]:
         return body
@@ -44,6 +56,10 @@ class Dialect:
     async def frames(self, payloads: AsyncIterator[str]) -> AsyncIterator[bytes]:
         async for payload in payloads:
             yield f"data: {payload}\n\n".encode()
+
+    async def collected(self, payloads: AsyncIterator[str]) -> dict[str, Any]:
+        """The answer to a client that did not ask for a stream, from an upstream stream."""
+        return self.answer(await _collect(payloads))
 
     async def send_error(self, send: Send, error: APIError) -> None:
         from .proxy import _send_error
@@ -77,8 +93,54 @@ async def _answer_deltas(payloads: AsyncIterator[str], state: dict[str, Any]) ->
             continue
         choice = chunk["choices"][0]
         delta = choice.get("delta") or {}
-        state["finish"] = choice.get("finish_reason") or state["finish"]
+        if choice.get("finish_reason"):
+            state["finish"], state["stop"] = choice["finish_reason"], matched_stop(choice)
         yield AnswerDelta(delta.get("reasoning_content") or "", delta.get("content") or "", delta.get("tool_calls") or [])
+
+
+def _new_state() -> dict[str, Any]:
+    return {"usage": {}, "finish": None, "stop": None}
+
+
+async def _collect(payloads: AsyncIterator[str]) -> dict[str, Any]:
+    """A normalised chat stream as the chat.completion body it stands for (tool-call deltas carry
+    `index`, and `id` and the name only in their first delta)."""
+    state = _new_state()
+    thought: list[str] = []
+    text: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    async for delta in _answer_deltas(payloads, state):
+        thought.append(delta.thought)
+        text.append(delta.content)
+        for d in delta.tool_calls:
+            call = calls.setdefault(d["index"], {"id": d.get("id"), "type": "function",
+                                                 "function": {"name": "", "arguments": ""}})
+            fn = d.get("function") or {}
+            call["function"]["name"] += fn.get("name") or ""
+            call["function"]["arguments"] += fn.get("arguments") or ""
+    message = {"role": "assistant", "content": "".join(text), "reasoning_content": "".join(thought) or None,
+               "tool_calls": [calls[i] for i in sorted(calls)]}
+    choice = {"index": 0, "message": message, "finish_reason": state["finish"], "stop_reason": state["stop"]}
+    return {"choices": [choice], "usage": state["usage"]}
+
+
+async def _matched(payloads: AsyncIterator[str], matcher: StopMatcher) -> AsyncIterator[str]:
+    """`payloads` with the stop sequences applied by `matcher`; ends at a match, without reading
+    on (the proxy then closes the upstream stream)."""
+    async for payload in payloads:
+        if payload == "[DONE]":
+            break
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            yield payload
+            return
+        for out in matcher.chunk(chunk):
+            yield json.dumps(out, ensure_ascii=False)
+        if matcher.done:
+            break
+    for out in matcher.end():
+        yield json.dumps(out, ensure_ascii=False)
+    yield "[DONE]"
 
 
 def _with_tools_and_switches(out: dict[str, Any], tools: list[dict[str, Any]], choice: str | None,
@@ -98,24 +160,52 @@ def _with_tools_and_switches(out: dict[str, Any], tools: list[dict[str, Any]], c
 
 
 class AnthropicDialect(Dialect):
-    """/v1/messages over an upstream's /v1/chat/completions."""
+    """/v1/messages over an upstream's /v1/chat/completions. `engine_says_stop`: the engine reports
+    which stop sequence ended an answer (vLLM, SGLang), so it is sent them; otherwise they are
+    matched here (`normalize.StopMatcher`) on a stream, whatever the client asked for."""
 
     upstream_path = "/v1/chat/completions"
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, engine_says_stop: bool = False):
         self.model = model
         self.mid = _id("msg")
+        self.engine_says_stop = engine_says_stop
+        self.stops: list[str] = []
+        self.matcher: StopMatcher | None = None
 
     def chat_request(self, body: dict[str, Any]) -> dict[str, Any]:
         req: MessagesRequest = _validated(MessagesRequest, body)
+        self.request = body
         tools = req.function_tools()
+        self.stops = [s for s in req.stop_sequences or [] if s]
+        self.matcher = StopMatcher(self.stops) if self.stops and not self.engine_says_stop else None
+        self.client_stream = bool(req.stream)
+        # message_start carries the prompt's tokens, and a stream left at a stop sequence has no usage.
+        self.wants_prompt_count = self.client_stream or self.matcher is not None
         out: dict[str, Any] = {"model": req.model, "messages": req.template_messages(structured=bool(tools)),
-                               "stream": bool(req.stream)}
+                               "stream": self.client_stream or self.matcher is not None}
+        stop = self.stops if self.stops and self.matcher is None else None
         for key, value in (("max_tokens", req.max_tokens), ("temperature", req.temperature), ("top_p", req.top_p),
-                           ("top_k", req.top_k), ("stop", req.stop_sequences)):
+                           ("top_k", req.top_k), ("stop", stop)):
             if value is not None:
                 out[key] = value
         return _with_tools_and_switches(out, tools, req.choice(), req.template_kwargs())
+
+    def _stop(self, finish: str | None, matched: Any) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence): "stop_sequence" when what ended the answer is one of the
+        request's stop sequences (a stop token id, or EOS, is an end_turn)."""
+        if finish == "stop" and isinstance(matched, str) and matched in self.stops:
+            return "stop_sequence", matched
+        return _ANTHROPIC_STOP.get(finish or "", "end_turn"), None
+
+    def _input_tokens(self, usage: dict[str, Any]) -> int:
+        """The engine's prompt tokens when it reported them, else the count made before sending."""
+        if usage.get("prompt_tokens") and not usage.get("estimated"):
+            return usage["prompt_tokens"]
+        return self.input_tokens or 0
+
+    def _payloads(self, payloads: AsyncIterator[str]) -> AsyncIterator[str]:
+        return payloads if self.matcher is None else _matched(payloads, self.matcher)
 
     def answer(self, body: dict[str, Any]) -> dict[str, Any]:
         choice = (body.get("choices") or [{}])[0]
@@ -128,19 +218,22 @@ class AnthropicDialect(Dialect):
         blocks += [{"type": "tool_use", "id": _tool_use_id(c.get("id") or _id("call")), "name": c["function"]["name"],
                     "input": _input(c["function"].get("arguments") or "")} for c in calls]
         usage = body.get("usage") or {}
-        stop = _ANTHROPIC_STOP.get(choice.get("finish_reason"), "end_turn")
-        return _message(self.mid, self.model, blocks, (stop, None), usage.get("prompt_tokens", 0),
-                        usage.get("completion_tokens", 0))
+        return _message(self.mid, self.model, blocks, self._stop(choice.get("finish_reason"), matched_stop(choice)),
+                        self._input_tokens(usage), usage.get("completion_tokens", 0))
+
+    async def collected(self, payloads: AsyncIterator[str]) -> dict[str, Any]:
+        return await super().collected(self._payloads(payloads))
 
     async def frames(self, payloads: AsyncIterator[str]) -> AsyncIterator[bytes]:
-        state: dict[str, Any] = {"usage": {}, "finish": None}
+        state = _new_state()
 
         def end(called: bool) -> StreamEnd:
             usage = state["usage"]
-            stop = "tool_use" if called else _ANTHROPIC_STOP.get(state["finish"], "end_turn")
-            return StreamEnd(stop, None, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+            stop = ("tool_use", None) if called else self._stop(state["finish"], state["stop"])
+            return StreamEnd(*stop, self._input_tokens(usage), usage.get("completion_tokens", 0))
 
-        async for event in message_events(_answer_deltas(payloads, state), self.mid, self.model, 0, end):
+        async for event in message_events(_answer_deltas(self._payloads(payloads), state), self.mid, self.model,
+                                          self.input_tokens or 0, end):
             yield event.encode()
 
     async def send_error(self, send: Send, error: APIError) -> None:
@@ -194,7 +287,7 @@ class ResponsesDialect(Dialect):
 
     async def frames(self, payloads: AsyncIterator[str]) -> AsyncIterator[bytes]:
         assert self.req is not None
-        state: dict[str, Any] = {"usage": {}, "finish": None}
+        state = _new_state()
 
         def end() -> tuple[str, dict[str, Any]]:
             return "incomplete" if state["finish"] == "length" else "completed", self._usage(state["usage"])
@@ -203,10 +296,11 @@ class ResponsesDialect(Dialect):
             yield event.encode()
 
 
-def dialect_for(path: str, model: str) -> Dialect:
-    """The dialect of a client route; `model` is the name the answer shows."""
+def dialect_for(path: str, model: str, engine_says_stop: bool = False) -> Dialect:
+    """The dialect of a client route; `model` is the name the answer shows; `engine_says_stop`
+    whether the engine reports which stop sequence ended an answer."""
     if path == "/v1/messages":
-        return AnthropicDialect(model)
+        return AnthropicDialect(model, engine_says_stop)
     if path == "/v1/responses":
         return ResponsesDialect(model)
     return PASSTHROUGH
