@@ -405,6 +405,9 @@ def test_upstream_errors_reach_the_client_in_our_shape(attached):
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
     r = httpx.post(f"{attached.url}/v1/chat/completions", headers=auth, json={"model": "nope", "messages": []})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    deep = '{"model": "tiny-llama", "messages": ' + "[" * 10_000 + "]" * 10_000 + "}"
+    r = httpx.post(f"{attached.url}/v1/chat/completions", headers=auth, content=deep)
+    assert r.status_code == 400, r.text  # not the parser's RecursionError as a 500
 
 
 def test_anthropic_and_responses_through_llama_cpp(attached):

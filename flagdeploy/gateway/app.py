@@ -228,7 +228,7 @@ class Gateway:
         raw = await _read_body(receive)
         try:
             body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # answered as a body that is not JSON
             body = None
         name = body.get("model") if isinstance(body, dict) else None
         pool = self._pool_for(name if isinstance(name, str) else None)
