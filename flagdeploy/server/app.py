@@ -19,6 +19,7 @@ from flagdeploy.engine.sampling import RequestOutput, TokenLogprob
 
 from . import errors
 from .answer import AnswerParser, parse_answer
+from .anthropic import MessagesRequest, anthropic_router
 from .auth import api_key_check
 from .engine_slot import EngineSlot
 from .errors import APIError
@@ -55,7 +56,6 @@ from .protocol import (
     new_id,
     now,
 )
-from .anthropic import MessagesRequest, anthropic_router
 from .reasoning import RequestReasoning, get_style
 from .responses import ResponsesRequest, responses_router
 from .tools import ToolPlan, get_parser
