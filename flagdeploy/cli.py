@@ -142,6 +142,15 @@ def main() -> None:
                    "next start; "
                    "where the backend freezes the weights into the step, their dense float weights are held twice "
                    "and a step with oneDNN-laid-out weights is compiled again at every start).")
+@click.option("--speculative", default=None, type=click.Choice(["off", "ngram", "mtp"]),
+              help="Speculative decoding in the builtin engine (default off). ngram: prompt-lookup drafts, verified in "
+                   "one step, exact for greedy requests; pays for a few streams whose answers repeat their input "
+                   "(edits, code, RAG), not for large batches (docs/speculative.md). mtp: not built yet.")
+@click.option("--num-speculative-tokens", default=None, type=click.IntRange(1, 15),
+              help="Draft tokens verified per sequence and step (K; default 3).")
+@click.option("--speculative-config", "speculative_config", default=None, metavar="JSON",
+              help='vLLM\'s spelling, e.g. \'{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4}\' '
+                   "(--speculative/--num-speculative-tokens override its fields).")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--engine", default="builtin", show_default=True,
               type=click.Choice(["builtin", "vllm", "vllm-ascend", "sglang", "mindie", "llama.cpp", "onnxruntime"]),
@@ -156,8 +165,9 @@ def main() -> None:
 @click.pass_context
 def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
           memory_utilization, weight_format, load_format, served_names, default_temperature, api_key, reasoning_parser,
-          max_waiting, max_tokens_policy, tool_call_parser, request_timeout, profile_file, tp, ep, dp, compile_, log_level,
-          engine, upstreams, config_file, startup_timeout) -> None:
+          max_waiting, max_tokens_policy, tool_call_parser, request_timeout, profile_file, tp, ep, dp, compile_,
+          speculative, num_speculative_tokens, speculative_config, log_level, engine, upstreams, config_file,
+          startup_timeout) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     With --engine (not builtin), --upstream or --config, the model runs on external engines behind this
@@ -168,6 +178,18 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
 
     exit_with_parent()  # a replica launched by `--dp` ends with its gateway, however that ends
     builtin = engine == "builtin" and not (upstreams or config_file)
+    from flagdeploy.engine.speculative import SpeculativeConfig
+
+    try:
+        spec = SpeculativeConfig.parse(speculative, num_speculative_tokens, speculative_config)
+    except ValueError as exc:
+        _fail(str(exc))
+    if spec.enabled and not builtin:
+        _fail("--speculative/--speculative-config apply to the builtin engine; for --engine/--upstream/--config give "
+              "the engine's own speculative flags there")
+    if spec.method == "mtp":
+        _fail("--speculative mtp (the model's own multi-token-prediction layer) is not built yet in the builtin "
+              "engine; use --speculative ngram, or --engine vllm/sglang for MTP")
     if profile_file and builtin:
         (model, chip, port, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, served_names, tp, ep,
          dp) = _from_profile(ctx, profile_file, model=model, chip=chip, port=port, max_model_len=max_model_len,
@@ -187,7 +209,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
             weight_format=weight_format, load_format=load_format, default_temperature=default_temperature,
             reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser, request_timeout=request_timeout,
             max_waiting=max_waiting, max_tokens_policy=max_tokens_policy, memory_utilization=memory_utilization,
-            tp=tp, ep=ep, compile=compile_)
+            tp=tp, ep=ep, compile=compile_, speculative_config=spec.as_json() if spec.enabled else None)
         _serve_gateway(ctx, engine=engine, upstreams=upstreams, config_file=config_file, model=model, host=host,
                        port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names,
@@ -246,7 +268,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                           kv_cache_memory=_parse_bytes(kv_cache_memory), weight_format=weight_format,
-                          load_format=load_format, tp=tp, ep=ep, compile=compile_)
+                          load_format=load_format, tp=tp, ep=ep, compile=compile_, speculative=spec)
     if tp * ep > 1:
         try:
             check_split(src.path, src.format, config)  # before the server starts, not in its loader
@@ -311,9 +333,9 @@ def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, ch
                       f"them (or both kinds of model in a serve.yaml, --config)")
             entry = {"names": list(served_names)}
             if upstreams:
-                entry |= {"engine": "upstream", "upstreams": list(upstreams)}
+                entry |= {"engine": "upstream", "upstreams": list(upstreams), "model": model}
                 if not served_names and model:
-                    entry["names"] = [model]
+                    entry["names"] = [model]  # and, where --model names local files, its template counts tokens
             else:
                 entry |= {"engine": engine, "model": model, "chip": chip, "max_model_len": max_model_len}
                 args = {}

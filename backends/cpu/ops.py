@@ -12,7 +12,7 @@ from torch import nn
 import yaml
 
 from flagdeploy.ops import fused, glm, reference
-from flagdeploy.ops.registry import OPS, in_prefill_step
+from flagdeploy.ops.registry import OPS, in_prefill_step, in_verify_step
 from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight, stripped
 
 from . import native
@@ -38,6 +38,26 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
         s = (_grouped(q, k.shape[2]).float().unsqueeze(1) * k.float().unsqueeze(3)).sum(-1) * scale  # [B, L, KH, G]
         p = s.masked_fill(~live[:, :, None, None], float("-inf")).softmax(1)
         return (p.unsqueeze(-1) * v.float().unsqueeze(3)).sum(1).flatten(1, 2).to(q.dtype)
+    if in_verify_step() and q.shape[0] > 1:
+        return _rows_alone(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return _eager_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def _rows_alone(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """A speculative verify step: each row computed as a lone decode row of its sequence would be (its own
+    blocks only, the form its own key count picks, SDPA unmasked), because the forms round differently
+    in 16-bit caches (masked SDPA over a padded table differs from the unmasked one by up to 4e-3 in bf16)
+    and greedy verification must reproduce the unspeculated tokens exactly. Costs one small call per row."""
+    bs = k_cache.shape[1]
+    out = []
+    for r, n in enumerate(context_lens.tolist()):
+        w = -(-n // bs)
+        out.append(_eager_decode(q[r : r + 1], k_cache, v_cache, block_tables[r : r + 1, :w], context_lens[r : r + 1],
+                                 scale))
+    return torch.cat(out)
+
+
+def _eager_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     tune = TUNE["paged_attention_decode"]
     if (block_tables.numel() * k_cache.shape[1] <= tune["sdpa_max_keys"]
             or not _listed(k_cache.dtype, tune["matmul_dtypes"])):
@@ -131,8 +151,11 @@ def _w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     a prompt computes the same however much of it a prefix-cache hit skipped (the two kernels round
     differently: a cached prompt's first token drifted 0.16 in logprob when its last few tokens took the
     packed one)."""
-    if x.shape[0] <= TUNE["linear_w4a16"]["packed_max_m"] and not in_prefill_step():
+    m = TUNE["linear_w4a16"]["packed_max_m"]
+    if x.shape[0] <= m and not in_prefill_step():
         return packed_w4a16(x, w)
+    if in_verify_step() and not in_prefill_step():  # a speculative verify: every row as a plain decode row
+        return torch.cat([packed_w4a16(c, w) for c in x.split(m)])  # computes it (the kernel is row-invariant)
     return _dense_mm(x, w.prepared["dense"])
 
 
@@ -151,8 +174,15 @@ def prepare_w8a16(w: Int8Weight):
 
 def _w8a16(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     p = w.prepared
-    if "q" in p and x.shape[0] <= TUNE["linear_w8a16"]["packed_max_m"]:
+    m = TUNE["linear_w8a16"]["packed_max_m"]
+    if "q" in p and x.shape[0] <= m:
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), p["q"], p["scales"])
+    if "q" in p and in_verify_step() and not in_prefill_step():
+        # a speculative verify step (e.g. 1 + K rows through the int8 LM head): the packed kernel in chunks of
+        # at most `packed_max_m` rows, as plain decode rows of a small batch take it; the kernel is row-invariant
+        # (each row's result does not depend on the others), so verified tokens equal unspeculated ones
+        xb = x.to(torch.bfloat16)
+        return torch.cat([torch._weight_int8pack_mm(c, p["q"], p["scales"]) for c in xb.split(m)])
     return _dense_mm(x, p["dense"])
 
 

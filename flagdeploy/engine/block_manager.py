@@ -68,6 +68,15 @@ class BlockManager:
         self.prefix_hit_tokens += hits * bs
         self.prefix_queried_tokens += seq.num_tokens
 
+    def unmatch(self, seq: Sequence) -> None:
+        """Undo `match_prefix` for a sequence that could not be admitted after all (it matches again later)."""
+        if not seq.block_table:
+            return
+        self.prefix_hit_tokens -= seq.num_cached_tokens
+        self.prefix_queried_tokens -= seq.num_tokens
+        self.release(seq)
+        seq.num_hashed_blocks = seq.num_computed = seq.num_cached_tokens = 0
+
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` blocks for its first `num_tokens` tokens; False (and no change) if they run out."""
         need = -(-num_tokens // self.block_size) - len(seq.block_table)
@@ -76,6 +85,17 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._take())
         return True
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (taken for drafts that were rejected).
+        They were taken fresh by `ensure_slots` and never hashed, so they go straight back to the pool."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref[block] -= 1
+            if self.ref[block] == 0:  # unhashed: reused first, before blocks the prefix cache may still hit
+                self.free[block] = None
+                self.free.move_to_end(block, last=False)
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: make this sequence's newly completed blocks findable by later prompts."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,7 @@ from .sampler import sample
 from .sampling import RequestOutput, SamplingParams, TokenLogprob
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .speculative import SpeculativeConfig, build_proposer
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class EngineConfig:
     compile: bool = False  # run decode steps through torch.compile where no graph replays them (engine/compiled_step.py)
     tp: int = 1  # tensor-parallel ranks of this replica (flagdeploy.parallel)
     ep: int = 1  # expert-parallel ranks of this replica
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off unless asked (--speculative)
 
 
 class _Request:
@@ -57,6 +59,17 @@ class _Request:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # handed out with the first output
 
 
+def _merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one (a speculative step emits several tokens at once)."""
+    a.text += b.text
+    a.token_ids = a.token_ids + b.token_ids
+    a.finished, a.finish_reason = b.finished, b.finish_reason
+    a.num_output_tokens = b.num_output_tokens
+    if a.logprobs is not None and b.logprobs is not None:
+        a.logprobs = a.logprobs + b.logprobs
+    return a
+
+
 def _token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
     """`row` is a log-softmax row on the CPU."""
     top = []
@@ -67,17 +80,37 @@ def _token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
 
 
 class LLMEngine:
+    # speculation off unless __init__ turns it on (engines built on this class without its __init__: edge)
+    proposer = None
+    spec_num_drafts = spec_num_draft_tokens = spec_num_accepted_tokens = 0
+    spec_accepted_per_pos: list[int] = []
+
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig, workers: Workers | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         stateful = has_sequence_state(model)
+        spec = config.speculative or SpeculativeConfig()
+        if spec.enabled and stateful:
+            raise ValueError(
+                f"--speculative {spec.method} is not available for {type(model).__name__} yet: its linear-attention "
+                "(KDA) state has no per-draft-position slots, so a rejected draft would stay in the state. "
+                "Serve it with --speculative off (the default)."
+            )
+        self.proposer = build_proposer(spec, model)  # refuses what is not built (mtp) before anything loads
         self.runner, num_blocks, per_block = build_runner(model, config)
         if workers is not None:  # the other ranks of a tensor/expert-parallel replica run each step too
             self.runner = LockstepRunner(self.runner, workers)
         # A sequence-state model cannot resume from shared blocks: its recurrent state is not in them.
         self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching=not stateful)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.spec = spec
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_draft_rows=spec.max_batch_rows if self.proposer is not None else 0)
+        # speculation counters (vLLM's spec_decode_* metrics)
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec.enabled else 0)
         self.requests: dict[str, _Request] = {}
         self.eos = tokenizer.eos_token_ids | set(model.cfg.eos_token_ids)
         self.num_steps = 0
@@ -123,6 +156,8 @@ class LLMEngine:
         if req is not None:
             self.scheduler.finish(req.seq, "abort")
             self.runner.release(req.seq)
+            if self.proposer is not None:
+                self.proposer.release(req.seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -130,16 +165,28 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
         scheduled_at = time.perf_counter()
         logits, rows = self.runner.run(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        drafts = batch.drafts
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.scheduled_at is None:
                 seq.scheduled_at = scheduled_at
-            seq.num_computed += n
+            # a verify step computes 1 + k positions; only the last real token counts until drafts are accepted
+            seq.num_computed += 1 if drafts and drafts[i] else n
             self.blocks.register_full_blocks(seq)
+        verify_rows = None
+        if drafts:  # several logits rows per speculating sequence: row 0 of each goes the usual way
+            first, at = [], 0
+            for i in rows:
+                first.append(at)
+                at += 1 + len(drafts[i])
+            verify_rows = logits.max(-1).indices.tolist()  # the target's greedy token at every row
+            logits = logits[torch.tensor(first, device=logits.device)]
         sampled_seqs = [batch.seqs[i] for i in rows]
         reqs = [self.requests[seq.request_id] for seq in sampled_seqs]
         # Logprobs are the model's own distribution: taken before any grammar mask or temperature.
@@ -156,11 +203,70 @@ class LLMEngine:
         for row, i in enumerate(want):
             reqs[i].logprobs.append(_token_logprob(logprob_rows[row], tokens[i], sampled_seqs[i].params.logprobs))
         outputs = []
-        for seq, req, tok in zip(sampled_seqs, reqs, tokens):
+        for j, (seq, req, tok) in enumerate(zip(sampled_seqs, reqs, tokens)):
+            d = drafts[rows[j]] if drafts else None
+            if d:
+                outputs.append(self._accept(req, d, verify_rows[first[j] : first[j] + 1 + len(d)]))
+                continue
             seq.token_ids.append(tok)
             self.num_generated_tokens += 1
             outputs.append(self._advance(req, tok))
         return outputs
+
+    # ---- speculation -----------------------------------------------------------------------------
+
+    def _propose(self) -> None:
+        """Drafts for the decoding sequences that may speculate: greedy, no grammar, no logprobs (their
+        tokens are verified against the argmax alone), with room for at least one more token."""
+        running = self.scheduler.running
+        for seq in running:
+            seq.draft_ids = []
+        if len(running) >= self.spec.max_batch_rows:
+            return  # no decode row would be left for a draft
+        k_max = self.spec.num_speculative_tokens
+        seqs, limits = [], []
+        for seq in running:
+            p = seq.params
+            if (seq.num_computed + 1 != seq.num_tokens or not p.greedy or p.logprobs is not None
+                    or p.grammar is not None):
+                continue
+            k = min(k_max, seq.max_tokens - seq.num_output_tokens - 1)  # never past max_tokens / max_model_len
+            if k > 0:
+                seqs.append(seq)
+                limits.append(k)
+        if seqs:
+            for seq, k, d in zip(seqs, limits, self.proposer.propose(seqs, limits)):
+                seq.draft_ids = list(d[:k])
+
+    def _accept(self, req: _Request, drafts: list[int], targets: list[int]) -> RequestOutput:
+        """Greedy verification: `targets[j]` is the target's argmax after the sequence's last token and the
+        first j drafts. Keep the longest prefix of drafts equal to the targets, then the target's own token
+        after it (1..k+1 tokens); each goes through `_advance` (EOS, stops, max_tokens) and the first finish
+        ends it. k/v of accepted drafts are already in the cache; the blocks taken for rejected ones are
+        given back, and nothing past the accepted tokens is ever hashed into the prefix cache."""
+        seq = req.seq
+        a = 0
+        while a < len(drafts) and drafts[a] == targets[a]:
+            a += 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted_tokens += a
+        for pos in range(a):
+            self.spec_accepted_per_pos[pos] += 1
+        out = None
+        for j, tok in enumerate(targets[: a + 1]):
+            seq.token_ids.append(tok)
+            self.num_generated_tokens += 1
+            if j < a:  # its k/v were computed as a draft row this step
+                seq.num_computed += 1
+                self.blocks.register_full_blocks(seq)
+            nxt = self._advance(req, tok)
+            out = nxt if out is None else _merged(out, nxt)
+            if nxt.finished:
+                break
+        if not out.finished:
+            self.blocks.trim(seq, seq.num_tokens)
+        return out
 
     def _advance(self, req: _Request, tok: int) -> RequestOutput:
         seq, p = req.seq, req.seq.params
@@ -183,6 +289,8 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.runner.release(seq)
+            if self.proposer is not None:
+                self.proposer.release(seq)
             del self.requests[seq.request_id]
         out = RequestOutput(
             request_id=seq.request_id,
@@ -223,7 +331,7 @@ class LLMEngine:
         if close is not None:
             close()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | list[int]]:
         return {
             "prefix_cache_hit_tokens": self.blocks.prefix_hit_tokens,
             "prefix_cache_queried_tokens": self.blocks.prefix_queried_tokens,
@@ -235,4 +343,8 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_free": self.blocks.num_free,
             "kv_blocks_total": self.blocks.num_blocks,
+            "spec_decode_num_drafts": self.spec_num_drafts,
+            "spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
         }

@@ -42,6 +42,7 @@ class PagedStep:
     tables: list[list[int]]
     ctx_lens: list[int]
     logits_rows: list[int]
+    verify: bool = False  # some sequence has several decode rows (its last token and its drafts)
 
 
 @dataclass
@@ -127,15 +128,33 @@ class PagedRunner(_Runner):
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def plan(self, batch: ScheduledBatch) -> tuple[PagedStep, list[int]]:
-        """The step's inputs as lists, and which of the batch's sequences get a token sampled."""
-        # Prefill chunks (more than one new token) first, then single-token rows (decodes).
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1)
+        """The step's inputs as lists, and which of the batch's sequences get a token sampled.
+
+        A sequence with drafts (speculative verify) becomes 1 + k decode rows over its block table, row j at
+        position p + j with context length p + j + 1: every layer writes all rows' k/v into the cache before
+        attention reads it, so each row sees exactly the keys a plain decode of that token would, and is
+        computed by the same code (no prefill path). All its rows are logits rows."""
+        drafts = batch.drafts or [[] for _ in batch.seqs]
+        # Prefill chunks (more than one new token) first, then decode rows.
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1 or bool(drafts[i]))
         step = PagedStep([], [], [], 0, [0], [0], [], [], [], [])
         need_cache_read = False
         sampled: list[int] = []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start, end = seq.num_computed, seq.num_computed + n
+            if drafts[i]:
+                step.ids.append(seq.token_ids[start])
+                step.ids.extend(drafts[i])
+                step.positions.extend(range(start, end))
+                step.slots.extend(self._slot(seq.block_table, p) for p in range(start, end))
+                for p in range(start, end):
+                    step.tables.append(list(seq.block_table))
+                    step.ctx_lens.append(p + 1)
+                step.logits_rows.extend(range(len(step.ids) - n, len(step.ids)))
+                step.verify = True
+                sampled.append(i)
+                continue
             step.ids.extend(seq.token_ids[start:end])
             step.positions.extend(range(start, end))
             step.slots.extend(self._slot(seq.block_table, p) for p in range(start, end))
@@ -159,13 +178,17 @@ class PagedRunner(_Runner):
         """Logits of the step's `logits_rows`."""
         if not step.num_prefill:
             n = len(step.ids)
-            if self.compiled is not None and self.compiled.serves(n):
-                logits = self.compiled.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens, [0] * n)
-                return _rows(logits, step.logits_rows)
-            if self.graphs is not None and n <= self.graphs.max_batch:
-                with torch.inference_mode():
-                    logits = self.graphs.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens)
-                return _rows(logits, step.logits_rows)
+            # a verify step through a compiled step or graph: its attention has one fixed form for every row
+            # already; the opaque weight-only linears still read the mark (backends/cpu/ops.py)
+            with ops.verify_step() if step.verify else contextlib.nullcontext():
+                if self.compiled is not None and self.compiled.serves(n):
+                    logits = self.compiled.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens,
+                                               [0] * n)
+                    return _rows(logits, step.logits_rows)
+                if self.graphs is not None and n <= self.graphs.max_batch:
+                    with torch.inference_mode():
+                        logits = self.graphs.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens)
+                    return _rows(logits, step.logits_rows)
         dev = self.device
         t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
         width = max((len(b) for b in step.tables), default=0)
@@ -180,7 +203,8 @@ class PagedRunner(_Runner):
             context_lens=t(step.ctx_lens, torch.int32) if step.tables else None,
             logits_indices=t(step.logits_rows),
         )
-        with ops.prefill_step() if step.num_prefill else contextlib.nullcontext():
+        mode = ops.prefill_step() if step.num_prefill else ops.verify_step() if step.verify else contextlib.nullcontext()
+        with mode:
             return self.model(t(step.ids), meta, self.kv_caches)
 
 

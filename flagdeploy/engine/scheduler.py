@@ -4,6 +4,11 @@ Every step has a token budget. Running sequences go first (one token each when d
 chunk when a long prompt is being prefilled), then waiting ones are admitted in arrival order while
 budget, sequence slots and cache blocks last. When blocks run out for a running sequence, the most
 recently admitted one is preempted: its blocks are freed and it is recomputed later.
+
+Speculation (engine/speculative.py): a decoding sequence that carries drafts may advance by 1 + k tokens.
+Drafts are granted last, from what budget, decode rows (`max_draft_rows`) and free blocks are left after
+every running sequence and admission got theirs, so a draft never preempts or delays anything; what does not
+fit is dropped (k shrinks, possibly to 0).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from .sequence import Sequence, Status
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]  # per sequence, tokens computed this step
+    num_new_tokens: list[int]  # per sequence, tokens computed this step (1 + its drafts when it speculates)
+    drafts: list[list[int]] | None = None  # per sequence, the draft tokens verified this step (None: no one)
 
     @property
     def empty(self) -> bool:
@@ -26,8 +32,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_draft_rows: int = 0):
         self.blocks = blocks
+        self.max_draft_rows = max_draft_rows  # decode rows a step may reach with drafts (0: never draft)
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -63,6 +71,9 @@ class Scheduler:
                 self.blocks.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.blocks.ensure_slots(seq, seq.num_computed + n):
+                # it waits on: give back the cached blocks its prefix match took, or a waiting sequence would
+                # pin blocks the running ones need (and, once every running one is preempted, block itself)
+                self.blocks.unmatch(seq)
                 if not self.running and not seqs:  # nothing will ever free blocks for it
                     raise RuntimeError("KV cache too small for a single sequence; raise --kv-cache-memory")
                 break
@@ -72,7 +83,33 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
-        return ScheduledBatch(seqs, counts)
+        drafts = self._grant_drafts(seqs, counts, budget) if self.max_draft_rows else None
+        return ScheduledBatch(seqs, counts, drafts)
+
+    def _grant_drafts(self, seqs: list[Sequence], counts: list[int], budget: int) -> list[list[int]] | None:
+        """Extend decoding sequences by their drafts while budget, decode rows and free blocks last."""
+        rows = sum(1 for n in counts if n == 1)
+        bs = self.blocks.block_size
+        drafts: list[list[int]] = [[] for _ in seqs]
+        granted = False
+        for i, seq in enumerate(seqs):
+            if counts[i] != 1 or not seq.draft_ids or seq.num_computed + 1 != seq.num_tokens:
+                continue
+            k = min(len(seq.draft_ids), budget, self.max_draft_rows - rows)
+            if k <= 0:
+                continue
+            room = (len(seq.block_table) + self.blocks.num_free) * bs - seq.num_tokens
+            k = min(k, room)
+            if k <= 0 or not self.blocks.ensure_slots(seq, seq.num_tokens + k):
+                continue
+            drafts[i] = seq.draft_ids[:k]
+            counts[i] += k
+            budget -= k
+            rows += k
+            granted = True
+        for seq in seqs:
+            seq.draft_ids = []
+        return drafts if granted else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -34,6 +34,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.scheduled_at: float | None = None  # perf_counter() of its first step (queue-time metric)
         self.generator: torch.Generator | None = None
+        self.draft_ids: list[int] = []  # proposed for the next step; never in token_ids until accepted
+        self.draft_state = None  # the proposer's own per-sequence bookkeeping (engine/speculative.py)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 
@@ -54,4 +56,5 @@ class Sequence:
         self.block_table = []
         self.num_hashed_blocks = 0
         self.num_computed = 0
+        self.draft_ids = []
         self.status = Status.WAITING

@@ -49,6 +49,7 @@ SERVE_FLAGS = {
     "tp": "--tp",
     "ep": "--ep",
     "compile": "--compile",  # a switch: True → --compile, False → --no-compile
+    "speculative_config": "--speculative-config",  # JSON (engine/speculative.py)
 }
 READY_PATH = "/ready"  # the builtin app answers /health and /v1/models while it loads; /ready only once loaded
 PARENT_ENV = "FLAGDEPLOY_PARENT_PID"  # set for each replica: the gateway whose end it outlives by a second at most

@@ -235,3 +235,24 @@ def prefill_step():
 
 def in_prefill_step() -> bool:
     return _PREFILL.get()
+
+
+_VERIFY = contextvars.ContextVar("flagdeploy_verify_step", default=False)
+
+
+@contextmanager
+def verify_step():
+    """Marks a decode forward in which one sequence has several rows: the positions of a speculative
+    verify (its last token and its drafts, each a decode row over the same block table with its own
+    context length). A backend whose decode attention changes form or rounding with the batch (the cpu
+    backend: one sequence unmasked, several masked, matmuls past a number of keys) computes each row here
+    as a lone decode row of that sequence would be, so that verified tokens equal unspeculated ones."""
+    token = _VERIFY.set(True)
+    try:
+        yield
+    finally:
+        _VERIFY.reset(token)
+
+
+def in_verify_step() -> bool:
+    return _VERIFY.get()

@@ -52,6 +52,10 @@ _ENGINE_COUNTERS = {
     "prefix_cache_hit_tokens": ("prefix_cache_hits", "Prompt tokens served from the prefix cache."),
     "preemptions": ("num_preemptions", "Sequences preempted (KV blocks freed, recomputed later)."),
     "steps": ("engine_steps", "Engine steps (batched forward passes) run."),
+    # speculative decoding (vLLM's spec_decode_* names; acceptance length = 1 + accepted / drafts)
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Speculative verify steps of a sequence (drafts proposed)."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
 }
 _ENGINE_GAUGES = {
     "running": ("num_requests_running", "Requests in the running batch."),
@@ -78,6 +82,13 @@ class _EngineCollector(Collector):
         for key, (name, doc) in _ENGINE_COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(PREFIX + name, doc, value=stats[key])
+        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos")
+        if per_pos:
+            fam = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.", labels=["position"])
+            for pos, n in enumerate(per_pos):
+                fam.add_metric([str(pos)], n)
+            yield fam
         for key, (name, doc) in _ENGINE_GAUGES.items():
             if key in stats:
                 yield GaugeMetricFamily(PREFIX + name, doc, value=stats[key])
