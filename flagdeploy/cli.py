@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 
@@ -434,8 +435,11 @@ def _print_plan(src, chip: str | None, max_model_len: int, max_num_seqs: int, kv
         else:
             config = json.loads((src.path / "config.json").read_text())
         layout = Layout(tp=tp, dp=ep, ep=tp * ep if ep > 1 else 1)
+        # a host CPU's memory is this machine's (the catalog's figure is nominal)
+        host = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1) if spec.backend == "cpu" else None
         plan = make_plan(PlanRequest(src.name, spec.id, tp * ep, max_model_len=max_model_len, concurrency=max_num_seqs,
-                                     config=config, layout=layout, memory_utilization=memory_utilization))
+                                     config=config, layout=layout, memory_utilization=memory_utilization,
+                                     memory_gib=host))
         click.echo(f"flagdeploy: {serve_line(plan, kv_cache_memory)}", err=True)
     except (FlagdeployError, ValueError, KeyError, StopIteration, OSError) as exc:  # the plan is advice: never block serving
         logging.getLogger(__name__).info("no plan for %s: %s", src.name, exc)

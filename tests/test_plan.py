@@ -346,3 +346,11 @@ def test_held_weights_count_each_form_and_each_storage_once():
     m.rope_cos = torch.zeros(1000)
     assert held_weights(m) == {"bf16 from q4 blocks": 64 * 32 * 2, "bf16 copy": 64 * 32 * 2, "q4 blocks": 64 * 16,
                                "fp32": 10 * 32 * 4}
+
+
+def test_a_hosts_own_memory_replaces_the_catalogs_nominal_figure(llama70b):
+    """`serve` on a CPU plans in the machine's RAM, not the catalog's nominal 256 GiB."""
+    nominal = make_plan(PlanRequest(llama70b, "cpu", 1, max_model_len=4096, concurrency=1))
+    small = make_plan(PlanRequest(llama70b, "cpu", 1, max_model_len=4096, concurrency=1, memory_gib=24))
+    assert nominal.chip.memory_gib == 256 and small.chip.memory_gib == 24
+    assert nominal.chosen is not None and small.chosen is None  # 70B does not fit 24 GiB

@@ -29,6 +29,7 @@ class PlanRequest:
     kv_cache_dtype: str = "bf16"
     config: dict | None = None  # the HF config itself, when there is no file to name (a GGUF's, say)
     memory_utilization: float = 0.9  # share of each device's memory to fill, as vLLM's --gpu-memory-utilization
+    memory_gib: float | None = None  # the device's memory where it is known better than the catalog (a host's RAM)
 
 
 @dataclass
@@ -169,6 +170,8 @@ def make_plan(req: PlanRequest) -> Plan:
         raise PlanInputError(f"memory utilization must be in (0, 1], the share of each device's memory to use; "
                              f"got {req.memory_utilization}.")
     chip = get_chip(req.chip)
+    if req.memory_gib is not None:
+        chip = replace(chip, memory_gib=req.memory_gib)
     name, config = (req.model, req.config) if req.config is not None else load_config(req.model)
     notes = []
     from .shapes import is_exact
