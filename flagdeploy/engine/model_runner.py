@@ -143,11 +143,11 @@ class PagedRunner(_Runner):
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start, end = seq.num_computed, seq.num_computed + n
+            # a verify step's rows: the last real token, then the drafts (not in token_ids until accepted)
+            step.ids.extend([seq.token_ids[start], *drafts[i]] if drafts[i] else seq.token_ids[start:end])
+            step.positions.extend(range(start, end))
+            step.slots.extend(self._slot(seq.block_table, p) for p in range(start, end))
             if drafts[i]:
-                step.ids.append(seq.token_ids[start])
-                step.ids.extend(drafts[i])
-                step.positions.extend(range(start, end))
-                step.slots.extend(self._slot(seq.block_table, p) for p in range(start, end))
                 for p in range(start, end):
                     step.tables.append(list(seq.block_table))
                     step.ctx_lens.append(p + 1)
@@ -155,9 +155,6 @@ class PagedRunner(_Runner):
                 step.verify = True
                 sampled.append(i)
                 continue
-            step.ids.extend(seq.token_ids[start:end])
-            step.positions.extend(range(start, end))
-            step.slots.extend(self._slot(seq.block_table, p) for p in range(start, end))
             if n > 1:
                 step.num_prefill += n
                 step.cu_q.append(step.cu_q[-1] + n)
