@@ -532,7 +532,14 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 @click.option("--max-model-len", default=32768, show_default=True, type=int)
 @click.option("--concurrency", default=16, show_default=True, type=int, help="Sequences served at once, each up to --max-model-len.")
 @click.option("--objective", default="throughput", show_default=True, type=click.Choice(["throughput", "latency"]))
-@click.option("--mtp/--no-mtp", default=False, show_default=True, help="Multi-token-prediction speculative decoding.")
+@click.option("--mtp/--no-mtp", default=False, show_default=True,
+              help="Speculative decoding with the model's multi-token-prediction layer: the ledger adds its weights, "
+                   "its own KV per token and K extra KDA state slots per sequence; --emit writes each engine's MTP flags.")
+@click.option("--num-speculative-tokens", default=None, type=click.IntRange(1, 15), metavar="K",
+              help="With --mtp: draft tokens verified per sequence and step (K; default 3), as serve's option of that name.")
+@click.option("--acceptance-length", default=None, type=click.FloatRange(min=1), metavar="AL",
+              help="With --mtp: measured tokens per sequence and step at K (vLLM: 1 + accepted / drafts); default: "
+                   "GLM-5 family AL 2.99 at K=3, scaled to K.")
 @click.option("--policy", default=None, help="Plan the weights as `flagdeploy quantize --policy` would convert them.")
 @click.option("--kv-cache-dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp8", "int8"]))
 @memory_utilization_option
@@ -540,17 +547,20 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: chosen, alternatives, rejected.")
 @click.option("--emit", default=None, type=click.Choice(["profile", "vllm", "vllm-ascend", "sglang", "mindie"]),
               help="Print the profile YAML, or the launch command of that engine, for the chosen layout.")
-def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, objective, mtp, policy, kv_cache_dtype,
-         memory_utilization, layout, as_json, emit) -> None:
+def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, objective, mtp, num_speculative_tokens,
+         acceptance_length, policy, kv_cache_dtype, memory_utilization, layout, as_json, emit) -> None:
     """Will it fit, and how to split it: TP x DP x EP x PP layouts for a model on a chip."""
     import json
 
     from flagdeploy.planner import PlanRequest, make_plan
     from flagdeploy.planner.report import parse_layout, table, to_json
 
+    if not mtp and (num_speculative_tokens is not None or acceptance_length is not None):
+        _fail("--num-speculative-tokens and --acceptance-length describe MTP speculative decoding: add --mtp")
     try:
         req = PlanRequest(model, chip.value, devices, nodes=nodes, interconnect=interconnect,
                           max_model_len=max_model_len, concurrency=concurrency, objective=objective, mtp=mtp,
+                          num_speculative_tokens=num_speculative_tokens or 3, acceptance_length=acceptance_length,
                           policy=policy, layout=parse_layout(layout) if layout else None,
                           kv_cache_dtype=kv_cache_dtype, memory_utilization=memory_utilization)
         result = make_plan(req)

@@ -96,7 +96,8 @@ def test_emitted_names_are_the_engines_own(engine):
         assert model["modelWeightPath"] == "/models/GLM-5.3-Flash" and model["worldSize"] == 8
         assert doc["BackendConfig"]["npuDeviceIds"] == [list(range(8))]
         assert doc["BackendConfig"]["ModelDeployConfig"]["maxSeqLen"] == 131072
-        assert json.loads(model["plugin_params"]) == {"plugin_type": "mtp", "num_speculative_tokens": 1}
+        assert "plugin_params" not in model  # MTP is not emitted for MindIE; a warning says what to add by hand
+        assert any("MTP is not emitted for MindIE" in w and "plugin_params" in w for w in launch.warnings)
     else:
         emitted = set(flags(launch.argv))
         assert emitted <= KNOWN[engine], emitted - KNOWN[engine]
@@ -210,3 +211,68 @@ def test_shell_reparses_to_the_same_argv(engine):
 def test_every_rule_has_a_source():
     rules = yaml.safe_load(ENGINES_FILE.read_text())["rules"]
     assert all(r["source"].strip() for r in rules)
+
+
+# ---- MTP speculative decoding: each engine's flags carry K (issue 29) -------------------------------------------
+
+
+def _spec_config(argv: list[str]) -> dict:
+    return json.loads(value(argv, "--speculative-config"))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_mtp_flags_carry_k_per_engine(k):
+    vllm = emit(glm(mtp=True, num_speculative_tokens=k), "vllm")
+    assert _spec_config(vllm.argv) == {"method": "mtp", "num_speculative_tokens": k}
+    assert not any("num_speculative_tokens" in w for w in vllm.warnings)
+
+    ascend = emit(glm(chip="ascend910c", devices=16, tp=16, quantization="w8a8", mtp=True, num_speculative_tokens=k),
+                  "vllm-ascend")
+    # the recipe's draft in eager mode (the main model keeps its graphs), one --speculative-config only
+    assert _spec_config(ascend.argv) == {"method": "mtp", "num_speculative_tokens": k, "enforce_eager": True}
+    assert ascend.argv.count("--speculative-config") == 1
+    assert any("not guarantee" in w for w in ascend.warnings) == (k >= 3)
+
+    sgl = emit(glm(chip="h20", devices=4, tp=4, ep=4, mtp=True, num_speculative_tokens=k), "sglang").argv
+    assert value(sgl, "--speculative-algorithm") == "EAGLE" and value(sgl, "--speculative-eagle-topk") == "1"
+    assert value(sgl, "--speculative-num-steps") == str(k) and value(sgl, "--speculative-num-draft-tokens") == str(k + 1)
+    assert "--speculative-draft-model-path" not in sgl
+
+    for engine in ("vllm", "sglang"):  # no MTP, no speculative flags, whatever K says
+        argv = emit(glm(num_speculative_tokens=k), engine).argv
+        assert not any(a.startswith("--speculative") for a in argv)
+
+
+def test_vllm_ascend_refuses_more_than_16_verified_tokens():
+    ok = emit(glm(chip="ascend910c", devices=16, tp=16, quantization="w8a8", mtp=True, num_speculative_tokens=15),
+              "vllm-ascend")
+    assert _spec_config(ok.argv)["num_speculative_tokens"] == 15
+    for engine in ("vllm-ascend", "vllm"):  # vllm on an NPU is the same plugin
+        with pytest.raises(EmitError) as err:
+            emit(glm(chip="ascend910c", devices=16, tp=16, quantization="w8a8", mtp=True, num_speculative_tokens=16), engine)
+        text = str(err.value)
+        assert "(num_speculative_tokens + 1) <= 16" in text and "npu_fused_infer_attention_score" in text
+        assert "verifies 17 tokens" in text and "speculative_decoding.md" in text  # the limit's source
+    # on a GPU vLLM has no such limit; without MTP K is not checked
+    assert _spec_config(emit(glm(mtp=True, num_speculative_tokens=16), "vllm").argv)["num_speculative_tokens"] == 16
+    emit(glm(chip="ascend910c", devices=16, tp=16, quantization="w8a8", num_speculative_tokens=16), "vllm-ascend")
+
+
+def test_mindie_does_not_emit_mtp_and_says_so():
+    launch = emit(glm(chip="ascend910b", quantization="w8a8", mtp=True, num_speculative_tokens=2), "mindie")
+    (content,) = launch.files.values()
+    assert "plugin_params" not in content and "mtp" not in content
+    (warning,) = [w for w in launch.warnings if "MTP" in w]
+    assert "not emitted" in warning and '"num_speculative_tokens":2' in warning and "mindie-mtp-not-emitted" in warning
+
+
+def test_profile_round_trips_num_speculative_tokens(tmp_path):
+    profile = glm(mtp=True, num_speculative_tokens=2)
+    path = tmp_path / "p.yaml"
+    profile.save(path)
+    assert "num_speculative_tokens: 2" in path.read_text()
+    back = Profile.load(path)
+    assert back == profile and _spec_config(emit(back, "vllm").argv)["num_speculative_tokens"] == 2
+    # a profile written before the field existed still loads, with serve's default K
+    path.write_text(path.read_text().replace("  num_speculative_tokens: 2\n", ""))
+    assert Profile.load(path).num_speculative_tokens == 3

@@ -3,6 +3,7 @@ known behaviours, the search's rejections and suggestions, and the command line.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -354,3 +355,149 @@ def test_a_hosts_own_memory_replaces_the_catalogs_nominal_figure(llama70b):
     small = make_plan(PlanRequest(llama70b, "cpu", 1, max_model_len=4096, concurrency=1, memory_gib=24))
     assert nominal.chip.memory_gib == 256 and small.chip.memory_gib == 24
     assert nominal.chosen is not None and small.chosen is None  # 70B does not fit 24 GiB
+
+
+# ---- speculative decoding with the MTP layer (issue 29) -------------------------------------------------------
+
+MTP_BASE = PlanRequest("glm-5.3-flash", "h200", 8, layout=Layout(tp=8), max_model_len=131072, concurrency=32)
+
+
+def test_mtp_adds_its_own_ledger_lines_that_sum_to_the_device_memory():
+    """--mtp (K=3) against the same plan without it: the MTP layer's weights, its own cache per token (one more
+    MLA latent plus one more full DSA indexer's key and gate rows, from the config like the main layers') and K
+    more KDA states per sequence (K+1 slots in all); each its own line, the lines adding up to what is used."""
+    from flagdeploy.models.glm5_next import from_hf_config
+    from flagdeploy.planner.cost import is_draft_layer
+    from flagdeploy.planner.report import memory_lines, table
+
+    _, config = load_config("glm-5.3-flash")
+    c = from_hf_config(config)
+    shape = cache_shape(config, include_mtp=True)
+    assert not cache_shape(config).has_draft_layer and shape.kv_bytes_per_token(2) == cache_shape(config).kv_bytes_per_token(2)
+    full = next(i for i, (lt, kind) in enumerate(zip(c.layer_types, c.indexer_types))
+                if lt == "indexed_attention" and kind == "full")
+    one_layer = (shape.dense[full] + shape.sparse[full]) * 2
+    assert shape.draft_kv_bytes_per_token(2) == one_layer == (c.kv_lora_rank + 2 * c.index_head_dim) * 2  # 1,536 B
+    assert round(shape.state_bytes_per_sequence(2) / 2**20, 2) == 140.78  # KDA state per sequence, before TP
+
+    plain, spec = make_plan(MTP_BASE), make_plan(replace(MTP_BASE, mtp=True))
+    m0, m = plain.chosen.memory, spec.chosen.memory
+    tokens = 32 * 131072
+    assert m.kv_cache == m0.kv_cache and m.linear_state == m0.linear_state and m0.mtp_kv_cache == m0.draft_state == 0
+    assert m.draft_state == 3 * m.linear_state  # KDA split by TP 8: 3 x 17.6 MiB per sequence
+    assert m.mtp_kv_cache == one_layer * tokens  # no head axis: TP does not split it
+    mtp_weights = sum(g.bytes for g in spec.groups if is_draft_layer(g, c.num_layers))
+    assert 6 * GIB < mtp_weights < 8 * GIB and m.weights - m0.weights == m.mtp_weights > 0
+    assert m.used - m0.used == m.mtp_weights + m.mtp_kv_cache + m.draft_state
+
+    lines = {item.strip(): n for item, _, n in memory_lines(spec)}
+    assert lines["MTP layer KV (per token)"] == m.mtp_kv_cache
+    assert lines["KDA draft-state slots (3 x per seq)"] == m.draft_state
+    assert lines["of which MTP layer weights"] == m.mtp_weights
+    assert sum(n for item, n in lines.items() if item not in ("of which MTP layer weights", "free")) == m.used
+    assert lines["free"] == m.free == m.capacity - m.used
+    assert "MTP layer KV" not in table(plain) and "KDA draft-state slots" not in table(plain)
+    text = table(spec)
+    assert "MTP layer KV (per token)" in text and "KDA draft-state slots (3 x per seq)" in text
+    spec_json = to_json(spec)["ledger"]["speculative"]
+    assert spec_json["mtp_kv_bytes_per_token"] == one_layer
+    assert spec_json["draft_state_bytes_per_sequence"] == 3 * shape.state_bytes_per_sequence(2)
+    assert to_json(plain)["ledger"]["speculative"] is None
+    k1 = make_plan(replace(MTP_BASE, mtp=True, num_speculative_tokens=1)).chosen.memory
+    assert k1.draft_state == m.linear_state and k1.mtp_kv_cache == m.mtp_kv_cache
+
+
+def test_mtp_fits_fewer_sequences_on_the_same_chip():
+    spec = make_plan(replace(MTP_BASE, mtp=True))
+    plain = make_plan(MTP_BASE)
+    assert spec.max_sequences < plain.max_sequences == spec.max_sequences_without_mtp
+    assert to_json(spec)["max_sequences"] == spec.max_sequences
+    # the edge: the most sequences fit, one more does not, with MTP; without it that one more fits
+    edge = replace(MTP_BASE, concurrency=spec.max_sequences)
+    assert make_plan(replace(edge, mtp=True)).chosen
+    assert not make_plan(replace(edge, mtp=True, concurrency=spec.max_sequences + 1)).chosen
+    assert make_plan(replace(edge, concurrency=spec.max_sequences + 1)).chosen
+    # when nothing fits, the largest --concurrency is smaller with MTP too
+    over = replace(MTP_BASE, concurrency=2 * plain.max_sequences)
+    assert make_plan(replace(over, mtp=True)).fits_at["max_concurrency"] < make_plan(over).fits_at["max_concurrency"]
+
+
+def test_mtp_cost_model_acceptance_length_and_verify_rows():
+    """The acceptance length is a stated figure (GLM-5 family AL 2.99 at K=3), scaled for other K; verifying K+1
+    rows costs about one step while decode is weight-bound and more once it is compute-bound."""
+    from flagdeploy.planner import PlanInputError
+    from flagdeploy.planner.cost import acceptance_length
+
+    assert acceptance_length(3) == pytest.approx(2.99, abs=1e-6)
+    als = [acceptance_length(k) for k in range(1, 8)]
+    assert all(a < b for a, b in itertools.pairwise(als)) and all(al <= k + 1 for k, al in enumerate(als, 1))
+    assert 1.7 < als[0] < 1.9 and als[-1] < 5.3
+
+    def speedup(concurrency, **kw):
+        req = replace(MTP_BASE, max_model_len=4096, concurrency=concurrency)
+        return make_plan(replace(req, mtp=True, **kw)).chosen.decode_tokens_s / make_plan(req).chosen.decode_tokens_s
+
+    small, large = speedup(1), speedup(512)
+    assert 2.0 < small < 2.99  # AL 2.99 per round, a verify step of 4 rows ~ one step, plus 3 draft steps
+    assert large < small
+    assert speedup(1, acceptance_length=2.0) < small  # a measured, lower AL is used as given
+    with pytest.raises(PlanInputError, match="K\\+1 = 4"):
+        make_plan(replace(MTP_BASE, mtp=True, acceptance_length=4.5))
+
+
+def test_mtp_rejects_dp_attention_layouts():
+    """The engines turn MTP off under DP attention (engines.yaml no-mtp-with-dp-attention): with --mtp the
+    planner does not choose such a layout."""
+    plan = make_plan(replace(MTP_BASE, layout=None, mtp=True))
+    assert not (plan.chosen.layout.dp > 1 and plan.chosen.layout.ep > 1)
+    assert any(r.reason.startswith("--mtp: DP attention") for r in plan.rejected)
+
+
+def test_cli_mtp_k_reaches_the_profile_and_the_engines(tmp_path):
+    from click.testing import CliRunner
+
+    from flagdeploy.cli import main
+    from flagdeploy.planner.emit import emit
+    from flagdeploy.planner.profile import Profile
+
+    args = ["plan", "--model", "glm-5.3-flash", "--chip", "h200", "--devices", "8", "--layout", "tp=8",
+            "--max-model-len", "65536", "--mtp", "--num-speculative-tokens", "2"]
+    run = CliRunner().invoke(main, [*args, "--emit", "profile"])
+    assert run.exit_code == 0, run.output
+    path = tmp_path / "p.yaml"
+    path.write_text(run.output)
+    profile = Profile.load(path)
+    assert profile.mtp and profile.num_speculative_tokens == 2
+    argv = emit(profile, "vllm").argv
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 2}
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0 and "KDA draft-state slots (2 x per seq)" in run.output and "without --mtp: " in run.output
+    run = CliRunner().invoke(main, [a for a in args if a != "--mtp"])
+    assert run.exit_code != 0 and "add --mtp" in run.output
+
+
+def test_serve_with_an_engine_reads_k_back_from_the_profile(tmp_path, monkeypatch):
+    """`serve --engine vllm --profile p.yaml`: the launched engine's flags come from the profile `plan` wrote,
+    its MTP K included (nothing is started here)."""
+    from click.testing import CliRunner
+
+    import flagdeploy.gateway
+    import flagdeploy.server
+    from flagdeploy.cli import main
+    from flagdeploy.gateway.config import launch_plan
+    from flagdeploy.planner.profile import Profile
+
+    path = tmp_path / "p.yaml"
+    Profile(model="zai-org/GLM-5.3-Flash", chip="h200", model_type="glm5_next", devices=8, tp=8, mtp=True,
+            num_speculative_tokens=2).save(path)
+    built = []
+
+    class _Gateway:
+        pools = []
+
+    monkeypatch.setattr(flagdeploy.gateway, "build_gateway", lambda cfg: built.append(cfg) or _Gateway())
+    monkeypatch.setattr(flagdeploy.server, "make_server", lambda *a, **k: type("S", (), {"run": lambda self: None})())
+    r = CliRunner().invoke(main, ["serve", "--engine", "vllm", "--profile", str(path), "--port", "0"])
+    assert r.exit_code == 0, r.output
+    argv = launch_plan(built[0].models[0], 9000).argv
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 2}

@@ -6,6 +6,12 @@ all-reduces per layer (attention and MLP outputs) and EP a dispatch and a combin
 layer, each costed as bytes over the link's bandwidth plus a latency per hop. That is what makes wide TP
 lose on PCIe (slow links, many hops) and win on NVLink/HCCS (the weights' share shrinks, the links are
 fast). Efficiencies are fixed fractions of peak: this ranks layouts, it does not promise tokens/s.
+
+With MTP speculative decoding (`Workload.mtp`) a round is one verify step of K+1 rows per sequence through
+the main model plus K draft steps through the MTP layer and the LM head, and it yields `acceptance_length`
+tokens per sequence on average. Both steps come from the same roofline, so verifying K+1 rows costs about
+one plain step while decode is bound by reading the weights (small batches) and about K+1 of them once it
+is bound by FLOPs (large batches): speculation pays at small batch and stops paying at large batch.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import yaml
 from flagdeploy.chips import Chip
 from flagdeploy.profiles import PROFILES_DIR
 
-from .ledger import CacheShape, WeightGroup
+from .ledger import CacheShape, WeightGroup, speculative_state_slots
 
 MEM_EFFICIENCY, FLOP_EFFICIENCY = 0.8, 0.5
 RESERVE_BYTES = 2 << 30  # runtime context, collective buffers, allocator slack per device
@@ -65,6 +71,54 @@ class Workload:
     kv_dtype_bytes: int = 2
     memory_utilization: float = 0.9
     mtp: bool = False
+    num_speculative_tokens: int = 3  # K, drafts verified per sequence and step (only with mtp)
+    acceptance_length: float | None = None  # tokens per sequence and round at K; None: acceptance_length()
+
+    @property
+    def draft_tokens(self) -> int:
+        """K when speculating, else 0."""
+        return self.num_speculative_tokens if self.mtp else 0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Tokens one sequence advances per decode round: the acceptance length with MTP, else 1."""
+        if not self.mtp:
+            return 1.0
+        return self.acceptance_length or acceptance_length(self.num_speculative_tokens)
+
+
+# GLM-5.2's MTP layer, K=3: mean acceptance length 2.99 ("golden AL", SPEED-Bench coding, thinking on, B300,
+# vLLM; SemiAnalysisAI/InferenceX #2460/#2447, quoted in shared/docs/speculative-multimodal-multinode.md 1.6).
+REFERENCE_AL, REFERENCE_K = 2.99, 3
+
+
+def _geometric_al(a: float, k: int) -> float:
+    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+@lru_cache(maxsize=64)
+def acceptance_length(k: int, reference_al: float = REFERENCE_AL, reference_k: int = REFERENCE_K) -> float:
+    """Expected tokens per sequence and round (1 verified token + accepted drafts) with K MTP drafts.
+
+    Assumption: draft i is accepted, given drafts 1..i-1 were, with one constant probability a, so
+    AL(K) = 1 + a + a^2 + ... + a^K. `a` is fitted to the published GLM-5 family figure, AL 2.99 at K=3
+    (GLM-5.2 MTP "golden AL" on SPEED-Bench coding, SemiAnalysisAI/InferenceX #2460/#2447; see
+    shared/docs/speculative-multimodal-multinode.md 1.6), which gives a ~ 0.81: AL ~ 1.81 at K=1, ~ 2.46 at
+    K=2, ~ 3.76 at K=5, never above 1/(1-a) ~ 5.2. Real per-position acceptance falls with the position
+    (one MTP layer re-applied to its own output), so large K is if anything optimistic here; and it depends
+    on the text (coding and thinking accept more than chat) and on the sampler. Measure it (vLLM's
+    `vllm:spec_decode_*` counters: AL = 1 + accepted / drafts) and pass it as `acceptance_length`.
+    """
+    if k <= 0:
+        return 1.0
+    lo, hi = 0.0, 1.0  # AL is increasing in a: bisect for the reference
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if _geometric_al(mid, reference_k) < reference_al:
+            lo = mid
+        else:
+            hi = mid
+    return _geometric_al((lo + hi) / 2, k)
 
 
 @dataclass(frozen=True)
@@ -85,24 +139,34 @@ class ModelFacts:
 
 @dataclass
 class DeviceMemory:
+    """One device's memory (the fullest pipeline stage's). The speculative parts are their own fields:
+    mtp_kv_cache (the MTP layer's own cache for every token) and draft_state (the K extra KDA state slots
+    per sequence); mtp_weights is the MTP layer's share *of* weights, not added again."""
+
     weights: int
     kv_cache: int
     linear_state: int
     activations: int
     reserve: int
     capacity: int
+    mtp_kv_cache: int = 0
+    draft_state: int = 0
+    mtp_weights: int = 0  # part of weights
 
     @property
     def used(self) -> int:
-        return self.weights + self.kv_cache + self.linear_state + self.activations + self.reserve
+        return (self.weights + self.kv_cache + self.mtp_kv_cache + self.linear_state + self.draft_state
+                + self.activations + self.reserve)
 
     @property
     def free(self) -> int:
         return self.capacity - self.used
 
     def as_dict(self) -> dict[str, int]:
-        return {"weights": self.weights, "kv_cache": self.kv_cache, "linear_state": self.linear_state,
-                "activations": self.activations, "reserve": self.reserve, "free": self.free, "capacity": self.capacity}
+        """The parts that add up to `used` (mtp_weights is inside weights, so not listed), free and capacity."""
+        return {"weights": self.weights, "kv_cache": self.kv_cache, "mtp_kv_cache": self.mtp_kv_cache,
+                "linear_state": self.linear_state, "draft_state": self.draft_state, "activations": self.activations,
+                "reserve": self.reserve, "free": self.free, "capacity": self.capacity}
 
 
 @dataclass
@@ -133,23 +197,43 @@ def _kv_div(heads: int, tp: int) -> int:
     return min(tp, heads) if heads else 1
 
 
+def is_draft_layer(g: WeightGroup, layers: int) -> bool:
+    """The MTP layer's weights: checkpoints store it as decoder layer `num_hidden_layers` (and up)."""
+    return g.layer is not None and g.layer >= layers
+
+
 def memory(groups: list[WeightGroup], cache: CacheShape, facts: ModelFacts, chip: Chip, layout: Layout,
            load: Workload) -> DeviceMemory:
-    stages = [0] * layout.pp
+    pp = layout.pp
+    stages, mtp_w = [0] * pp, [0] * pp
     for g in groups:
-        stages[_stage(g.layer, g.family, facts.layers, layout.pp)] += g.bytes // _divisor(g.split, layout)
+        s = _stage(g.layer, g.family, facts.layers, pp)
+        stages[s] += g.bytes // _divisor(g.split, layout)
+        if is_draft_layer(g, facts.layers):
+            mtp_w[s] += g.bytes // _divisor(g.split, layout)
     seqs = math.ceil(load.concurrency / layout.dp)
-    kv = [0] * layout.pp
-    state = [0] * layout.pp
+    kv, state = [0] * pp, [0] * pp
     for i in range(cache.layers):
-        s = _stage(i, "", facts.layers, layout.pp)
+        s = _stage(i, "", facts.layers, pp)
         kv[s] += (cache.dense[i] + cache.sparse[i]) * load.kv_dtype_bytes // _kv_div(cache.kv_split[i], layout.tp)
         if cache.state_fp32:
             state[s] += (cache.state_fp32[i] * 4 + cache.state_conv[i] * load.kv_dtype_bytes) // _kv_div(cache.state_split[i], layout.tp)
-    worst = max(range(layout.pp), key=lambda s: stages[s] + kv[s] * seqs * load.max_model_len + state[s] * seqs)
+    # speculation: the MTP layer's own cache lives with it on the last stage; every KDA layer keeps K more
+    # state slots per sequence beside its own
+    mtp_kv = [0] * pp
+    if load.mtp:
+        mtp_kv[pp - 1] = cache.draft_kv_bytes_per_token(load.kv_dtype_bytes) // _kv_div(cache.draft_split, layout.tp)
+    slots = speculative_state_slots(load.draft_tokens)
+    tokens = seqs * load.max_model_len
+
+    def used(s: int) -> int:
+        return stages[s] + (kv[s] + mtp_kv[s]) * tokens + state[s] * seqs * (1 + slots)
+
+    worst = max(range(pp), key=used)
     activations = load.max_num_batched_tokens * facts.hidden * 2 * 16 + seqs * math.ceil(facts.vocab / layout.tp) * 4
-    return DeviceMemory(stages[worst], kv[worst] * seqs * load.max_model_len, state[worst] * seqs, activations,
-                        RESERVE_BYTES, int(chip.memory_gib * GIB * load.memory_utilization))
+    return DeviceMemory(stages[worst], kv[worst] * tokens, state[worst] * seqs, activations, RESERVE_BYTES,
+                        int(chip.memory_gib * GIB * load.memory_utilization), mtp_kv_cache=mtp_kv[worst] * tokens,
+                        draft_state=state[worst] * seqs * slots, mtp_weights=mtp_w[worst])
 
 
 def _allreduce_s(nbytes: float, n: int, link: Link) -> float:
@@ -186,34 +270,50 @@ def estimate(groups: list[WeightGroup], cache: CacheShape, facts: ModelFacts, ch
     bandwidth = chip.memory_bandwidth_gbs * 1e9 * MEM_EFFICIENCY
     tp_link = intra if layout.tp <= devices_per_node else inter
     ep_link = intra if layout.ep <= devices_per_node else inter
-    layers = facts.layers / pp
+    share = facts.experts_per_token / facts.experts if facts.experts else 1.0
+    main = [g for g in groups if not is_draft_layer(g, facts.layers)]
+    # the draft step: the MTP layer, then the LM head it shares with the main model (its embedding lookup
+    # reads one row per token, left out)
+    draft = [g for g in groups if is_draft_layer(g, facts.layers) or g.family == "lm_head"]
+    ctx = load.avg_context
 
-    def step(n: int) -> tuple[float, float]:
-        """(seconds, of which collectives) for one stage to decode one token of n sequences."""
-        picked = 1 - (1 - facts.experts_per_token / facts.experts) ** n if facts.experts else 1.0
+    def step(weights: list[WeightGroup], n: int, rows: int, layers: float, kv_per_seq: float, moe_layers: float,
+             ) -> tuple[float, float]:
+        """(seconds, of which collectives) for one stage to run `rows` rows of each of n sequences through
+        `layers` layers of `weights`. The weights (for MoE, the experts some row picked) are read once for
+        all rows, the KV cache once per sequence (the rows of one sequence attend to the same context);
+        FLOPs and collectives grow with the rows."""
+        t = n * rows
+        picked = 1 - (1 - share) ** t if facts.experts else 1.0
         weights_read = flops = 0.0
-        for g in groups:
+        for g in weights:
             div = _divisor(g.split, layout) * pp
             weights_read += g.bytes / div * (picked if g.family == "experts" else 1.0)
-            flops += 2 * n * g.params / div * (facts.experts_per_token / facts.experts if g.family == "experts" else 1.0)
-        ctx = load.avg_context
-        kv_read = n * sum((cache.dense[i] * ctx + cache.sparse[i] * min(ctx, cache.sparse_topk or ctx))
-                          * load.kv_dtype_bytes / _kv_div(cache.kv_split[i], layout.tp) for i in range(cache.layers)) / pp
-        flops += 2 * n * ctx * facts.attn_flops_dim * layers / layout.tp
-        act = n * facts.hidden * 2
+            flops += 2 * t * g.params / div * (share if g.family == "experts" else 1.0)
+        flops += 2 * t * ctx * facts.attn_flops_dim * layers / layout.tp
+        act = t * facts.hidden * 2
         comm = 2 * layers * _allreduce_s(act, layout.tp, tp_link)
-        comm += facts.moe_layers / pp * 2 * _alltoall_s(act * facts.experts_per_token, layout.ep, ep_link)
-        return max((weights_read + kv_read) / bandwidth, flops / peak) + comm, comm
+        comm += moe_layers * 2 * _alltoall_s(act * facts.experts_per_token, layout.ep, ep_link)
+        return max((weights_read + n * kv_per_seq) / bandwidth, flops / peak) + comm, comm
 
-    stage, comm = step(micro)
+    def kv_read(dense: int, sparse: int, split: int) -> float:
+        return (dense * ctx + sparse * min(ctx, cache.sparse_topk or ctx)) * load.kv_dtype_bytes / _kv_div(split, layout.tp)
+
+    main_kv = sum(kv_read(cache.dense[i], cache.sparse[i], cache.kv_split[i]) for i in range(cache.layers)) / pp
+    k = load.draft_tokens
+    stage, comm = step(main, micro, k + 1, facts.layers / pp, main_kv, facts.moe_layers / pp)  # decode / verify
+    if k:  # K draft steps through the MTP layer, on the last stage, one row per sequence each
+        mtp_moe = 1 if any(g.family == "experts" for g in draft) else 0
+        d, d_comm = step(draft, micro, 1, 1 / pp, kv_read(cache.draft_dense, cache.draft_sparse, cache.draft_split) / pp,
+                         mtp_moe / pp)
+        stage, comm = stage + k * d, comm + k * d_comm
     p2p = micro * facts.hidden * 2 / (inter.bandwidth_gbs * 1e9) + inter.latency_us * 1e-6 if pp > 1 else 0.0
     round_s = pp * stage + (pp - 1) * p2p
-    accept, verify = (1.6, 1.15) if load.mtp else (1.0, 1.0)  # MTP: tokens per step (assumed), cost of checking them
-    tokens_s = layout.dp * b * accept / (round_s * verify)
+    accept = load.tokens_per_round
+    tokens_s = layout.dp * b * accept / round_s
     p = load.prefill_tokens
-    pre_flops = 2 * p * sum(g.params * (facts.experts_per_token / facts.experts if g.family == "experts" else 1.0)
-                            for g in groups) / layout.tp
+    pre_flops = 2 * p * sum(g.params * (share if g.family == "experts" else 1.0) for g in main) / layout.tp
     pre_flops += 2 * p * min(p, cache.sparse_topk or p) * facts.attn_flops_dim * facts.layers / layout.tp
     pre_comm = 2 * facts.layers * _allreduce_s(p * facts.hidden * 2, layout.tp, tp_link)
     prefill = p / (pre_flops / peak + pre_comm + (pp - 1) * p2p)
-    return Estimate(layout, mem, tokens_s, round_s * verify / accept * 1e3, prefill, comm * pp * 1e3)
+    return Estimate(layout, mem, tokens_s, round_s / accept * 1e3, prefill, comm * pp * 1e3)

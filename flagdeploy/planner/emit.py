@@ -31,7 +31,8 @@ __all__ = ["ENGINES", "EmitError", "Launch", "emit"]
 
 ENGINES_FILE = PROFILES_DIR / "engines.yaml"
 # Names usable in `when` and templates besides the Profile fields (see the engines.yaml header).
-DERIVED = ("engine", "backend", "vendor", "tp_dp", "dp_attention", "served_name", "visible_devices", "device_ids")
+DERIVED = ("engine", "backend", "vendor", "tp_dp", "dp_attention", "served_name", "visible_devices", "device_ids",
+           "num_verify_tokens")
 # Fields that describe where/what runs rather than how: never reported as "not mapped".
 _CONTEXT_ONLY = {"model", "chip", "model_type", "devices", "nodes"}
 _OPS = {"gt": lambda a, b: a is not None and a > b, "ge": lambda a, b: a is not None and a >= b,
@@ -95,6 +96,10 @@ def _spec() -> dict[str, Any]:
     for name, eng in engines.items():
         if unknown := set(eng["flags"]) - names:
             raise ValueError(f"{ENGINES_FILE.name}: engine {name!r} maps unknown fields {sorted(unknown)}")
+        for field_name, fspec in eng["flags"].items():
+            if "via" in fspec and fspec["via"] not in eng["flags"]:
+                raise ValueError(f"{ENGINES_FILE.name}: engine {name!r}: {field_name} is passed via "
+                                 f"{fspec['via']!r}, which it does not map")
     return data
 
 
@@ -120,7 +125,7 @@ def emit(profile: Profile, engine: str) -> Launch:
             continue
         src = f"[{rule['id']}; {rule['source']}]"
         if "reject" in rule:
-            raise EmitError(f"Cannot emit {engine} for chip {prof.chip}: {rule['reject']} {src}")
+            raise EmitError(f"Cannot emit {engine} for chip {prof.chip}: {_render(rule['reject'], ctx, None)} {src}")
         for name, value in (rule.get("set") or {}).items():
             old, default = getattr(prof, name), _default(name)
             if old != value and old != default and "warn" not in rule:
@@ -129,7 +134,7 @@ def emit(profile: Profile, engine: str) -> Launch:
         flag_ops += [(f, v) for f, v in (rule.get("flags") or {}).items()] + [(f, None) for f in rule.get("drop", [])]
         env_extra.update({k: str(v) for k, v in (rule.get("env") or {}).items()})
         if "warn" in rule:
-            warnings.append(f"{rule['warn']} {src}")
+            warnings.append(f"{_render(rule['warn'], ctx, None)} {src}")
 
     ctx = _context(prof, engine, chip)
     flags: dict[str, str | None] = {}  # ordered: flag -> value (None: bare switch)
@@ -169,6 +174,8 @@ _SKIP = object()
 
 def _field_value(fspec: dict, ctx: dict, name: str, engine: str) -> Any:
     """The engine-side value of one mapped field, or _SKIP when nothing is passed for it."""
+    if "via" in fspec:  # passed inside another field's mapping (its templates name this field)
+        return _SKIP
     value = ctx[name]
     when = fspec.get("when")  # not "on": YAML 1.1 reads a bare `on` key as the boolean True
     if when is None:
@@ -184,7 +191,7 @@ def _field_value(fspec: dict, ctx: dict, name: str, engine: str) -> Any:
         if value is None:
             return _SKIP
     if "value_json" in fspec:
-        return json.dumps(fspec["value_json"], separators=(",", ":"))
+        return json.dumps(_render(fspec["value_json"], ctx, value), separators=(",", ":"))
     if "value" in fspec:
         return _render(fspec["value"], ctx, value)
     return value
@@ -199,7 +206,12 @@ def _flag_items(fspec: dict) -> dict[str, Any]:
 
 
 def _render(template: Any, ctx: dict, value: Any) -> Any:
-    """Fill "{name}" from ctx (and "{value}"); a lone placeholder keeps its type (lists, ints for JSON)."""
+    """Fill "{name}" from ctx (and "{value}"); a lone placeholder keeps its type (lists, ints for JSON).
+    Mappings and lists are filled item by item (a JSON flag value such as --speculative-config's)."""
+    if isinstance(template, dict):
+        return {k: _render(v, ctx, value) for k, v in template.items()}
+    if isinstance(template, list):
+        return [_render(v, ctx, value) for v in template]
     if not isinstance(template, str):
         return template
     names = ctx | {"value": value}
@@ -241,6 +253,7 @@ def _context(prof: Profile, engine: str, chip: Any) -> dict[str, Any]:
         "dp_attention": prof.dp > 1 and prof.ep > 1,
         "served_name": prof.served_model_name or Path(prof.model).name or prof.model,
         "visible_devices": ",".join(map(str, range(devices))), "device_ids": [list(range(devices))],
+        "num_verify_tokens": prof.num_speculative_tokens + 1,  # K drafts + the token they follow, per step
     }
 
 

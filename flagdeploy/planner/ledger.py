@@ -5,6 +5,12 @@ dtype (as the checkpoint's quantization_config says, or as a quantize policy wou
 family, a layer, and the way a layout divides it (TP, EP, or replicated on every device). Caches and
 states come from the attention kinds: GQA keys and values per token, glm5_next's MLA latent and DSA
 indexer rows per token (no head axis: TP does not split them), and KDA's fixed-size state per sequence.
+
+Speculative decoding with the model's MTP layer (`plan --mtp`) adds three things, each its own ledger line:
+the MTP layer's weights (`weight_groups(include_mtp=True)`), its own per-token cache (one more MLA latent and
+one more full DSA indexer's key/gate rows, `CacheShape.draft_*`, computed from the config like the main
+layers'), and K more copies of every sequence's KDA state (K+1 state slots per running request, so that a
+rejected draft rolls back by choosing a slot; `speculative_state_slots`).
 """
 
 from __future__ import annotations
@@ -147,6 +153,19 @@ def _nbytes(dtype: str, shape: tuple[int, ...], numel: int, block: tuple[int, in
 
 
 def weight_groups(config: dict, *, policy=None, include_mtp: bool = False) -> list[WeightGroup]:
+    """The checkpoint's weights by (family, dtype, split, layer). As stored (no policy) the result is kept per
+    config: a plan asks twice and a large config's tensor list takes seconds to walk."""
+    if policy is None:
+        return list(_stored_groups(json.dumps(config, sort_keys=True, default=str), include_mtp))
+    return _weight_groups(config, policy, include_mtp)
+
+
+@lru_cache(maxsize=16)
+def _stored_groups(config_json: str, include_mtp: bool) -> tuple[WeightGroup, ...]:
+    return tuple(_weight_groups(json.loads(config_json), None, include_mtp))
+
+
+def _weight_groups(config: dict, policy, include_mtp: bool) -> list[WeightGroup]:
     sums: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
     qc = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
     block = tuple(qc.get("weight_block_size") or (128, 128))
@@ -184,19 +203,54 @@ class CacheShape:
     state_conv: list[int] = field(default_factory=list)
     state_split: list[int] = field(default_factory=list)  # heads TP divides the state by
     sparse_topk: int = 0
+    # the MTP draft layer's own cache per token (`cache_shape(include_mtp=True)`; 0: none): values read over
+    # the whole context / at the selected positions, and the KV heads TP divides it by (0: no head axis)
+    draft_dense: int = 0
+    draft_sparse: int = 0
+    draft_split: int = 0
 
     @property
     def layers(self) -> int:
         return len(self.dense)
 
+    @property
+    def has_draft_layer(self) -> bool:
+        return bool(self.draft_dense or self.draft_sparse)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """The main model's cache per token (the MTP layer's is `draft_kv_bytes_per_token`)."""
         return (sum(self.dense) + sum(self.sparse)) * dtype_bytes
+
+    def draft_kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """The MTP layer's own cache per token: its MLA latent and its DSA indexer rows."""
+        return (self.draft_dense + self.draft_sparse) * dtype_bytes
 
     def state_bytes_per_sequence(self, dtype_bytes: int) -> int:
         return sum(self.state_fp32) * 4 + sum(self.state_conv) * dtype_bytes
 
 
-def cache_shape(config: dict) -> CacheShape:
+def speculative_state_slots(num_speculative_tokens: int) -> int:
+    """Extra linear-attention (KDA) state copies per running sequence under speculative decoding: K.
+
+    A request verifying K drafts owns K+1 state slots, the state after each verified token, and the next
+    step starts from the slot of the last accepted one (vLLM: `spec_state_indices_tensor` [batch, K+1] in
+    `vllm/v1/attention/backends/gdn_attn.py`, shared by GDN and KDA; the conv state is indexed the same way),
+    so K copies beyond the one a plain decode keeps. shared/docs/speculative-multimodal-multinode.md 1.4.
+    SGLang keeps the K+1 in separate intermediate caches beside the main pool, one copy more than this.
+    """
+    return max(0, num_speculative_tokens)
+
+
+def _glm5_layer_cache(c, indexed: bool, indexer_kind: str) -> tuple[int, int]:
+    """(dense, sparse) values per token of one glm5_next attention layer: an indexed (MLA) layer keeps its
+    latent (kv_lora_rank, read at the DSA's selected positions) and, with a full indexer, the indexer's key
+    and pool-gate rows (index_head_dim each, read over the whole context); a KDA layer keeps none."""
+    return (2 * c.index_head_dim if indexed and indexer_kind == "full" else 0), (c.kv_lora_rank if indexed else 0)
+
+
+def cache_shape(config: dict, *, include_mtp: bool = False) -> CacheShape:
+    """include_mtp: also the MTP draft layer's own cache (glm5_next: an MLA + full-indexer layer, like the
+    one `shapes.checkpoint_tensors(include_mtp=True)` adds; other model types have no MTP layer here)."""
     t = text_config(config)
     if config.get("model_type") == "glm5_next":
         from flagdeploy.models.glm5_next import from_hf_config
@@ -205,13 +259,15 @@ def cache_shape(config: dict) -> CacheShape:
         dense, sparse, split, s32, conv, ssplit = [], [], [], [], [], []
         for lt, kind in zip(c.layer_types, c.indexer_types):
             indexed = lt == "indexed_attention"
-            sparse.append(c.kv_lora_rank if indexed else 0)  # the latent, read at the selected positions
-            dense.append(2 * c.index_head_dim if indexed and kind == "full" else 0)  # indexer key + pool gate
+            d, sp = _glm5_layer_cache(c, indexed, kind)
+            sparse.append(sp)  # the latent, read at the selected positions
+            dense.append(d)  # indexer key + pool gate
             split.append(0)
             s32.append(0 if indexed else c.linear_num_heads * c.linear_head_dim ** 2)
             conv.append(0 if indexed else (c.linear_conv_kernel_dim - 1) * 3 * c.linear_num_heads * c.linear_head_dim)
             ssplit.append(0 if indexed else c.linear_num_heads)
-        return CacheShape(dense, sparse, split, s32, conv, ssplit, c.index_topk)
+        draft_dense, draft_sparse = _glm5_layer_cache(c, True, "full") if include_mtp else (0, 0)
+        return CacheShape(dense, sparse, split, s32, conv, ssplit, c.index_topk, draft_dense, draft_sparse, 0)
     heads = t["num_attention_heads"]
     kv = t.get("num_key_value_heads") or heads
     head_dim = t.get("head_dim") or t["hidden_size"] // heads

@@ -36,6 +36,7 @@ class Profile:
     reasoning_parser: str | None = None
     tool_parser: str | None = None
     mtp: bool = False  # multi-token-prediction speculative decoding
+    num_speculative_tokens: int = 3  # K with mtp: drafts verified per sequence and step (serve's flag of that name)
     memory_utilization: float = 0.9
     port: int = 8000
 

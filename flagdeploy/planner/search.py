@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from flagdeploy.chips import Chip, get_chip
 
-from .cost import GIB, Estimate, Layout, Link, ModelFacts, Workload, estimate, interconnects, memory
+from .cost import GIB, Estimate, Layout, Link, ModelFacts, Workload, estimate, interconnects, is_draft_layer, memory
 from .ledger import CacheShape, PlanInputError, WeightGroup, cache_shape, load_config, text_config, weight_groups
 from .profile import Profile
 
@@ -22,7 +22,9 @@ class PlanRequest:
     max_model_len: int = 32768
     concurrency: int = 16
     objective: str = "throughput"  # or latency
-    mtp: bool = False
+    mtp: bool = False  # speculative decoding with the model's multi-token-prediction layer
+    num_speculative_tokens: int = 3  # K, drafts verified per sequence and step (only with mtp; as serve's)
+    acceptance_length: float | None = None  # measured tokens per sequence and round at K (None: cost.acceptance_length)
     policy: str | None = None  # a quantize policy to plan the converted weights with
     layout: Layout | None = None  # evaluate exactly this one
     avg_context: int | None = None  # default: half of max_model_len
@@ -55,6 +57,9 @@ class Plan:
     # when nothing fits: the largest --concurrency at the asked --max-model-len and the longest
     # --max-model-len at the asked --concurrency that do (None: none does), for --json readers
     fits_at: dict[str, int | None] = field(default_factory=dict)
+    # the most sequences of --max-model-len tokens the chosen layout holds (its KV and state capacity)
+    max_sequences: int | None = None
+    max_sequences_without_mtp: int | None = None  # with --mtp: the same layout's capacity without speculation
 
     @property
     def weight_bytes(self) -> int:
@@ -71,7 +76,9 @@ class Plan:
                        tp=e.layout.tp, dp=e.layout.dp, ep=e.layout.ep, pp=e.layout.pp, max_model_len=r.max_model_len,
                        max_num_seqs=max(1, r.concurrency // e.layout.dp),
                        kv_cache_dtype="auto" if r.kv_cache_dtype == "bf16" else r.kv_cache_dtype,
-                       quantization=quantization, mtp=r.mtp, memory_utilization=r.memory_utilization)
+                       quantization=quantization, mtp=r.mtp,
+                       num_speculative_tokens=r.num_speculative_tokens if r.mtp else Profile.num_speculative_tokens,
+                       memory_utilization=r.memory_utilization)
 
 
 def model_facts(config: dict, groups: list[WeightGroup]) -> ModelFacts:
@@ -104,7 +111,8 @@ def candidate_layouts(total: int, facts: ModelFacts) -> list[Layout]:
     return out
 
 
-def rule_violation(layout: Layout, facts: ModelFacts, devices_per_node: int, concurrency: int) -> str | None:
+def rule_violation(layout: Layout, facts: ModelFacts, devices_per_node: int, concurrency: int,
+                   mtp: bool = False) -> str | None:
     tp = layout.tp
     if tp > devices_per_node:
         return f"TP {tp} would cross nodes ({devices_per_node} devices per node): per-layer all-reduces over the network"
@@ -120,6 +128,9 @@ def rule_violation(layout: Layout, facts: ModelFacts, devices_per_node: int, con
         return f"PP {layout.pp} exceeds the {facts.layers} layers"
     if layout.dp > concurrency:
         return f"DP {layout.dp} needs at least {layout.dp} concurrent sequences (--concurrency {concurrency})"
+    if mtp and layout.dp > 1 and layout.ep > 1:  # engines.yaml rule no-mtp-with-dp-attention drops it there
+        return ("--mtp: DP attention (dp > 1 with expert parallelism) turns MTP off in the engines (not validated "
+                "together, shared/docs/glm-5.3-flash.md); use dp=1, or dp replicas without EP")
     return None
 
 
@@ -142,14 +153,16 @@ def _evaluate(req: PlanRequest, chip: Chip, groups, cache, facts, load, layouts)
     intra, inter = _links(chip, req.interconnect)
     fits, rejected = [], []
     for lay in layouts:
-        why = rule_violation(lay, facts, req.devices, req.concurrency)
+        why = rule_violation(lay, facts, req.devices, req.concurrency, req.mtp)
         if why is None:
             est = estimate(groups, cache, facts, chip, lay, load, intra, inter, req.devices)
             m = est.memory
             if m.free < 0:
+                spec = (f", MTP layer KV {_gib(m.mtp_kv_cache)}, KDA draft-state slots {_gib(m.draft_state)}"
+                        if load.mtp else "")
                 why = (f"does not fit: needs {_gib(m.used)} per device (weights {_gib(m.weights)}, KV {_gib(m.kv_cache)}, "
-                       f"linear state {_gib(m.linear_state)}, activations {_gib(m.activations)}, reserve {_gib(m.reserve)}), "
-                       f"has {_gib(m.capacity)}; short by {_gib(-m.free)}")
+                       f"linear state {_gib(m.linear_state)}{spec}, activations {_gib(m.activations)}, "
+                       f"reserve {_gib(m.reserve)}), has {_gib(m.capacity)}; short by {_gib(-m.free)}")
             else:
                 fits.append(est)
         if why is not None:
@@ -166,6 +179,12 @@ def _rank(fits: list[Estimate], objective: str) -> list[Estimate]:
 def make_plan(req: PlanRequest) -> Plan:
     if req.objective not in ("latency", "throughput"):
         raise PlanInputError(f"objective must be latency or throughput, not {req.objective!r}.")
+    if req.num_speculative_tokens < 1:
+        raise PlanInputError(f"num_speculative_tokens (K, drafts per sequence and step) must be at least 1; "
+                             f"got {req.num_speculative_tokens}.")
+    if req.acceptance_length is not None and not 1 <= req.acceptance_length <= req.num_speculative_tokens + 1:
+        raise PlanInputError(f"acceptance length must be between 1 and K+1 = {req.num_speculative_tokens + 1} tokens "
+                             f"per sequence and round; got {req.acceptance_length}.")
     if not 0 < req.memory_utilization <= 1:
         raise PlanInputError(f"memory utilization must be in (0, 1], the share of each device's memory to use; "
                              f"got {req.memory_utilization}.")
@@ -199,12 +218,16 @@ def make_plan(req: PlanRequest) -> Plan:
             notes.append(f"{chip.id} has no FP8 matmuls: planned with the weights converted by policy {policy.name!r} "
                          f"(run `flagdeploy quantize SRC -o DST --chip {chip.id}` first)")
     groups = weight_groups(config, policy=policy, include_mtp=req.mtp)
-    cache = cache_shape(config)
+    cache = cache_shape(config, include_mtp=req.mtp)
     facts = model_facts(config, groups)
+    if req.mtp and not cache.has_draft_layer:
+        notes.append(f"--mtp: no MTP layer is known for model_type {config.get('model_type')!r}: its weights and "
+                     f"cache are not counted; the K={req.num_speculative_tokens} draft steps are costed as LM-head passes")
     kv_bytes = {"bf16": 2, "fp16": 2, "auto": 2, "fp8": 1, "int8": 1}[req.kv_cache_dtype]
     load = Workload(req.max_model_len, req.concurrency, req.avg_context or max(1, req.max_model_len // 2),
                     min(req.max_model_len, 8192), kv_dtype_bytes=kv_bytes, memory_utilization=req.memory_utilization,
-                    mtp=req.mtp)
+                    mtp=req.mtp, num_speculative_tokens=req.num_speculative_tokens,
+                    acceptance_length=req.acceptance_length)
     total = req.devices * req.nodes
     layouts = [req.layout] if req.layout else candidate_layouts(total, facts)
     if req.layout and req.layout.devices != total:
@@ -216,9 +239,35 @@ def make_plan(req: PlanRequest) -> Plan:
                                  and float(r.reason.rsplit("short by ", 1)[1].split()[0])))
     plan = Plan(req, name, config.get("model_type", "?"), chip, groups, cache, load, ranked[0] if ranked else None,
                 ranked[1:4], rejected, notes)
-    if not ranked:
+    if ranked:
+        plan.max_sequences = max_sequences(groups, cache, facts, chip, ranked[0].layout, load)
+        if req.mtp:  # what speculation costs in sequences: the same layout without the MTP layer and its slots
+            plain = [g for g in groups if not is_draft_layer(g, facts.layers)]
+            plan.max_sequences_without_mtp = max_sequences(plain, cache_shape(config), facts, chip, ranked[0].layout,
+                                                           replace(load, mtp=False))
+    else:
         plan.suggestions, plan.fits_at = _suggestions(req, chip, config, groups, cache, facts, load, rejected, policy)
     return plan
+
+
+def max_sequences(groups, cache, facts, chip, layout: Layout, load: Workload) -> int:
+    """The most sequences of `load.max_model_len` tokens that `layout` holds (all replicas together): what its
+    memory left after the weights gives the KV cache and the linear-attention state (with MTP, the MTP
+    layer's cache and the draft-state slots too). 0: not even one per replica."""
+    def fits(per_replica: int) -> bool:
+        return memory(groups, cache, facts, chip, layout, replace(load, concurrency=per_replica * layout.dp)).free >= 0
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 24:
+            return lo * layout.dp
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * layout.dp
 
 
 def _largest_concurrency(groups, cache, facts, chip, load: Workload, legal: list[Layout]) -> int | None:
