@@ -19,12 +19,21 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import NAMES, LiveServer, _free_port, _serve, serve_loaded
 
+from flagdeploy.bench.ab import compare, format_ab
 from flagdeploy.bench.baseline import Answer, compare_answers, split_text
 from flagdeploy.bench.needle import build_haystack, parse_lengths
 from flagdeploy.bench.prefix import server_counters
-from flagdeploy.bench.report import atomic_write
-from flagdeploy.bench.stats import RequestRecord, median_of_rounds, percentile, round_stats, tpot
+from flagdeploy.bench.report import atomic_write, format_speculative
+from flagdeploy.bench.specdecode import SpecScrape, parse_spec, spec_stats
+from flagdeploy.bench.stats import (
+    RequestRecord,
+    median_of_rounds,
+    percentile,
+    round_stats,
+    tpot,
+)
 from flagdeploy.cli import main
+from flagdeploy.engine.speculative import SpeculativeConfig
 
 # ---- metric maths on recorded timestamps --------------------------------------------------------
 
@@ -106,6 +115,113 @@ def test_atomic_write_leaves_no_temp(tmp_path) -> None:
     assert p.read_text() == "a,b\n" and [f.name for f in p.parent.iterdir()] == ["x.csv"]
 
 
+# ---- speculative decoding from /metrics: recorded vLLM and SGLang expositions -------------------
+
+# vLLM v1 (prometheus_client Counters: `_total` samples, `_created` timestamps, model_name and engine
+# labels; two data-parallel engines) before and after a run
+VLLM_BEFORE = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 0.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7531e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 15.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 8.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 2.0
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 0.0
+"""
+VLLM_AFTER = (VLLM_BEFORE
+              .replace('drafts_total{engine="0",model_name="m"} 10.0', 'drafts_total{engine="0",model_name="m"} 60.0')
+              .replace('drafts_total{engine="1",model_name="m"} 0.0', 'drafts_total{engine="1",model_name="m"} 50.0')
+              .replace("} 30.0", "} 330.0").replace("} 15.0", "} 215.0")
+              .replace('position="0"} 8.0', 'position="0"} 88.0').replace('position="1"} 5.0', 'position="1"} 65.0')
+              .replace('position="2"} 2.0', 'position="2"} 62.0'))
+SGLANG = """\
+# HELP sglang:spec_accept_length The average acceptance length of speculative decoding.
+# TYPE sglang:spec_accept_length gauge
+sglang:spec_accept_length{model_name="m"} 2.9
+# HELP sglang:spec_accept_rate The average acceptance rate of speculative decoding.
+# TYPE sglang:spec_accept_rate gauge
+sglang:spec_accept_rate{model_name="m"} 0.633
+# HELP sglang:cache_hit_rate The prefix cache hit rate.
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{model_name="m"} 0.0
+"""
+
+
+def test_acceptance_from_vllm_and_sglang_metrics() -> None:
+    st = spec_stats(parse_spec(VLLM_BEFORE), parse_spec(VLLM_AFTER))
+    assert (st.engine, st.source) == ("vllm", "counters")
+    # deltas summed over both engines; the _created timestamp is not a count
+    assert (st.drafts, st.draft_tokens, st.accepted_tokens) == (100.0, 300.0, 200.0)
+    assert st.acceptance_length == pytest.approx(3.0)  # 1 + 200 / 100
+    assert st.acceptance_rate == pytest.approx(200 / 300)
+    assert st.per_position == pytest.approx([0.8, 0.6, 0.6])  # accepted at i / drafts
+    assert "acceptance length 3.00" in st.describe() and "per position: 0.80 0.60 0.60" in st.describe()
+
+    sg = spec_stats(parse_spec(""), parse_spec(SGLANG))  # gauges: the value after the run, no delta
+    assert (sg.engine, sg.source, sg.acceptance_length, sg.acceptance_rate) == ("sglang", "gauges", 2.9, 0.633)
+    assert sg.drafts is None and "SGLang" in sg.describe()
+
+    # the counters appear after the first read (absent before: counted from zero)
+    assert spec_stats(parse_spec(VLLM_BEFORE.split("# HELP vllm:spec_decode_num_draft_tokens")[0]),
+                      parse_spec(VLLM_AFTER)).accepted_tokens == 215.0
+    assert spec_stats(parse_spec(VLLM_AFTER), parse_spec(VLLM_BEFORE)) is None  # counters went down: restarted
+    no_spec = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 0.0\n"
+    assert spec_stats(parse_spec(no_spec), parse_spec(no_spec)) is None  # nothing known: the rows are left out
+    assert spec_stats(None, parse_spec(VLLM_AFTER)) is None  # no /metrics before the run
+    with pytest.raises(ValueError):
+        parse_spec("this is { not prometheus")
+
+    # the report: a line per concurrency with a value, none for counters that did not move or no metrics
+    still = spec_stats(parse_spec(VLLM_BEFORE), parse_spec(VLLM_BEFORE))
+    assert still.drafts == 0 and still.acceptance_length is None and still.per_position is None
+    lines = format_speculative([{"concurrency": 4, "speculative": st.to_dict()},
+                                {"concurrency": 8, "speculative": still.to_dict()}, {"concurrency": 16}])
+    assert len(lines) == 2 and lines[1].split()[0] == "4" and "acceptance length 3.00" in lines[1]
+    assert format_speculative([{"concurrency": 1}]) == []
+
+
+def test_ab_ratios_and_table() -> None:
+    base = {"concurrency": 1, "ttft_mean": 0.1, "ttft_p99": 0.2, "tpot_mean": 0.02, "tpot_p99": 0.03,
+            "output_throughput": 50.0, "request_throughput": 1.0, "e2e_p99": 1.5, "errors": 0, "from_warmup": False,
+            "throughput_spread": 1.1}
+    a = {**base, "speculative": {"engine": "vllm", "source": "counters", "drafts": 0.0, "acceptance_length": None,
+                                 "acceptance_rate": None, "per_position": None}}
+    b = {**base, "tpot_mean": 0.01, "output_throughput": 100.0, "errors": 2, "throughput_spread": 2.0,
+         "speculative": {"engine": "vllm", "source": "counters", "drafts": 10.0, "acceptance_length": 2.5,
+                         "acceptance_rate": 0.75, "per_position": [0.9, 0.6]}}
+    ratios = compare([a], [b])
+    assert ratios[0]["tpot_mean"] == pytest.approx(0.5) and ratios[0]["output_throughput"] == pytest.approx(2.0)
+    assert ratios[0]["ttft_mean"] == pytest.approx(1.0) and ratios[0]["acceptance_length"] is None  # A has none
+    assert "errors" not in ratios[0]
+    table = format_ab({"label": "off", "base_url": "http://a", "model": "m", "summary": [a]},
+                      {"label": "mtp", "base_url": "http://b", "model": "m", "summary": [b]}, [1])
+    rows = {line[:26].strip(): line[26:].split() for line in table.splitlines() if line[:26].strip()}
+    assert rows["concurrency 1"] == ["off", "(A)", "mtp", "(B)", "B/A"]
+    assert rows["acceptance length"] == ["-", "2.50", "-"]
+    assert rows["accepted at position 1"] == ["-", "60.0%", "-"]
+    assert rows["TPOT mean (ms)"] == ["20.0", "10.0", "0.500x"]
+    assert rows["output tokens/s"] == ["50.00", "100.0", "2.000x"]
+    assert rows["errors"] == ["0", "2", "-"]
+    assert "B: rounds differ 2.0x" in table and "A: the server's speculation counters did not move" in table
+    plain = format_ab({"label": "A", "base_url": "http://a", "model": "m", "summary": [base]},
+                      {"label": "B", "base_url": "http://b", "model": "m", "summary": []}, [1])
+    assert "acceptance length" not in plain and "(B has no finished round at this concurrency)" in plain
+
+
 # ---- against our server -------------------------------------------------------------------------
 
 
@@ -115,6 +231,26 @@ def live() -> LiveServer:
 
     srv = serve_loaded(__import__("flagdeploy.server", fromlist=["create_app"]).create_app(
         lambda: build_engine(max_model_len=1024, kv_cache_memory=256 << 20), NAMES))
+    yield srv
+    srv.stop()
+
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3)
+REPEAT = "one two three four five six seven eight. " * 6  # a prompt the n-gram proposer drafts well from
+
+
+@pytest.fixture(scope="module")
+def ngram(live: LiveServer) -> LiveServer:
+    """A second server, `--speculative ngram`, on the model `live` already loaded (no second load: its own
+    engine, runner and KV cache over the same weights; the tests use one server at a time)."""
+    from dataclasses import replace
+
+    from flagdeploy.engine import AsyncEngine, LLMEngine
+
+    base = live.app.state.engine_slot.engine.engine
+    engine = LLMEngine(base.model, base.tokenizer, replace(base.config, speculative=NGRAM))
+    srv = serve_loaded(__import__("flagdeploy.server", fromlist=["create_app"]).create_app(
+        lambda: AsyncEngine(engine), NAMES), "ngram engine")
     yield srv
     srv.stop()
 
@@ -167,6 +303,10 @@ def test_bench_serve(live: LiveServer, tmp_path) -> None:
         for m in ("ttft", "tpot", "itl", "e2e"):
             assert 0 < s[f"{m}_p50"] <= s[f"{m}_p90"] <= s[f"{m}_p95"] <= s[f"{m}_p99"]
         assert s["ttft_p50"] <= s["e2e_p50"] and s["tpot_p50"] < s["e2e_p50"]
+        # our server always exposes the speculation counters; with speculation off they do not move
+        assert s["speculative"]["engine"] == "flagdeploy" and s["speculative"]["drafts"] == 0
+        assert s["speculative"]["acceptance_length"] is None
+    assert "speculative decoding" not in stdout  # no line for counters that did not move
 
 
 def test_bench_prefix_cache(live: LiveServer, tmp_path) -> None:
@@ -267,7 +407,7 @@ def test_ctrl_c_keeps_what_was_measured(live: LiveServer, tmp_path) -> None:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             # a shell's background job (`cmd &`) starts with SIGINT ignored, and Python then never
                             # raises KeyboardInterrupt: give the bench the default, as a terminal would
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     try:
         # 3 x 400 requests cannot all finish before the interrupt, however slow or busy the machine
         deadline = time.monotonic() + 120
@@ -275,7 +415,7 @@ def test_ctrl_c_keeps_what_was_measured(live: LiveServer, tmp_path) -> None:
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         # writing the outputs imports matplotlib and draws the plots: slow on a busy 2-core machine
-        stdout, stderr = proc.communicate(timeout=180)
+        _, stderr = proc.communicate(timeout=180)
     finally:
         proc.kill()
     assert proc.returncode == 130, stderr
@@ -286,3 +426,65 @@ def test_ctrl_c_keeps_what_was_measured(live: LiveServer, tmp_path) -> None:
     rows = list(csv.DictReader((out / "requests.csv").open()))
     assert rows and all(r["ok"] == "True" for r in rows)
     assert (out / "throughput.png").exists()
+
+
+def test_acceptance_from_our_exposition(ngram: LiveServer) -> None:
+    """The parser on the real text of our server with `--speculative ngram`, against the engine's own counts."""
+    r = httpx.post(f"{ngram.url}/v1/completions", json={"model": NAMES[0], "prompt": REPEAT, "max_tokens": 12,
+                                                         "temperature": 0, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    text = httpx.get(f"{ngram.url}/metrics").text
+    assert "flagdeploy:spec_decode_num_drafts_total " in text  # prometheus_client's counter naming
+    stats = ngram.app.state.engine_slot.engine.engine.stats()
+    st = spec_stats(SpecScrape(), parse_spec(text))
+    assert st.engine == "flagdeploy" and st.drafts == stats["spec_decode_num_drafts"] > 0
+    assert st.draft_tokens == stats["spec_decode_num_draft_tokens"]
+    assert st.accepted_tokens == stats["spec_decode_num_accepted_tokens"]
+    assert st.acceptance_length == pytest.approx(1 + st.accepted_tokens / st.drafts)
+    assert st.per_position == pytest.approx([n / st.drafts for n in stats["spec_decode_num_accepted_tokens_per_pos"]])
+    assert len(st.per_position) == NGRAM.num_speculative_tokens
+
+
+def test_bench_ab(live: LiveServer, ngram: LiveServer, tmp_path) -> None:
+    data = tmp_path / "repeat.jsonl"
+    data.write_text(json.dumps({"prompt": REPEAT}) + "\n" + json.dumps({"prompt": "Count: 1, 2, 3, 1, 2, 3, 1, 2,"}) + "\n")
+    out = tmp_path / "ab" / "ab.json"
+    rc, stdout, stderr = _cli("bench", "ab", "--a", live.url, "--b", f"{ngram.url}/v1", "--label-a", "off",
+                              "--label-b", "ngram", "--model", NAMES[0], "--dataset", str(data), "--concurrency", "1",
+                              "--output-len", "16", "--rounds", "2", "--num-prompts", "1", "--no-progress",
+                              "--output", str(out))
+    assert rc == 0, stderr
+    print(stdout)
+    rows = {line[:26].strip(): line[26:].split() for line in stdout.splitlines() if line[:26].strip()}
+    assert rows["concurrency 1"] == ["off", "(A)", "ngram", "(B)", "B/A"]
+    for label in ("TTFT mean (ms)", "TTFT P99 (ms)", "TPOT mean (ms)", "TPOT P99 (ms)", "output tokens/s",
+                  "requests/s", "E2E P99 (ms)"):
+        a, b, r = rows[label]
+        assert float(r.removesuffix("x")) == pytest.approx(float(b) / float(a), rel=0.02, abs=0.002), label
+    doc = json.loads(out.read_text())
+    assert [f.name for f in out.parent.iterdir()] == ["ab.json"]  # renamed into place, no temp left
+    (sa,), (sb,) = doc["a"]["summary"], doc["b"]["summary"]
+    assert (doc["a"]["label"], doc["b"]["label"], doc["interrupted"]) == ("off", "ngram", False)
+    assert doc["a"]["base_url"] == live.url and doc["b"]["base_url"] == ngram.url
+    # the same load on both: the same prompts (same token counts) and fixed output lengths
+    assert sa["input_tokens"] == sb["input_tokens"] > 0 and sa["output_tokens"] == sb["output_tokens"] == 16
+    assert sa["errors"] == sb["errors"] == 0
+    assert sa["speculative"]["drafts"] == 0 and sa["speculative"]["acceptance_length"] is None
+    spec = sb["speculative"]
+    assert spec["engine"] == "flagdeploy" and spec["drafts"] > 0
+    assert spec["acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["drafts"])
+    assert len(spec["per_position"]) == NGRAM.num_speculative_tokens
+    assert rows["acceptance length"] == ["-", f"{spec['acceptance_length']:.2f}", "-"]
+    (ratios,) = doc["ratios"]
+    assert ratios["output_throughput"] == pytest.approx(sb["output_throughput"] / sa["output_throughput"])
+    assert ratios["tpot_p99"] == pytest.approx(sb["tpot_p99"] / sa["tpot_p99"])
+
+
+def test_bench_ab_checks_both_before_load(live: LiveServer) -> None:
+    before = _completions_served(live.url)
+    port = _free_port()
+    rc, _, stderr = _cli("bench", "ab", "--a", live.url, "--b", f"http://127.0.0.1:{port}", "--model", NAMES[0])
+    assert rc == 1 and f"endpoint B: cannot reach http://127.0.0.1:{port}/v1/models" in stderr
+    rc, _, stderr = _cli("bench", "ab", "--a", live.url, "--b", live.url, "--model-b", "gpt-4o")
+    assert rc == 1 and "endpoint B: the server at" in stderr and "'gpt-4o'" in stderr
+    assert _completions_served(live.url) == before  # A got no load

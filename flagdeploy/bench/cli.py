@@ -11,6 +11,7 @@ import asyncio
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -43,7 +44,8 @@ def _int_list(text: str) -> list[int]:
     return vals
 
 
-def _endpoint_options(f):
+def _client_options(f):
+    """The options of every command but the endpoint URL(s)."""
     f = click.option("--log-level", default="warning", show_default=True,
                      type=click.Choice(["debug", "info", "warning", "error"]))(f)
     f = click.option("--progress/--no-progress", default=None,
@@ -51,14 +53,19 @@ def _endpoint_options(f):
     f = click.option("--api-key", default=None, envvar="FLAGDEPLOY_API_KEY", help="Bearer key, if the server wants one.")(f)
     f = click.option("--model", default=None,
                      help="Served model name (default: the first one /v1/models lists).")(f)
+    return f
+
+
+def _endpoint_options(f):
+    f = _client_options(f)
     f = click.option("--base-url", default="http://127.0.0.1:8000", show_default=True, envvar="FLAGDEPLOY_BASE_URL",
                      help="OpenAI-compatible server, with or without /v1 (ours, vLLM, SGLang, vLLM-Ascend, MindIE).")(f)
     return f
 
 
 def _connect(base_url: str, model: str | None, api_key: str | None, log_level: str, *,
-             stream_check: tuple[str, dict] | None = ("/completions", {})) -> Endpoint:
-    """The checks before load, as one clear error each."""
+             stream_check: tuple[str, dict] | None = ("/completions", {}), side: str = "") -> Endpoint:
+    """The checks before load, as one clear error each (`side`, e.g. "endpoint A: ", starts each message)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         ep = Endpoint(base_url, model or "", api_key)
@@ -69,14 +76,15 @@ def _connect(base_url: str, model: str | None, api_key: str | None, log_level: s
                 if not ep.served_ids:
                     raise
             ep.model = ep.served_ids[0]
-            click.echo(f"model: {ep.model} (the first one {ep.api}/models lists; pass --model to choose)", err=True)
+            click.echo(f"{side}model: {ep.model} (the first one {ep.api}/models lists; pass --model to choose)",
+                       err=True)
         ep.check_model()
         if stream_check is not None:
             path, body = stream_check
             ep.check_streaming(path, ({"model": ep.model, "max_tokens": 2, "stream": True, **body}
                                       if body else None))
     except (BenchError, httpx.HTTPError) as exc:
-        _fail(_why(exc))
+        _fail(side + _why(exc))
     return ep
 
 
@@ -96,40 +104,55 @@ def bench() -> None:
     """Serving benchmarks against any OpenAI-compatible endpoint (docs/bench.md)."""
 
 
-@bench.command("serve")
-@_endpoint_options
-@click.option("--concurrency", "concurrency", default="1,4,8,16,32", show_default=True,
-              help="Comma-separated concurrencies; each gets its own rounds.")
-@click.option("--input-len", default=128, show_default=True, type=click.IntRange(min=1), help="Prompt tokens (random prompts).")
-@click.option("--output-len", default=64, show_default=True, type=click.IntRange(min=1), help="Output tokens per request.")
-@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
-              help="Rounds per concurrency; the first is warm-up and stays out of the summary.")
-@click.option("--num-prompts", default=0, show_default=True, type=click.IntRange(min=0),
-              help="Requests per round (0: 4 x concurrency).")
-@click.option("--dataset", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="JSONL of {\"prompt\": ...} or {\"messages\": [...]} instead of random token prompts.")
-@click.option("--request-rate", default=None, type=click.FloatRange(min=0, min_open=True),
-              help="Poisson arrivals at this many requests/s (capped by the concurrency); default: closed loop.")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--vocab-size", default=32000, show_default=True, type=click.IntRange(min=101),
-              help="Random prompt token ids are drawn from 100..vocab-size-1; keep it within the model's vocabulary.")
-@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
-              help="Ask the server for exactly --output-len tokens (vLLM/SGLang/ours honour ignore_eos).")
-@click.option("--output-dir", default=None, type=click.Path(file_okay=False),
-              help="Where CSV, JSON and plots go (default: bench-results/serve-<time>).")
-@click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
-def bench_serve(base_url, model, api_key, progress, log_level, concurrency, input_len, output_len, rounds, num_prompts,
-                dataset, request_rate, seed, vocab_size, ignore_eos, output_dir, no_plots) -> None:
-    """Load test: TTFT, TPOT, ITL, end-to-end latency and throughput at each concurrency."""
-    from flagdeploy.bench.loadgen import (
-        ServeConfig,
-        ServeResults,
-        dataset_prompts,
-        random_prompts,
-        run_serve,
-    )
-    from flagdeploy.bench.report import format_table, write_serve_outputs
-    from flagdeploy.bench.stats import median_of_rounds
+def _load_options(f):
+    """The load of `bench serve`, shared with `bench ab` (which runs it on both sides)."""
+    f = click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
+                     help="Ask the server for exactly --output-len tokens (vLLM/SGLang/ours honour ignore_eos).")(f)
+    f = click.option("--vocab-size", default=32000, show_default=True, type=click.IntRange(min=101),
+                     help="Random prompt token ids are drawn from 100..vocab-size-1; keep it within the model's "
+                          "vocabulary.")(f)
+    f = click.option("--seed", default=0, show_default=True, type=int)(f)
+    f = click.option("--request-rate", default=None, type=click.FloatRange(min=0, min_open=True),
+                     help="Poisson arrivals at this many requests/s (capped by the concurrency); default: closed "
+                          "loop.")(f)
+    f = click.option("--dataset", default=None, type=click.Path(exists=True, dir_okay=False),
+                     help="JSONL of {\"prompt\": ...} or {\"messages\": [...]} instead of random token prompts.")(f)
+    f = click.option("--num-prompts", default=0, show_default=True, type=click.IntRange(min=0),
+                     help="Requests per round (0: 4 x concurrency).")(f)
+    f = click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
+                     help="Rounds per concurrency; the first is warm-up and stays out of the summary.")(f)
+    f = click.option("--output-len", default=64, show_default=True, type=click.IntRange(min=1),
+                     help="Output tokens per request.")(f)
+    f = click.option("--input-len", default=128, show_default=True, type=click.IntRange(min=1),
+                     help="Prompt tokens (random prompts).")(f)
+    f = click.option("--concurrency", "concurrency", default="1,4,8,16,32", show_default=True,
+                     help="Comma-separated concurrencies; each gets its own rounds.")(f)
+    return f
+
+
+@dataclass
+class _Load:
+    """The load both `bench serve` and `bench ab` send: the same prompts (deterministic in the seed) in
+    the same order with the same arrivals, however often it is run."""
+
+    levels: list[int]
+    cfg: object  # loadgen.ServeConfig
+    make: object  # n -> list[Prompt]
+    check: tuple[str, dict]  # the streaming check: path and body of a request shaped like the load's
+    dataset: str | None
+    input_len: int
+    output_len: int
+
+    def config(self) -> dict:
+        c = self.cfg
+        return {"concurrency": self.levels, "input_len": None if self.dataset else self.input_len,
+                "output_len": self.output_len, "rounds": c.rounds, "num_prompts": c.num_prompts,
+                "dataset": self.dataset, "request_rate": c.request_rate, "seed": c.seed, "ignore_eos": c.ignore_eos}
+
+
+def _load(concurrency, input_len, output_len, rounds, num_prompts, dataset, request_rate, seed, vocab_size,
+          ignore_eos) -> _Load:
+    from flagdeploy.bench.loadgen import ServeConfig, dataset_prompts, random_prompts
 
     levels = _int_list(concurrency)
     cfg = ServeConfig(concurrencies=levels, rounds=rounds, num_prompts=num_prompts, request_rate=request_rate,
@@ -137,45 +160,129 @@ def bench_serve(base_url, model, api_key, progress, log_level, concurrency, inpu
     try:
         if dataset:
             sample = dataset_prompts(dataset, 1, output_len, seed)[0]
-            make = lambda n: dataset_prompts(dataset, n, output_len, seed)  # noqa: E731
+            make = lambda n: dataset_prompts(dataset, n, output_len, seed)
         else:
             sample = None
-            make = lambda n: random_prompts(n, input_len, output_len, seed, vocab_size)  # noqa: E731
+            make = lambda n: random_prompts(n, input_len, output_len, seed, vocab_size)
     except (BenchError, httpx.HTTPError) as exc:
         _fail(_why(exc))
     check = (("/chat/completions", {"messages": sample.messages}) if sample and sample.messages is not None
              else ("/completions", {"prompt": sample.prompt if sample else [100] * 4}))
-    ep = _connect(base_url, model, api_key, log_level, stream_check=None)
-    if not dataset and ep.max_model_len and input_len + output_len > ep.max_model_len:
-        _fail(f"--input-len {input_len} + --output-len {output_len} exceeds the server's max_model_len "
-              f"{ep.max_model_len}; shorten them.")
-    try:
-        ep.check_streaming(check[0], {"model": ep.model, "max_tokens": 2, "stream": True, **check[1]})
-    except (BenchError, httpx.HTTPError) as exc:
-        _fail(_why(exc))
     if rounds == 1:
         click.echo("warning: --rounds 1 has only the warm-up round; the summary will include warm-up effects.", err=True)
-    out = Path(output_dir or f"bench-results/serve-{time.strftime('%Y%m%d-%H%M%S')}")
+    return _Load(levels, cfg, make, check, dataset, input_len, output_len)
+
+
+def _ready_for_load(ep: Endpoint, load: _Load, side: str = "") -> None:
+    """The prompts fit the server's context window, and it streams a request shaped like the load's."""
+    if not load.dataset and ep.max_model_len and load.input_len + load.output_len > ep.max_model_len:
+        _fail(f"{side}--input-len {load.input_len} + --output-len {load.output_len} exceeds the server's "
+              f"max_model_len {ep.max_model_len}; shorten them.")
+    try:
+        ep.check_streaming(load.check[0], {"model": ep.model, "max_tokens": 2, "stream": True, **load.check[1]})
+    except (BenchError, httpx.HTTPError) as exc:
+        _fail(side + _why(exc))
+
+
+def _measure(ep: Endpoint, load: _Load, progress: bool | None):
+    """Run the load against `ep`: the results (`interrupted` set when Ctrl-C stopped it)."""
+    from flagdeploy.bench.loadgen import ServeResults, run_serve
+
     results = ServeResults()
-    interrupted = _run_async(lambda: run_serve(ep, make, cfg, results, progress=progress))
-    results.interrupted = interrupted
+    results.interrupted = _run_async(lambda: run_serve(ep, load.make, load.cfg, results, progress=progress))
+    return results
+
+
+def _error_lines(results, side: str = "") -> None:
+    for e in sorted({r.error for r in results.records if r.error})[:5]:
+        click.echo(f"{side}request error: {e}", err=True)
+
+
+@bench.command("serve")
+@_endpoint_options
+@_load_options
+@click.option("--output-dir", default=None, type=click.Path(file_okay=False),
+              help="Where CSV, JSON and plots go (default: bench-results/serve-<time>).")
+@click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
+def bench_serve(base_url, model, api_key, progress, log_level, concurrency, input_len, output_len, rounds, num_prompts,
+                dataset, request_rate, seed, vocab_size, ignore_eos, output_dir, no_plots) -> None:
+    """Load test: TTFT, TPOT, ITL, end-to-end latency and throughput at each concurrency, and speculative
+    decoding's acceptance length where the server's /metrics counts it."""
+    from flagdeploy.bench.report import format_table, write_serve_outputs
+
+    load = _load(concurrency, input_len, output_len, rounds, num_prompts, dataset, request_rate, seed, vocab_size,
+                 ignore_eos)
+    ep = _connect(base_url, model, api_key, log_level, stream_check=None)
+    _ready_for_load(ep, load)
+    out = Path(output_dir or f"bench-results/serve-{time.strftime('%Y%m%d-%H%M%S')}")
+    results = _measure(ep, load, progress)
     if not results.rounds:
         _fail("interrupted before any request finished; nothing was written")
-    summaries = []
-    for c in levels:
-        rs = [r for r in results.rounds if r.concurrency == c]
-        if rs:
-            summaries.append(median_of_rounds(rs))
-    config = {"base_url": ep.base_url, "model": ep.model, "concurrency": levels, "input_len": None if dataset else input_len,
-              "output_len": output_len, "rounds": rounds, "num_prompts": num_prompts, "dataset": dataset,
-              "request_rate": request_rate, "seed": seed, "ignore_eos": ignore_eos, "time": time.time()}
+    summaries = results.summaries(load.levels)
+    config = {"base_url": ep.base_url, "model": ep.model, **load.config(), "time": time.time()}
     paths = write_serve_outputs(out, config=config, rounds=results.rounds, records=results.records,
-                                summaries=summaries, interrupted=interrupted, plots=not no_plots)
+                                summaries=summaries, interrupted=results.interrupted, plots=not no_plots)
     click.echo(format_table(summaries, results.rounds))
-    errs = sorted({r.error for r in results.records if r.error})
-    for e in errs[:5]:
-        click.echo(f"request error: {e}", err=True)
+    _error_lines(results)
     click.echo("wrote: " + ", ".join(str(p) for p in paths.values()))
+    if results.interrupted:
+        sys.exit(130)
+
+
+@bench.command("ab")
+@click.option("--a", "url_a", required=True, metavar="URL",
+              help="Endpoint A, the reference (e.g. speculation off), with or without /v1.")
+@click.option("--b", "url_b", required=True, metavar="URL",
+              help="Endpoint B, the same deployment with one thing changed (e.g. --speculative mtp).")
+@click.option("--label-a", default="A", show_default=True, help="Name of A in the table and the JSON, e.g. off.")
+@click.option("--label-b", default="B", show_default=True, help="Name of B in the table and the JSON, e.g. mtp.")
+@click.option("--model-a", default=None, help="Model name on A (default: --model, else A's first listed model).")
+@click.option("--model-b", default=None, help="Model name on B (default: --model, else B's first listed model).")
+@_client_options
+@_load_options
+@click.option("--output", default=None, type=click.Path(dir_okay=False),
+              help="Also write both results and the B/A ratios as JSON.")
+def bench_ab(url_a, url_b, label_a, label_b, model_a, model_b, model, api_key, progress, log_level, concurrency,
+             input_len, output_len, rounds, num_prompts, dataset, request_rate, seed, vocab_size, ignore_eos,
+             output) -> None:
+    """A/B: the same load (prompts, order, seed, arrivals) against A, then B; one table side by side with
+    the B/A ratio: acceptance length where the servers expose it, TTFT, TPOT, throughput, E2E P99.
+
+    One server with two configurations: start it twice, on two ports (docs/bench.md)."""
+    from flagdeploy.bench.ab import compare, format_ab
+    from flagdeploy.bench.report import write_json
+
+    load = _load(concurrency, input_len, output_len, rounds, num_prompts, dataset, request_rate, seed, vocab_size,
+                 ignore_eos)
+    # both endpoints are checked before either gets any load: a typo in B fails now, not after A's run
+    ep_a = _connect(url_a, model_a or model, api_key, log_level, stream_check=None, side="endpoint A: ")
+    ep_b = _connect(url_b, model_b or model, api_key, log_level, stream_check=None, side="endpoint B: ")
+    if ep_a.base_url == ep_b.base_url:
+        click.echo(f"warning: A and B are the same endpoint ({ep_a.base_url}): this measures run-to-run noise. "
+                   f"To compare two configurations of one server, start it twice on two ports.", err=True)
+    _ready_for_load(ep_a, load, "endpoint A: ")
+    _ready_for_load(ep_b, load, "endpoint B: ")
+    sides = {}
+    for key, label, ep in (("a", label_a, ep_a), ("b", label_b, ep_b)):
+        click.echo(f"running {key.upper()} ({label}): {ep.base_url}", err=True)
+        res = _measure(ep, load, progress)
+        sides[key] = {"label": label, "base_url": ep.base_url, "model": ep.model, "interrupted": res.interrupted,
+                      "summary": res.summaries(load.levels), "rounds": [r.flat() for r in res.rounds],
+                      "error_messages": sorted({r.error for r in res.records if r.error})[:20]}
+        _error_lines(res, f"{key.upper()}: ")
+        if res.interrupted:
+            break
+    side_b = sides.get("b") or {"label": label_b, "base_url": ep_b.base_url, "model": ep_b.model, "interrupted": True,
+                                "summary": [], "rounds": [], "error_messages": []}
+    if not sides["a"]["rounds"]:
+        _fail("interrupted before any request finished; nothing was written")
+    click.echo(format_ab(sides["a"], side_b, load.levels))
+    interrupted = sides["a"]["interrupted"] or side_b["interrupted"]
+    if output:
+        path = write_json(output, {"config": {**load.config(), "time": time.time()}, "interrupted": interrupted,
+                                   "a": sides["a"], "b": side_b,
+                                   "ratios": compare(sides["a"]["summary"], side_b["summary"])})
+        click.echo(f"wrote: {path}")
     if interrupted:
         sys.exit(130)
 

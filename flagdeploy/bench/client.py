@@ -54,6 +54,25 @@ class Endpoint:
         limits = httpx.Limits(max_connections=connections + 4, max_keepalive_connections=connections + 4)
         return httpx.AsyncClient(headers=self.headers, timeout=self.timeout, limits=limits)
 
+    @property
+    def root(self) -> str:
+        """The server root (`base_url` without `/v1`), where /metrics, /health and /ready live."""
+        return self.base_url
+
+    def metrics_text(self, timeout: float = 30) -> str | None:
+        """The Prometheus text of `GET {root}/metrics`, or None when there is none (no such route, an
+        error status, an unreachable server): every /metrics reader here treats that as "not exposed"."""
+        url = f"{self.root}/metrics"
+        try:
+            r = httpx.get(url, headers=self.headers, timeout=min(self.timeout, timeout))
+        except httpx.HTTPError as exc:
+            log.warning("cannot read %s: %s: %s", url, exc.__class__.__name__, exc)
+            return None
+        if r.status_code != 200:
+            log.info("%s answered HTTP %d: no server metrics", url, r.status_code)
+            return None
+        return r.text
+
     # ---- checks before load ---------------------------------------------------------------------
 
     def check_model(self) -> None:

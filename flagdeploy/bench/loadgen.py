@@ -7,6 +7,10 @@ arrive as a Poisson process (seeded) and the concurrency is a cap on those in fl
 Every (concurrency, round) gets the same prompts, so rounds differ only in the server's state: the
 first round pays one-time costs (graph capture, compilation of a new shape, cache allocation) and is
 reported apart as warm-up, never folded into the summary.
+
+Around the measured rounds of each concurrency the server's /metrics is read (where it has one), so the
+summary can carry what the server counted over exactly those rounds: speculative decoding's acceptance
+length and rates (`specdecode`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ from pathlib import Path
 import httpx
 
 from flagdeploy.bench.client import BenchError, Endpoint, stream_request
-from flagdeploy.bench.stats import RequestRecord, RoundStats, round_stats
+from flagdeploy.bench.specdecode import SpecStats, read_spec, spec_stats
+from flagdeploy.bench.stats import (
+    RequestRecord,
+    RoundStats,
+    median_of_rounds,
+    round_stats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +105,7 @@ class ServeConfig:
     request_rate: float | None = None
     seed: int = 0
     ignore_eos: bool = True
+    server_metrics: bool = True  # read /metrics around the measured rounds of each concurrency
 
     def prompts_for(self, concurrency: int) -> int:
         return self.num_prompts or max(4 * concurrency, 1)
@@ -108,6 +119,20 @@ class ServeResults:
     rounds: list[RoundStats] = field(default_factory=list)
     records: list[RequestRecord] = field(default_factory=list)
     interrupted: bool = False
+    spec: dict[int, SpecStats] = field(default_factory=dict)  # by concurrency, where the server exposes it
+
+    def summaries(self, concurrencies: list[int]) -> list[dict]:
+        """One summary per concurrency that has rounds: the median of its measured rounds
+        (`stats.median_of_rounds`), plus `speculative` (a `SpecStats` dict) where the server counted it."""
+        out = []
+        for c in concurrencies:
+            rs = [r for r in self.rounds if r.concurrency == c]
+            if rs:
+                summary = median_of_rounds(rs)
+                if c in self.spec:
+                    summary["speculative"] = self.spec[c].to_dict()
+                out.append(summary)
+        return out
 
 
 async def _one(client: httpx.AsyncClient, ep: Endpoint, p: Prompt, rec: RequestRecord, ignore_eos: bool) -> None:
@@ -178,12 +203,22 @@ async def run_serve(ep: Endpoint, make_prompts: Callable[[int], list[Prompt]], c
     from tqdm import tqdm
 
     total = sum(cfg.prompts_for(c) * cfg.rounds for c in cfg.concurrencies)
+    metrics = cfg.server_metrics  # off for good once the server shows it has no readable /metrics
     with tqdm(total=total, unit="req", desc="bench serve", disable=_tqdm_disable(progress), leave=False) as bar:
         for c in cfg.concurrencies:
             prompts = make_prompts(cfg.prompts_for(c))
+            before = None
             for rnd in range(cfg.rounds):
+                # the server's counters cover the rounds the summary uses: after warm-up (unless it is the only one)
+                if metrics and rnd == min(1, cfg.rounds - 1):
+                    before = await asyncio.to_thread(read_spec, ep)
+                    metrics = before is not None
                 bar.set_postfix_str(f"concurrency {c} round {rnd}{' (warm-up)' if rnd == 0 else ''}")
                 stats = await run_round(ep, prompts, c, rnd, cfg, results, on_done=lambda: bar.update(1))
                 log.info("concurrency %d round %d: %d ok, %d errors, %.1f tok/s", c, rnd, stats.completed,
                          stats.errors, stats.output_throughput)
+            if before is not None:
+                spec = spec_stats(before, await asyncio.to_thread(read_spec, ep))
+                if spec is not None:
+                    results.spec[c] = spec
     return results

@@ -32,23 +32,20 @@ COUNTERS = (("flagdeploy", "flagdeploy:prefix_cache_hits", "flagdeploy:prefix_ca
             ("vllm", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"))
 GAUGES = (("vllm (v0)", "vllm:gpu_prefix_cache_hit_rate"), ("sglang", "sglang:cache_hit_rate"))
 
-WORDS = ("river mountain lantern copper violet harbor meadow glacier ember orchard falcon canyon willow "
-         "saffron quartz tundra beacon cobalt prairie summit thistle marble cedar lagoon aurora basalt").split()
+WORDS = ("river", "mountain", "lantern", "copper", "violet", "harbor", "meadow", "glacier", "ember", "orchard",
+         "falcon", "canyon", "willow", "saffron", "quartz", "tundra", "beacon", "cobalt", "prairie", "summit",
+         "thistle", "marble", "cedar", "lagoon", "aurora", "basalt")
 
 
 def scrape(ep: Endpoint) -> dict[str, float] | None:
     """Sum of every sample of every family on /metrics, by sample name (labels such as model or engine
     index summed away); None when there is no /metrics."""
-    try:
-        r = httpx.get(f"{ep.base_url}/metrics", headers=ep.headers, timeout=30)
-    except httpx.HTTPError as exc:
-        log.warning("cannot read %s/metrics: %s", ep.base_url, exc)
-        return None
-    if r.status_code != 200:
+    text = ep.metrics_text()
+    if text is None:
         return None
     values: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(r.text):
+        for family in text_string_to_metric_families(text):
             for s in family.samples:
                 values[s.name] = values.get(s.name, 0.0) + s.value
     except ValueError as exc:

@@ -14,6 +14,7 @@ import os
 import uuid
 from pathlib import Path
 
+from flagdeploy.bench.specdecode import SpecStats
 from flagdeploy.bench.stats import RequestRecord, RoundStats
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,23 @@ def format_table(summaries: list[dict], rounds: list[RoundStats]) -> str:
                          f"{_ms(r.ttft['p50']):>9} {_ms(r.ttft['p90']):>8} {_ms(r.ttft['p99']):>8} "
                          f"{_ms(r.tpot['p50']):>9} {_ms(r.tpot['p90']):>8} {_ms(r.tpot['p99']):>8} "
                          f"{_ms(r.itl['p50']):>8} {_ms(r.e2e['p50']):>9} {_ms(r.e2e['p99']):>9} {r.errors:>4}")
+    lines += format_speculative(summaries)
     return "\n".join(lines)
+
+
+def format_speculative(summaries: list[dict]) -> list[str]:
+    """Speculative decoding per concurrency, as the server's /metrics counted it; no lines at all when the
+    server exposes none of the known metrics (docs/bench.md)."""
+    # counters that did not move (ours exposes them with speculation off) say nothing worth a line here;
+    # summary.json keeps them, and `bench ab` notes them
+    rows = [s for s in summaries if (spec := s.get("speculative")) and (spec["source"] == "gauges" or spec["drafts"])]
+    if not rows:
+        return []
+    engines = sorted({s["speculative"]["engine"] for s in rows})
+    lines = [f"speculative decoding (the server's /metrics, {', '.join(engines)}; over the rounds of the summary):"]
+    for s in rows:
+        lines.append(f"{s['concurrency']:>5} {SpecStats(**s['speculative']).describe()}")
+    return lines
 
 
 def write_serve_outputs(out_dir: Path, *, config: dict, rounds: list[RoundStats], records: list[RequestRecord],

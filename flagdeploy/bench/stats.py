@@ -13,6 +13,7 @@ Definitions (the ones vLLM's and SGLang's benchmark scripts use, so numbers comp
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ def tpot(ttft: float, e2e: float, output_tokens: int) -> float | None:
 
 
 def inter_token_latencies(chunk_times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+    return [b - a for a, b in itertools.pairwise(chunk_times)]
 
 
 def percentile(values: list[float], q: float) -> float | None:
