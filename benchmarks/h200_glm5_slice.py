@@ -92,10 +92,15 @@ def copy_bandwidth(device: str) -> float:
 # ---- the two models on the same weights ----------------------------------------------------------------
 
 
-def build_ours(text: dict, dtype: torch.dtype, device: str, seed: int = 0) -> Glm5NextForCausalLM:
+def build_ours(text: dict, dtype: torch.dtype, device: str, seed: int = 0, head: bool = False,
+               mtp: bool = False) -> Glm5NextForCausalLM:
+    """head: keep a random LM head (else an identity: the final normed hidden states come out);
+    mtp: attach the multi-token-prediction draft layer, random too (benchmarks/h200_glm5_speculative.py)."""
     cfg = from_hf_config({"model_type": "glm5_next_text", **text})
     with torch.device(device):
         model = Glm5NextForCausalLM(cfg, dtype).eval()
+        if mtp:
+            model.attach_mtp()
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def draw(shape, like_dtype):  # drawn in float32 whatever the dtype: a bf16 build is the float32 one rounded
@@ -109,11 +114,12 @@ def build_ours(text: dict, dtype: torch.dtype, device: str, seed: int = 0) -> Gl
                 for chunk in p if p.dim() > 2 else [p]:  # expert banks a slice at a time
                     chunk.copy_(draw(chunk.shape, p.dtype))
         for m in model.modules():
-            if isinstance(m, Linear) and m is not model.lm_head:
+            if isinstance(m, Linear) and (head or m is not model.lm_head):
                 m._pending.clear()
                 m.weight = draw((m.out_features, m.in_features), m.dtype)
                 m.bias = torch.zeros(m.out_features, dtype=m.dtype, device=device) if m.has_bias else None
-    model.lm_head = nn.Identity()  # no LM head: forward_packed returns the final normed hidden states
+    if not head:
+        model.lm_head = nn.Identity()  # no LM head: forward_packed returns the final normed hidden states
     return model
 
 

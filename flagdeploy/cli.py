@@ -146,7 +146,8 @@ def main() -> None:
 @click.option("--speculative", default=None, type=click.Choice(["off", "ngram", "mtp"]),
               help="Speculative decoding in the builtin engine (default off). ngram: prompt-lookup drafts, verified in "
                    "one step, exact for greedy requests; pays for a few streams whose answers repeat their input "
-                   "(edits, code, RAG), not for large batches (docs/speculative.md). mtp: not built yet.")
+                   "(edits, code, RAG), not for large batches (docs/speculative.md). mtp: the checkpoint's own "
+                   "multi-token-prediction layer drafts (GLM-5.3-Flash; --tp 1 --ep 1).")
 @click.option("--num-speculative-tokens", default=None, type=click.IntRange(1, 15),
               help="Draft tokens verified per sequence and step (K; default 3).")
 @click.option("--speculative-config", "speculative_config", default=None, metavar="JSON",
@@ -188,14 +189,14 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     if spec.enabled and not builtin:
         _fail("--speculative/--speculative-config apply to the builtin engine; for --engine/--upstream/--config give "
               "the engine's own speculative flags there")
-    if spec.method == "mtp":
-        _fail("--speculative mtp (the model's own multi-token-prediction layer) is not built yet in the builtin "
-              "engine; use --speculative ngram, or --engine vllm/sglang for MTP")
     if profile_file and builtin:
         (model, chip, port, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, served_names, tp, ep,
-         dp) = _from_profile(ctx, profile_file, model=model, chip=chip, port=port, max_model_len=max_model_len,
-                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             block_size=block_size, served_names=served_names, tp=tp, ep=ep, dp=dp)
+         dp, profile_spec) = _from_profile(ctx, profile_file, model=model, chip=chip, port=port,
+                                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                                           served_names=served_names, tp=tp, ep=ep, dp=dp)
+        if not spec.enabled and speculative is None and speculative_config is None:
+            spec = profile_spec  # the plan's `--mtp`, unless the command line says otherwise
     # ---- --dp: data-parallel replicas of the builtin engine behind the gateway (flagdeploy/gateway/replicas.py)
     if dp > 1:
         if not builtin:
@@ -391,9 +392,12 @@ def _from_profile(ctx, path: str, **given):
     pick = lambda name, value: given[name] if explicit(name) else value  # noqa: E731
     names = given["served_names"] if explicit("served_names") else ((prof.served_model_name,) if prof.served_model_name else ())
     tp, ep, dp = _engine_layout(prof.tp, prof.ep, prof.dp)
+    from flagdeploy.engine.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="mtp" if prof.mtp else "off", num_speculative_tokens=prof.num_speculative_tokens)
     return (pick("model", prof.model), pick("chip", backend), pick("port", prof.port), pick("max_model_len", prof.max_model_len),
             pick("max_num_seqs", prof.max_num_seqs), pick("max_num_batched_tokens", prof.max_num_batched_tokens),
-            pick("block_size", prof.block_size), names, pick("tp", tp), pick("ep", ep), pick("dp", dp))
+            pick("block_size", prof.block_size), names, pick("tp", tp), pick("ep", ep), pick("dp", dp), spec)
 
 
 def _engine_layout(tp: int, ep: int, dp: int) -> tuple[int, int, int]:

@@ -41,3 +41,54 @@ def graphs_serve_every_batch(monkeypatch):
     from flagdeploy.engine.compiled_step import CompiledDecode
 
     monkeypatch.setattr(CompiledDecode, "_graph_wins", lambda self, n, repeats=3: True)
+
+
+def generate_with_an_abort(engine, prompts: list[list[int]], params, victim: list[int], abort_at: int,
+                           victim_params=None) -> list[list[int]]:
+    """Run `prompts` to completion together with one more request, `victim` (`victim_params`, default
+    `params`), aborted after `abort_at` steps (mid-generation, while the others speculate); returns the
+    prompts' output ids in order."""
+    engine.add_request("victim", victim, victim_params or params)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    got: dict[str, list[int]] = {rid: [] for rid in ids}
+    steps = 0
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id in got:
+                got[out.request_id].extend(out.token_ids)
+        steps += 1
+        if steps == abort_at:
+            engine.abort("victim")
+    return [got[r] for r in ids]
+
+
+class ReplayedGraph:
+    """A CUDA graph's stand-in on the CPU: `replay` runs the captured step again on the same static input
+    buffers and copies its results into the captured outputs, as a replayed graph leaves them. Everything
+    around the capture (buckets, padding rows, the wave layout, reading the rows back) is the real code."""
+
+    def __init__(self, forward, out):
+        self.forward, self.out = forward, out
+
+    def replay(self):
+        new = self.forward()
+        for o, n in zip(*((self.out, new) if isinstance(self.out, tuple) else ((self.out,), (new,)))):
+            o.copy_(n)
+
+
+def graphs_on_the_cpu(engine, monkeypatch):
+    """Give the engine's runner the decode and verify graphs a GPU runner has, replayed by `ReplayedGraph`."""
+    from flagdeploy.engine.cuda_graphs import DecodeGraphs
+
+    def capture(self, b, w):
+        out = self._forward(b, w)
+        self.graphs[(b, w)] = (ReplayedGraph(lambda: self._forward(b, w), out), out)
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    r, config = engine.runner, engine.config
+    width, rows = -(-config.max_model_len // config.block_size), config.max_num_seqs * r.group
+    r.graphs = DecodeGraphs(r._decode, "cpu", config.max_num_seqs, width, config.block_size, r.scratch_block, rows)
+    r.verify_graphs = DecodeGraphs(r._verify, "cpu", config.max_num_seqs, width, config.block_size, r.scratch_block,
+                                   rows, depth=r.group)

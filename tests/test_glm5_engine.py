@@ -53,11 +53,11 @@ def test_engine_greedy_matches_transformers(glm_dir, budget, blocks):
         chip="cpu", progress=False)
     assert engine.stats()["kv_blocks_total"] == blocks
     decode, decoded = engine.model.forward_decode, []
-    engine.model.forward_decode = lambda ids, *pools_and_rows: decoded.append(len(ids)) or decode(ids, *pools_and_rows)
+    engine.model.forward_decode = lambda ids, *args, **kw: decoded.append(len(ids)) or decode(ids, *args, **kw)
     got = engine.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
     assert got == want
     assert decoded and max(decoded) > 1  # steps of decodes only ran batched, through the state rows
-    assert engine.runner.state_row == {}  # every sequence gave its state row back when it finished
+    assert engine.runner.state_rows == {}  # every sequence gave its state row back when it finished
     if blocks == 12:
         assert engine.stats()["preemptions"] > 0
     assert engine.stats()["prefix_cache_hit_tokens"] == 0  # KDA state is never resumed from shared blocks

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_engine
+from conftest import generate_with_an_abort, make_engine
 
 from flagdeploy.engine import SamplingParams
 from flagdeploy.engine.speculative import (
@@ -77,7 +77,7 @@ def test_config_parsing_and_refusals():
         SpeculativeConfig(method="ngram", prompt_lookup_min=4, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="needs a method"):
         SpeculativeConfig.parse(None, 3, None)
-    with pytest.raises(ValueError, match="not built yet"):
+    with pytest.raises(ValueError, match="MTP draft layer"):  # a model without one (tests/test_mtp.py: with one)
         build_proposer(SpeculativeConfig(method="mtp"))
 
 
@@ -110,20 +110,8 @@ def test_batched_prefix_hit_and_abort_give_the_same_tokens(spec_engine, referenc
     spec = spec_engine
     prompts = [_ids(spec, q) for q in QUESTIONS]
     # an extra request in the batch, aborted after a few steps while the others speculate
-    spec.add_request("victim", _ids(spec, "Write a long story about a dragon."), GREEDY)
-    ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        spec.add_request(rid, p, GREEDY)
-    got = {rid: [] for rid in ids}
-    steps = 0
-    while spec.has_work():
-        for out in spec.step():
-            if out.request_id in got:
-                got[out.request_id].extend(out.token_ids)
-        steps += 1
-        if steps == 4:
-            spec.abort("victim")
-    assert [got[r] for r in ids] == reference
+    victim = _ids(spec, "Write a long story about a dragon.")
+    assert generate_with_an_abort(spec, prompts, GREEDY, victim, abort_at=4) == reference
     stats = spec.stats()
     assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["generation_tokens"] < stats["steps"] * len(prompts) + 40  # sanity: counted once each
@@ -157,7 +145,7 @@ def test_preemption_gives_the_same_tokens(default_model, reference):
     _assert_no_leaks(tight)
 
 
-def test_sampled_requests_run_unspeculated_beside_greedy_ones(spec_engine, llm_engine, reference):
+def test_seeded_sampled_requests_beside_greedy_ones_give_their_unspeculated_tokens(spec_engine, llm_engine, reference):
     spec, plain = spec_engine, llm_engine
     sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
     p = _ids(spec, QUESTIONS[1])
@@ -190,16 +178,3 @@ def test_metrics_export_the_counters(spec_engine):
     per_pos = metrics["flagdeploy:spec_decode_num_accepted_tokens_per_pos"].samples
     assert [s.labels["position"] for s in per_pos] == ["0", "1", "2", "3"]
     assert sum(s.value for s in per_pos) == spec.stats()["spec_decode_num_accepted_tokens"]
-
-
-def test_sequence_state_models_refuse_speculation():
-    """glm5_next (KDA state) has no per-draft state slots yet: asking for speculation fails before anything
-    is allocated, with the flag to use instead."""
-    from flagdeploy.engine import EngineConfig, LLMEngine
-
-    class StateModel:  # what `has_sequence_state` looks for
-        def new_cache(self):
-            pass
-
-    with pytest.raises(ValueError, match="--speculative off"):
-        LLMEngine(StateModel(), None, EngineConfig(speculative=NGRAM))

@@ -107,7 +107,7 @@ def test_glm5_next_split_engine_matches_one_process(tmp_path, tp, ep, chip):
     split = engine(tp, ep)
     try:
         got = split.generate(prompts, params)
-        assert split.runner.state_row == {}  # every finished sequence gave its state row back
+        assert split.runner.state_rows == {}  # every finished sequence gave its state rows back
     finally:
         split.close()
     assert got == want

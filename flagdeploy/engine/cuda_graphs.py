@@ -51,16 +51,22 @@ Step = Callable[[DecodeInputs], torch.Tensor]
 
 class DecodeGraphs:
     def __init__(self, step: Step, device, max_batch: int, max_blocks: int, block_size: int, scratch_block: int,
-                 scratch_state: int = 0):
-        """step: the model's decode step on `DecodeInputs` → logits [B, vocab]."""
-        self.step = step
+                 scratch_state: int = 0, depth: int = 1):
+        """step: the model's decode step on `DecodeInputs` → logits [B, vocab] (or a tuple of per-row
+        outputs, e.g. (logits, hidden states)).
+
+        depth > 1: speculative verify steps of a sequence-state model (`SequenceStateRunner._verify_step`):
+        each of B sequences brings `depth` rows laid out wave-major (every sequence's first row, then every
+        second row, ...), and `step(inputs, waves)` steps the KDA states of wave j from rows src[j] into
+        dst[j]; buckets count sequences, a bucket of b holds b * depth rows."""
+        self.step, self.depth = step, depth
         self.buckets = [b for b in BUCKETS if b < max_batch] + [next(b for b in BUCKETS if b >= max_batch)]
         self.scratch_slot, self.scratch_block, self.scratch_state = scratch_block * block_size, scratch_block, scratch_state
-        n = self.buckets[-1]
+        n = self.buckets[-1] * depth
         # One int64 row per per-sequence input, so that a step's inputs cross to the device in one copy
         # (and its block tables in a second): each copy is a host round trip the GPU waits for.
-        self.packed = torch.zeros(5, n, dtype=torch.int64, device=device)
-        ids, positions, slots, ctx, state_slots = self.packed
+        self.packed = torch.zeros(5 + 2 * (depth > 1), n, dtype=torch.int64, device=device)
+        ids, positions, slots, ctx, state_slots = self.packed[:5]
         self.buf = DecodeInputs(ids=ids, positions=positions, slots=slots,
                                 tables=torch.full((n, max_blocks), scratch_block, dtype=torch.int64, device=device),
                                 ctx=ctx, state_slots=state_slots, rows=torch.arange(n, device=device))
@@ -74,47 +80,70 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def _inputs(self, b: int, w: int) -> DecodeInputs:
-        d = self.buf
-        return DecodeInputs(d.ids[:b], d.positions[:b], d.slots[:b], d.tables[:b, :w], d.ctx[:b], d.state_slots[:b],
-                            d.rows[:b])
+        d, r = self.buf, b * self.depth
+        return DecodeInputs(d.ids[:r], d.positions[:r], d.slots[:r], d.tables[:r, :w], d.ctx[:r], d.state_slots[:r],
+                            d.rows[:r])
+
+    def _forward(self, b: int, w: int) -> torch.Tensor:
+        if self.depth == 1:
+            return self.step(self._inputs(b, w))
+        src, dst = self.packed[5:, : b * self.depth].view(2, self.depth, b)
+        return self.step(self._inputs(b, w), [(j * b, (j + 1) * b, src[j], dst[j]) for j in range(self.depth)])
 
     def _capture(self, b: int, w: int) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: cuBLAS workspaces and lazy inits happen outside the capture
             for _ in range(2):
-                self.step(self._inputs(b, w))
+                self._forward(b, w)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.step(self._inputs(b, w))
+            out = self._forward(b, w)
         self.pool = graph.pool()
         self.graphs[(b, w)] = (graph, out)
-        log.info("captured the decode step for %d sequences of up to %d blocks", b, w)
+        log.info("captured the %s step for %d sequences of up to %d blocks", "verify" if self.depth > 1 else "decode",
+                 b, w)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], ctx: list[int],
-            state_slots: list[int] | None = None) -> torch.Tensor:
-        """Logits [n, vocab] for n decoding sequences (one new token each)."""
-        n = len(ids)
+            state_slots: list[int] | None = None, waves: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+        """Logits [n, vocab] for n decoding sequences (one new token each); with depth > 1, the n * depth rows
+        of n verifying sequences, wave-major, and `waves` = (src, dst) state rows of each row."""
+        n = len(ids) // self.depth
         b = next(x for x in self.buckets if x >= n)
         w = next(x for x in self.widths if x >= max(len(t) for t in tables))
         if (b, w) not in self.graphs:
             # the warm-up runs before a capture execute for real: on padding rows only, so that they
             # advance no sequence's state (a KDA state must step exactly once per token)
-            self._load([], [], [], [], [], [], b, w)
+            self._load([], [], [], [], [], [], None, b, w)
             self._capture(b, w)
-        self._load(ids, positions, slots, tables, ctx, state_slots or [self.scratch_state] * n, b, w)
+        self._load(ids, positions, slots, tables, ctx, state_slots or [self.scratch_state] * len(ids), waves, b, w)
         graph, out = self.graphs[(b, w)]
         graph.replay()
-        return out[:n]
+        if isinstance(out, tuple):  # a step that also returns hidden states: each output the same way
+            return tuple(self._rows(o, n, b) for o in out)
+        return self._rows(out, n, b)
 
-    def _load(self, ids, positions, slots, tables, ctx, state_slots, b: int, w: int) -> None:
-        """The bucket's inputs in two copies; rows past the batch are padding (scratch slot, block and state
-        row, a context of one token), table entries past a sequence's own blocks the scratch block."""
-        pad = b - len(ids)
-        rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad, ctx + [1] * pad,
-                state_slots + [self.scratch_state] * pad]
-        self.packed[:, :b].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
-        scratch = self.scratch_block
-        table = [t + [scratch] * (w - len(t)) for t in tables] + [[scratch] * w] * pad
-        self.buf.tables[:b, :w].copy_(torch.tensor(table, dtype=torch.int64), non_blocking=True)
+    def _rows(self, out: torch.Tensor, n: int, b: int) -> torch.Tensor:
+        """The real rows of a bucket's output (wave-major, depth waves of n of its b rows each)."""
+        if self.depth == 1:
+            return out[:n]
+        return out.view(self.depth, b, -1)[:, :n].reshape(self.depth * n, -1)
+
+    def _load(self, ids, positions, slots, tables, ctx, state_slots, waves, b: int, w: int) -> None:
+        """The bucket's inputs in two copies; rows past the batch (in each wave) are padding (scratch slot,
+        block and state row, a context of one token), table entries past a sequence's own blocks the
+        scratch block."""
+        n, depth, scratch = len(ids) // self.depth, self.depth, self.scratch_block
+
+        def padded(values: list, fill) -> list:
+            return [v for j in range(depth) for v in values[j * n : (j + 1) * n] + [fill] * (b - n)]
+
+        rows = [padded(ids, 0), padded(positions, 0), padded(slots, self.scratch_slot), padded(ctx, 1),
+                padded(state_slots, self.scratch_state)]
+        if depth > 1:
+            src, dst = waves if waves is not None else ([], [])
+            rows += [padded(src, self.scratch_state), padded(dst, self.scratch_state)]
+        self.packed[:, : b * depth].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+        table = padded([t + [scratch] * (w - len(t)) for t in tables], [scratch] * w)
+        self.buf.tables[: b * depth, :w].copy_(torch.tensor(table, dtype=torch.int64), non_blocking=True)

@@ -16,7 +16,8 @@ from .block_manager import BlockManager
 from .grammar import Matcher
 from .lockstep import LockstepRunner, Workers
 from .model_runner import build_runner
-from .sampler import sample
+from .rejection import rejection_sample
+from .sampler import probs_for, sample
 from .sampling import RequestOutput, SamplingParams, TokenLogprob
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -91,21 +92,22 @@ class LLMEngine:
         self.config = config
         stateful = has_sequence_state(model)
         spec = config.speculative or SpeculativeConfig()
-        if spec.enabled and stateful:
-            raise ValueError(
-                f"--speculative {spec.method} is not available for {type(model).__name__} yet: its linear-attention "
-                "(KDA) state has no per-draft-position slots, so a rejected draft would stay in the state. "
-                "Serve it with --speculative off (the default)."
-            )
-        self.proposer = build_proposer(spec, model)  # refuses what is not built (mtp) before anything loads
+        self.proposer = build_proposer(spec, model)  # refuses what the model cannot draft before anything loads
         self.runner, num_blocks, per_block = build_runner(model, config)
+        if self.proposer is not None and self.proposer.needs_hidden:
+            self.runner.keep_hidden = True  # the proposer drafts from the target's final hidden states
+        if hasattr(self.proposer, "bind"):
+            self.proposer.bind(self.runner)
         if workers is not None:  # the other ranks of a tensor/expert-parallel replica run each step too
             self.runner = LockstepRunner(self.runner, workers)
         # A sequence-state model cannot resume from shared blocks: its recurrent state is not in them.
         self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching=not stateful)
         self.spec = spec
+        # a sequence-state model's verify rows run apart from prompt chunks (SequenceStateRunner): no drafts
+        # in a step that has one
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_draft_rows=spec.max_batch_rows if self.proposer is not None else 0)
+                                   max_draft_rows=spec.max_batch_rows if self.proposer is not None else 0,
+                                   drafts_beside_prefill=not stateful)
         # speculation counters (vLLM's spec_decode_* metrics)
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
@@ -179,13 +181,17 @@ class LLMEngine:
             # a verify step computes 1 + k positions; only the last real token counts until drafts are accepted
             seq.num_computed += 1 if drafts and drafts[i] else n
             self.blocks.register_full_blocks(seq)
-        verify_rows = None
+        verify_rows = verify_logits = None
+        speculated: set[int] = set()  # rows of sampled_seqs whose tokens come from `_accept`
         if drafts:  # several logits rows per speculating sequence: row 0 of each goes the usual way
             first, at = [], 0
-            for i in rows:
+            for j, i in enumerate(rows):
                 first.append(at)
                 at += 1 + len(drafts[i])
+                if drafts[i]:
+                    speculated.add(j)
             verify_rows = logits.max(-1).indices.tolist()  # the target's greedy token at every row
+            verify_logits = logits  # a sampled sequence's 1 + k rows: rejection sampling in `_accept`
             logits = logits[torch.tensor(first, device=logits.device)]
         sampled_seqs = [batch.seqs[i] for i in rows]
         reqs = [self.requests[seq.request_id] for seq in sampled_seqs]
@@ -198,7 +204,7 @@ class LLMEngine:
                 if req.matcher is not None:
                     allowed[i] = req.matcher.allowed(logits.shape[-1])
             logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-        tokens = sample(logits, sampled_seqs)
+        tokens = sample(logits, sampled_seqs, skip=speculated)  # speculated sampled rows draw in `_accept`
         self.num_steps += 1
         for row, i in enumerate(want):
             reqs[i].logprobs.append(_token_logprob(logprob_rows[row], tokens[i], sampled_seqs[i].params.logprobs))
@@ -206,18 +212,36 @@ class LLMEngine:
         for j, (seq, req, tok) in enumerate(zip(sampled_seqs, reqs, tokens)):
             d = drafts[rows[j]] if drafts else None
             if d:
-                outputs.append(self._accept(req, d, verify_rows[first[j] : first[j] + 1 + len(d)]))
+                span = slice(first[j], first[j] + 1 + len(d))
+                outputs.append(self._accept(req, d, verify_rows[span], verify_logits[span]))
                 continue
             seq.token_ids.append(tok)
             self.num_generated_tokens += 1
             outputs.append(self._advance(req, tok))
+        if self.proposer is not None and self.proposer.needs_hidden:
+            self._observe(batch.seqs)
         return outputs
+
+    def _observe(self, seqs: list[Sequence]) -> None:
+        """Hand a model-based proposer the target's final hidden states of the positions this step made
+        final: a prompt chunk's rows, a decode's row, a verify step's last real token and accepted drafts."""
+        hidden = self.runner.last_hidden
+        for seq in seqs:
+            if seq.request_id not in self.requests or seq.seq_id not in hidden:
+                continue  # finished this step (released)
+            start, rows = hidden[seq.seq_id]
+            self.proposer.observe(seq, start, rows[: seq.num_computed - start])
 
     # ---- speculation -----------------------------------------------------------------------------
 
     def _propose(self) -> None:
-        """Drafts for the decoding sequences that may speculate: greedy, no grammar, no logprobs (their
-        tokens are verified against the argmax alone), with room for at least one more token."""
+        """Drafts for the decoding sequences that may speculate, with room for at least one more token:
+        greedy ones (verified against the argmax) and sampled ones (temperature, top_k, top_p, seeded or
+        not: verified by rejection sampling, `rejection.py`). Not requests with a grammar: row j's mask
+        depends on the drafts before it, so the matcher would have to be advanced through the drafts and
+        rolled back past a rejection (llguidance's matcher is only stepped forward here). Not requests with
+        logprobs: a step reports them from row 0's log-softmax alone, one token per step; several accepted
+        tokens would each need their own row's entry."""
         running = self.scheduler.running
         for seq in running:
             seq.draft_ids = []
@@ -227,8 +251,7 @@ class LLMEngine:
         seqs, limits = [], []
         for seq in running:
             p = seq.params
-            if (seq.num_computed + 1 != seq.num_tokens or not p.greedy or p.logprobs is not None
-                    or p.grammar is not None):
+            if seq.num_computed + 1 != seq.num_tokens or p.logprobs is not None or p.grammar is not None:
                 continue
             k = min(k_max, seq.max_tokens - seq.num_output_tokens - 1)  # never past max_tokens / max_model_len
             if k > 0:
@@ -238,16 +261,28 @@ class LLMEngine:
             for seq, k, d in zip(seqs, limits, self.proposer.propose(seqs, limits)):
                 seq.draft_ids = list(d[:k])
 
-    def _accept(self, req: _Request, drafts: list[int], targets: list[int]) -> RequestOutput:
-        """Greedy verification: `targets[j]` is the target's argmax after the sequence's last token and the
-        first j drafts. Keep the longest prefix of drafts equal to the targets, then the target's own token
-        after it (1..k+1 tokens); each goes through `_advance` (EOS, stops, max_tokens) and the first finish
-        ends it. k/v of accepted drafts are already in the cache; the blocks taken for rejected ones are
-        given back, and nothing past the accepted tokens is ever hashed into the prefix cache."""
+    def _accept(self, req: _Request, drafts: list[int], targets: list[int], logits: torch.Tensor | None = None,
+                draft_probs: torch.Tensor | None = None) -> RequestOutput:
+        """Verify k drafts. `targets[j]` is the target's argmax after the sequence's last token and the
+        first j drafts, `logits[j]` its logits row there (1 + k rows). Greedy requests keep the longest
+        prefix of drafts equal to the targets, then the target's own token after it. Sampled requests
+        (`logits` given) keep what rejection sampling (`rejection.py`) emits from the rows as `sample` would
+        process them (temperature, top_k, top_p; one softmax over the 1 + k rows), drawn with the
+        sequence's own generator: the accepted drafts, then a replacement or bonus token. `draft_probs`
+        [k, V]: the proposer's draft distributions, None for deterministic drafts. Either way 1..k+1 tokens,
+        each through `_advance` (EOS, stops, max_tokens); the first finish ends it. k/v of accepted drafts
+        are already in the cache; the blocks taken for rejected ones are given back, and nothing past the
+        accepted tokens is ever hashed into the prefix cache."""
         seq = req.seq
-        a = 0
-        while a < len(drafts) and drafts[a] == targets[a]:
-            a += 1
+        if seq.params.greedy or logits is None:
+            a = 0
+            while a < len(drafts) and drafts[a] == targets[a]:
+                a += 1
+            targets = targets[: a + 1]
+        else:
+            targets = rejection_sample(probs_for(logits, seq.params), drafts, seq.generator, q=draft_probs,
+                                       fallback=targets)
+            a = len(targets) - 1
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += len(drafts)
         self.spec_num_accepted_tokens += a

@@ -145,7 +145,7 @@ def _serve_steps(runner) -> None:
 
 
 def _worker_main(rank: int, spec: ReplicaSpec, reports) -> None:
-    from .loader import load_model
+    from .model_loading import load_model
     from .model_runner import build_runner
 
     try:

@@ -48,10 +48,12 @@ class PagedStep:
 @dataclass
 class StateStep:
     """One step of a sequence-state model: per sequence (id, state row, block table, new tokens, first
-    position)."""
+    position). `chains`: for a speculating sequence (index into `seqs`), the state rows its 1 + k new tokens
+    step into, one per token: row j starts from row j - 1's state (the first from the sequence's state row)."""
 
     seqs: list[tuple[int, int, list[int], list[int], int]]
     rows: list[int]
+    chains: dict[int, list[int]] | None = None
 
 
 def _weight_only(model) -> bool:
@@ -76,7 +78,7 @@ class _Runner:
         self.drop(seq.seq_id)
 
     @staticmethod
-    def state_bytes(model, max_seqs: int) -> int:
+    def state_bytes(model, max_seqs: int, spec_tokens: int = 0) -> int:
         """Memory the runner holds per running sequence whatever its length, times `max_seqs`."""
         return 0
 
@@ -210,32 +212,48 @@ class SequenceStateRunner(_Runner):
     indexer keys) live in block pools addressed through each sequence's block table, like paged k/v;
     their fixed-size state (KDA conv + recurrent) in state pools, one row per running sequence, assigned
     when rank 0 plans the sequence's first step (so every rank of a replica uses the same row) and given
-    back when the sequence finishes, aborts or is preempted.
+    back when the sequence finishes or aborts (a preempted sequence keeps its rows and restarts them zeroed).
 
     A step of decodes only runs the model's `forward_decode` (fixed shapes; replayed as a CUDA graph on a
     GPU); a step with a prefill chunk runs `forward_packed` over per-step views of the pools. A sequence
     whose first token is scheduled (new, or recomputed after preemption) starts from a zeroed state row.
+
+    Speculation (`spec_tokens` = K > 0): a recurrent state cannot be truncated, so each sequence owns 1 + K
+    state rows. A verify step of 1 + k tokens steps them as a chain, token j from the state token j - 1 left
+    in row j - 1 into row j (a copy of the row, then the ordinary in-place update: every backend's decode
+    ops stay as they are). The next step starts from the row of the last accepted token: rows are selected,
+    never copied back, and a rejected draft's state is simply never read again.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, device: str, max_seqs: int,
-                 graphs: dict | None = None, compile: bool = False):
+                 graphs: dict | None = None, compile: bool = False, spec_tokens: int = 0):
         """graphs: {"max_model_len"} to replay decode steps as CUDA graphs (cuda only); compile: run them
         through torch.compile instead (engine/compiled_step.py). Either way the pools get one extra block
         and one extra state row, never handed out, for padding rows."""
         self.model, self.device, self.block_size = model, device, block_size
-        extra = 1 if graphs or compile else 0
+        self.group = 1 + spec_tokens  # state rows per sequence
+        rows = max_seqs * self.group
+        extra = 1 if graphs or compile or spec_tokens else 0  # (a verify step pads short chains with it too)
         with torch.device(device):
-            self.pools = model.cache_pools(num_blocks + extra, block_size, max_seqs + extra)
-        self.free_rows = list(range(max_seqs - 1, -1, -1))
-        self.state_row: dict[int, int] = {}  # running sequence → its row of the state pools
+            self.pools = model.cache_pools(num_blocks + extra, block_size, rows + extra)
+        self.scratch_block, self.scratch_state = num_blocks, rows
+        self.free_rows = list(range(rows - 1, -1, -1))
+        self.state_rows: dict[int, list[int]] = {}  # running sequence → its rows; [0] holds its state now
+        # a sequence's last verify step: (position of its first row, the rows its tokens stepped into)
+        self.verified: dict[int, tuple[int, list[int]]] = {}
+        self.keep_hidden = False  # record the final hidden states of every row (an MTP proposer reads them)
+        self.last_hidden: dict[int, tuple[int, torch.Tensor]] = {}  # seq id → (first position, hidden [n, H])
         self.batched_decode = model.can_decode_batched()
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         if graphs and self.batched_decode:
-            self.graphs = DecodeGraphs(self._decode, device, max_seqs, -(-graphs["max_model_len"] // block_size),
-                                       block_size, num_blocks, max_seqs)
+            width = -(-graphs["max_model_len"] // block_size)
+            self.graphs = DecodeGraphs(self._decode, device, max_seqs, width, block_size, num_blocks, rows)
+            if spec_tokens:
+                self.verify_graphs = DecodeGraphs(self._verify, device, max_seqs, width, block_size, num_blocks, rows,
+                                                  depth=self.group)
         self.compiled = None
         if compile and self.batched_decode and not self.graphs:
-            self.compiled = CompiledDecode(self._decode, device, block_size, num_blocks, scratch_state=max_seqs,
+            self.compiled = CompiledDecode(self._decode, device, block_size, num_blocks, scratch_state=rows,
                                            max_seqs=max_seqs, weight_only=_weight_only(model))
 
     @staticmethod
@@ -243,29 +261,54 @@ class SequenceStateRunner(_Runner):
         return model.cache_bytes_per_token() * block_size
 
     @staticmethod
-    def state_bytes(model, max_seqs: int) -> int:
-        return model.state_bytes_per_seq() * (max_seqs + 1)  # + the graphs' scratch row
+    def state_bytes(model, max_seqs: int, spec_tokens: int = 0) -> int:
+        return model.state_bytes_per_seq() * (max_seqs * (1 + spec_tokens) + 1)  # + the graphs' scratch row
 
     def drop(self, seq_id: int) -> None:
-        row = self.state_row.pop(seq_id, None)
-        if row is not None:
-            self.free_rows.append(row)
+        self.free_rows.extend(self.state_rows.pop(seq_id, ()))
+        self.verified.pop(seq_id, None)
+        self.last_hidden.pop(seq_id, None)
+
+    def _rows_of(self, seq) -> list[int]:
+        """The sequence's state rows, the one holding its state first: after a verify step, the row of its
+        last accepted token (accepted = positions computed since that step's first row, less one)."""
+        rows = self.state_rows.get(seq.seq_id)
+        if rows is None:
+            rows = self.state_rows[seq.seq_id] = [self.free_rows.pop() for _ in range(self.group)]
+        last = self.verified.pop(seq.seq_id, None)
+        if last is not None and seq.num_computed > 0:  # (0: preempted since; it restarts from a zeroed row)
+            first, chain = last
+            current = chain[seq.num_computed - first - 1]
+            rows.remove(current)
+            rows.insert(0, current)
+        return rows
 
     def plan(self, batch: ScheduledBatch) -> tuple[StateStep, list[int]]:
-        seqs, rows, sampled, count = [], [], [], 0
+        drafts = batch.drafts or [[] for _ in batch.seqs]
+        seqs, rows, sampled, chains, count = [], [], [], {}, 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed, seq.num_computed + n
-            if seq.seq_id not in self.state_row:
-                self.state_row[seq.seq_id] = self.free_rows.pop()
-            seqs.append((seq.seq_id, self.state_row[seq.seq_id], list(seq.block_table), seq.token_ids[start:end], start))
+            state = self._rows_of(seq)
+            if drafts[i]:  # a verify step: the last real token, then the drafts; every row is a logits row
+                new = [seq.token_ids[start], *drafts[i]]
+                chains[i] = state[: len(new)]
+                self.verified[seq.seq_id] = (start, chains[i])
+                rows.extend(range(count, count + n))
+                sampled.append(i)
+            else:
+                new = seq.token_ids[start:end]
+            seqs.append((seq.seq_id, state[0], list(seq.block_table), new, start))
             count += n
-            if end == seq.num_tokens:
+            if not drafts[i] and end == seq.num_tokens:
                 rows.append(count - 1)
                 sampled.append(i)
-        return StateStep(seqs, rows), sampled
+        return StateStep(seqs, rows, chains or None), sampled
 
     def execute(self, step: StateStep) -> torch.Tensor:
-        if self.batched_decode and all(len(new) == 1 and start > 0 for _, _, _, new, start in step.seqs):
+        if self.batched_decode and all(start > 0 and (len(new) == 1 or i in (step.chains or ()))
+                                       for i, (_, _, _, new, start) in enumerate(step.seqs)):
+            if step.chains:
+                return self._verify_step(step)
             return _rows(self._decode_step(step), step.rows)
         ids: list[int] = []
         cu = [0]
@@ -276,8 +319,21 @@ class SequenceStateRunner(_Runner):
             cu.append(cu[-1] + len(new))
         prompt = any(len(new) > 1 or start == 0 for _, _, _, new, start in step.seqs)
         with ops.prefill_step() if prompt else contextlib.nullcontext():
-            logits = self.model.forward_packed(torch.tensor(ids, device=self.device), torch.tensor(cu), caches)
+            logits = self.model.forward_packed(torch.tensor(ids, device=self.device), torch.tensor(cu), caches,
+                                               return_hidden=self.keep_hidden)
+        if self.keep_hidden:
+            logits, hidden = logits
+            self._record_hidden(step, hidden, list(range(len(ids))))
         return _rows(logits, step.rows)
+
+    def _record_hidden(self, step: StateStep, hidden: torch.Tensor, order: list[int]) -> None:
+        """`hidden[order[r]]` is packed row r's (sequence-major order) final hidden state."""
+        self.last_hidden = {}
+        at = 0
+        index = torch.tensor(order, dtype=torch.long, device=hidden.device)
+        for seq_id, _, _, new, start in step.seqs:
+            self.last_hidden[seq_id] = (start, hidden.index_select(0, index[at : at + len(new)]))
+            at += len(new)
 
     def _decode_step(self, step: StateStep) -> torch.Tensor:
         bs = self.block_size
@@ -287,16 +343,65 @@ class SequenceStateRunner(_Runner):
         tables = [table for _, _, table, _, _ in step.seqs]
         ctx = [p + 1 for p in positions]
         state_rows = [row for _, row, _, _, _ in step.seqs]
-        if self.compiled is not None and self.compiled.serves(len(ids)):
+        if self.compiled is not None and not self.keep_hidden and self.compiled.serves(len(ids)):
             return self.compiled.run(ids, positions, slots, tables, ctx, state_rows)
         with torch.inference_mode():
             if self.graphs is not None and len(ids) <= self.graphs.max_batch:
-                return self.graphs.run(ids, positions, slots, tables, ctx, state_rows)
-            return self._decode(DecodeInputs.build(ids, positions, slots, tables, ctx, state_rows, self.device))
+                out = self.graphs.run(ids, positions, slots, tables, ctx, state_rows)
+            else:
+                out = self._decode(DecodeInputs.build(ids, positions, slots, tables, ctx, state_rows, self.device))
+        if not self.keep_hidden:
+            return out
+        self._record_hidden(step, out[1], list(range(len(ids))))
+        return out[0]
 
-    def _decode(self, d: DecodeInputs) -> torch.Tensor:
-        """The pure-decode step on `DecodeInputs` (what the CUDA graphs capture)."""
-        return self.model.forward_decode(d.ids, self.pools, d.state_slots, d.slots, d.tables, d.ctx)
+    def _verify_step(self, step: StateStep) -> torch.Tensor:
+        """A decode step where some sequences carry drafts: every token is a decode row (its per-token rows
+        written before attention reads them, context up to itself), ordered by draft position — all
+        sequences' first rows, then all second rows, ... (`waves`) — so that the KDA layers step each
+        position's rows together, from the state rows the previous position's rows wrote. Every wave has a
+        row for every sequence: a shorter chain (fewer drafts, or none) is padded with rows of the scratch
+        block and state row, so the step has one shape per batch size (replayed as a CUDA graph on a GPU)."""
+        bs, n = self.block_size, len(step.seqs)
+        depth = max(len(new) for *_, new, _ in step.seqs)
+        graphs = self.verify_graphs if self.verify_graphs is not None and n <= self.verify_graphs.max_batch else None
+        if graphs is not None:
+            depth = self.group
+        pad = (0, 0, self.scratch_block * bs, [self.scratch_block], 1, self.scratch_state, self.scratch_state)
+        rows = []  # (id, position, slot, table, context, source state row, target state row)
+        for j in range(depth):
+            for i, (_, state, table, new, start) in enumerate(step.seqs):
+                chain, p = step.chains.get(i, [state]), start + j
+                rows.append(pad if j >= len(new) else (new[j], p, table[p // bs] * bs + p % bs, table, p + 1,
+                                                        chain[max(j - 1, 0)], chain[j]))
+        ids, positions, slots, tables, ctx, src, dst = (list(c) for c in zip(*rows))
+        # packed row r (sequence-major, as `plan` counted them) → its row in this step
+        order = [j * n + i for i, (*_, new, _) in enumerate(step.seqs) for j in range(len(new))]
+        with torch.inference_mode(), ops.verify_step():
+            if graphs is not None:
+                out = graphs.run(ids, positions, slots, tables, ctx, dst, (src, dst))
+            else:
+                t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+                d = DecodeInputs.build(ids, positions, slots, tables, ctx, dst, self.device)
+                out = self._verify(d, [(j * n, (j + 1) * n, t(src[j * n : (j + 1) * n]), t(dst[j * n : (j + 1) * n]))
+                                       for j in range(depth)])
+        logits, hidden = out if self.keep_hidden else (out, None)
+        if hidden is not None:
+            self._record_hidden(step, hidden, order)
+        return _rows(logits, [order[r] for r in step.rows])
+
+    # What the CUDA graphs capture (and the eager steps run). `keep_hidden` is set before the first step, so
+    # a captured step returns the hidden states exactly when the proposer wants them.
+
+    def _verify(self, d: DecodeInputs, waves: list):
+        """The verify step on `DecodeInputs` and its KDA waves: logits, or (logits, hidden)."""
+        return self.model.forward_decode(d.ids, self.pools, d.state_slots, d.slots, d.tables, d.ctx, waves=waves,
+                                         return_hidden=self.keep_hidden)
+
+    def _decode(self, d: DecodeInputs):
+        """The pure-decode step on `DecodeInputs`: logits, or (logits, hidden)."""
+        return self.model.forward_decode(d.ids, self.pools, d.state_slots, d.slots, d.tables, d.ctx,
+                                         return_hidden=self.keep_hidden)
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -313,7 +418,9 @@ def build_runner(model, config) -> tuple[_Runner, int, int]:
 
     cls = SequenceStateRunner if has_sequence_state(model) else PagedRunner
     per_block = cls.bytes_per_block(model, config.block_size)
-    state = cls.state_bytes(model, config.max_num_seqs)
+    spec = config.speculative
+    spec_tokens = spec.num_speculative_tokens if spec is not None and spec.enabled else 0
+    state = cls.state_bytes(model, config.max_num_seqs, spec_tokens)
     if state >= config.kv_cache_memory:
         raise ValueError(
             f"The per-sequence state of --max-num-seqs {config.max_num_seqs} sequences takes {state / 2**30:.2f} GiB, "
@@ -334,10 +441,13 @@ def build_runner(model, config) -> tuple[_Runner, int, int]:
         graphs = {"max_batch": config.max_num_seqs, "max_model_len": config.max_model_len}
     if cls is SequenceStateRunner:
         runner = SequenceStateRunner(model, num_blocks, config.block_size, config.device, config.max_num_seqs, graphs,
-                                     config.compile and config.tp * config.ep == 1)
+                                     config.compile and config.tp * config.ep == 1, spec_tokens)
     else:
         runner = PagedRunner(model, num_blocks, config.block_size, config.device, graphs,
                              config.compile and config.tp * config.ep == 1, config.max_num_seqs)
+    if spec_tokens and not getattr(runner, "batched_decode", True):
+        raise ValueError(f"--speculative {spec.method} needs the batched decode step, which this checkpoint's MLA "
+                         "kv_b weights do not allow (they cannot be absorbed); serve it with --speculative off.")
     compiled = getattr(runner, "compiled", None)
     if compiled is not None:
         if not compiled.warm_up():

@@ -33,9 +33,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_draft_rows: int = 0):
+                 max_draft_rows: int = 0, drafts_beside_prefill: bool = True):
         self.blocks = blocks
         self.max_draft_rows = max_draft_rows  # decode rows a step may reach with drafts (0: never draft)
+        # False for runners whose verify rows cannot share a step with a prompt chunk (sequence-state models
+        # run such a step through their packed prefill path, where a draft would step the recurrent state)
+        self.drafts_beside_prefill = drafts_beside_prefill
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -88,6 +91,10 @@ class Scheduler:
 
     def _grant_drafts(self, seqs: list[Sequence], counts: list[int], budget: int) -> list[list[int]] | None:
         """Extend decoding sequences by their drafts while budget, decode rows and free blocks last."""
+        if not self.drafts_beside_prefill and any(n > 1 or seq.num_computed == 0 for seq, n in zip(seqs, counts)):
+            for seq in seqs:
+                seq.draft_ids = []
+            return None
         rows = sum(1 for n in counts if n == 1)
         bs = self.blocks.block_size
         drafts: list[list[int]] = [[] for _ in seqs]

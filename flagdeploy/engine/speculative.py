@@ -2,18 +2,19 @@
 
 The shape (docs/speculative.md, DESIGN.md "Where the next capabilities live"):
 
-- a *proposer* drafts up to K tokens per decoding sequence before a step (`Proposer.propose`); the prompt
-  lookup (`ngram`) proposer here costs no weights; a model's own MTP layer is the next one to slot in;
+- a *proposer* drafts up to K tokens per decoding sequence before a step (`Proposer.propose`): the prompt
+  lookup (`ngram`) proposer here costs no weights; a model's own MTP layer (`engine/mtp.py`) drafts from
+  the target's hidden states;
 - the *scheduler* only learns that a sequence may advance by 1 + k tokens in a step (the verify rows count
   in the token budget; drafts are dropped, never preempting anything, when budget or blocks are short);
 - the *runner* computes the 1 + k positions as decode rows of the same sequence and returns logits for
   each; the *engine* accepts the longest prefix of the drafts that agrees with the target's greedy choice
-  and appends the target's own token after it;
+  (sampled requests: by rejection sampling, `engine/rejection.py`) and appends the target's own token after;
 - *rollback* is owned by the caches: paged KV slots of rejected drafts are overwritten next step and the
   blocks taken only for them go back to the pool (`BlockManager.trim`); drafts never enter
-  `Sequence.token_ids` before they are accepted, so the prefix cache never hashes a rejected token. (A
-  linear-attention state would keep one slot per draft position: not built yet, so sequence-state models
-  refuse speculation.)
+  `Sequence.token_ids` before they are accepted, so the prefix cache never hashes a rejected token. A
+  linear-attention state keeps one row per draft position and the next step starts from the row of the
+  last accepted token (`SequenceStateRunner`).
 """
 
 from __future__ import annotations
@@ -107,14 +108,17 @@ class SpeculativeConfig:
 class Proposer:
     """Drafts tokens for decoding sequences. `propose` gets the sequences and the most drafts each may have
     (k_i >= 1) and returns a list of at most k_i token ids per sequence (empty: no draft this step).
-    `release` forgets a sequence (finished, aborted). A model-based proposer (MTP) would also keep the
-    target's last hidden states from the verify step; the engine calls `observe` after each step for that."""
+    `release` forgets a sequence (finished, aborted). A model-based proposer (MTP) drafts from the target's
+    final hidden states: it sets `needs_hidden` and the engine hands them over through `observe`."""
+
+    needs_hidden = False  # whether `observe` wants the target's final hidden states (a model-based proposer)
 
     def propose(self, seqs: list, limits: list[int]) -> list[list[int]]:
         raise NotImplementedError
 
-    def observe(self, seqs: list, num_emitted: list[int]) -> None:
-        """After a step: how many tokens each speculated sequence gained (MTP keeps hidden states here)."""
+    def observe(self, seq, start: int, hidden) -> None:
+        """After a step (only when `needs_hidden`): the target's final hidden states [n, H] of positions
+        start..start+n-1 of `seq`, now final (accepted). start == 0: the sequence (re)starts from scratch."""
 
     def release(self, seq) -> None:
         """A sequence left the engine."""
@@ -171,7 +175,8 @@ class NgramProposer(Proposer):
 def build_proposer(config: SpeculativeConfig, model=None) -> Proposer | None:
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.method == "mtp":
-        raise ValueError("--speculative mtp (the model's own multi-token-prediction layer) is not built yet in the "
-                         "builtin engine; use --speculative ngram, or serve through vLLM/SGLang for MTP.")
+    if config.method == "mtp":  # the model's own draft layer (GLM-5.3-Flash), attached when it was loaded
+        from .mtp import MtpProposer
+
+        return MtpProposer(model)  # refuses a model without an attached MTP layer, and tp/ep > 1
     return None

@@ -108,6 +108,18 @@ def _int8_bundles(tensors, schemes: dict[str, str]):
                              f"{sorted(pending)[:3]}; the converted checkpoint is incomplete. Convert it again.")
 
 
+def tensor_names(path: Path) -> list[str]:
+    """Every tensor name of the checkpoint, from its index (or the shards' headers): nothing is read."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text())["weight_map"])
+    names: list[str] = []
+    for f in shard_files(path):
+        with safe_open(f, framework="pt") as sf:
+            names.extend(sf.keys())
+    return names
+
+
 def count_tensors(path: Path) -> int:
     total = 0
     for f in shard_files(path):

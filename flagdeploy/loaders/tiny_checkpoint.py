@@ -9,7 +9,9 @@ one, q/k/v convs apart, `hc_attn_fn`-style mHC names, the forget-gate projection
 does not restate them. Dtypes follow the published checkpoint: BF16 for most tensors, float32 for
 `e_score_correction_bias`, `dt_bias`, `A_log` and the mHC base/scale, and with `fp8=True` FP8 e4m3 plus
 a float32 `weight_scale_inv` per block for the routed and shared experts, the dense MLPs and the MLA
-q_a / q_b / kv_a / o projections.
+q_a / q_b / kv_a / o projections. With `mtp=True` it also ships the multi-token-prediction draft layer
+(`layers.{num_hidden_layers}.*`, planner/shapes.py's `include_mtp` layout, FP8 where a main layer's
+tensor of that name is) and says `num_nextn_predict_layers: 1`.
 
 The directory is written next to `path` under a temporary name and renamed into place at the end, so
 `path` either holds a complete checkpoint or does not exist.
@@ -60,19 +62,20 @@ _NORM = re.compile(r"norm\d?\.weight$")
 
 
 def write_tiny_glm5_next(path, *, fp8: bool = False, seed: int = 0, block: tuple[int, int] = (16, 16),
-                         shard_size_bytes: int = 200_000, **text_overrides) -> Path:
+                         shard_size_bytes: int = 200_000, mtp: bool = False, **text_overrides) -> Path:
     """Write a complete tiny `glm5_next` checkpoint directory at `path` and return it.
 
     fp8: store the published FP8 modules as float8_e4m3fn with a float32 `weight_scale_inv` per
     `block` (rows, cols), and add the published `quantization_config`. seed: the weights' generator.
     shard_size_bytes: a shard is closed once it holds at least this much (a weight and its scale stay
-    together). text_overrides: any `text_config` field (e.g. `index_kpool=1, index_topk=3`).
+    together). mtp: also write the MTP draft layer (and `num_nextn_predict_layers: 1`). text_overrides:
+    any `text_config` field (e.g. `index_kpool=1, index_topk=3`).
     `path` must not exist or be an empty directory.
     """
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{path} exists and is not an empty directory")
-    config = _config(fp8, block, text_overrides)
+    config = _config(fp8, block, {**text_overrides, **({"num_nextn_predict_layers": 1} if mtp else {})}, mtp)
     from flagdeploy.models.glm5_next import from_hf_config
 
     from_hf_config(config)  # rejects what transformers rejects (same message) before anything is written
@@ -83,7 +86,7 @@ def write_tiny_glm5_next(path, *, fp8: bool = False, seed: int = 0, block: tuple
         (tmp / "generation_config.json").write_text(json.dumps(
             {"eos_token_id": config["text_config"].get("eos_token_id"), "pad_token_id": 0}, indent=2) + "\n")
         write_word_tokenizer(tmp, config["text_config"]["vocab_size"])
-        _write_shards(tmp, _tensors(config, fp8, block, seed), shard_size_bytes)
+        _write_shards(tmp, _tensors(config, fp8, block, seed, mtp), shard_size_bytes)
         if path.exists():
             path.rmdir()  # empty (checked above)
         os.rename(tmp, path)
@@ -96,7 +99,7 @@ def write_tiny_glm5_next(path, *, fp8: bool = False, seed: int = 0, block: tuple
 # ---- config ---------------------------------------------------------------------------------------------
 
 
-def _config(fp8: bool, block: tuple[int, int], text_overrides: dict) -> dict:
+def _config(fp8: bool, block: tuple[int, int], text_overrides: dict, mtp: bool = False) -> dict:
     text = {**TINY_TEXT, **text_overrides, "model_type": "glm5_next_text"}
     n = text["num_hidden_layers"]
     for key in ("layer_types", "mlp_layer_types", "indexer_types"):  # a new depth without new schedules: defaults
@@ -113,21 +116,25 @@ def _config(fp8: bool, block: tuple[int, int], text_overrides: dict) -> dict:
     if fp8:
         config["quantization_config"] = {
             "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-            "weight_block_size": list(block), "modules_to_not_convert": _not_converted(text),
+            "weight_block_size": list(block), "modules_to_not_convert": _not_converted(text, mtp),
         }
     return config
 
 
-def _text_model(config: dict):
-    """Our text model on the meta device: its `weight_slots()` name every text tensor and its shape."""
+def _text_model(config: dict, mtp: bool = False):
+    """Our text model on the meta device: its `weight_slots()` name every text tensor and its shape
+    (with mtp: the MTP draft layer's too)."""
     from flagdeploy.models.glm5_next import Glm5NextForCausalLM, from_hf_config
 
     cfg = from_hf_config(config)
     with torch.device("meta"):
-        return cfg, Glm5NextForCausalLM(cfg, torch.bfloat16)
+        model = Glm5NextForCausalLM(cfg, torch.bfloat16)
+        if mtp:
+            model.attach_mtp()
+        return cfg, model
 
 
-def _not_converted(text: dict) -> list[str]:
+def _not_converted(text: dict, mtp: bool = False) -> list[str]:
     """Module names left in BF16, as specific as needed (transformers matches them as name prefix/suffix)."""
     from flagdeploy.models.glm5_next import from_hf_config
 
@@ -141,6 +148,9 @@ def _not_converted(text: dict) -> list[str]:
             out += [p + "self_attn.kv_b_proj", p + "self_attn.indexer"]
         if mt == "sparse":
             out.append(p + "mlp.gate")
+    if mtp:
+        p = f"{TEXT_PREFIX}layers.{cfg.num_layers}."
+        out += [p + "self_attn.kv_b_proj", p + "self_attn.indexer", p + "mlp.gate", p + "eh_proj"]
     return out
 
 
@@ -175,7 +185,8 @@ def _is_fp8(name: str, layer_types: list[str]) -> bool:
     if m is None:
         return False
     i, rest = int(m.group(1)), m.group(2)
-    return bool(_FP8_MLP.match(rest)) or (layer_types[i] == "indexed_attention" and bool(_FP8_MLA.match(rest)))
+    kind = layer_types[i] if i < len(layer_types) else "indexed_attention"  # past them: the MTP layer (MLA)
+    return bool(_FP8_MLP.match(rest)) or (kind == "indexed_attention" and bool(_FP8_MLA.match(rest)))
 
 
 def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -191,9 +202,10 @@ def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
     return 0.05 * x
 
 
-def _tensors(config: dict, fp8: bool, block: tuple[int, int], seed: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _tensors(config: dict, fp8: bool, block: tuple[int, int], seed: int,
+             mtp: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Groups of tensors that stay in one shard (an FP8 weight with its scale), in a fixed order."""
-    cfg, model = _text_model(config)
+    cfg, model = _text_model(config, mtp)
     gen = torch.Generator().manual_seed(seed)
     for name, shape in [*_text_shapes(model), *_vision_shapes(config["vision_config"])]:
         w = _random(name, shape, gen)

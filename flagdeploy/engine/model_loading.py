@@ -1,0 +1,116 @@
+"""From a model source to a model with its weights and its tokenizer: read the config, build the model,
+stream the weights in. No engine here: the ranks of a parallel replica (engine/lockstep.py) load their
+shard through this module, and the engine is assembled around the model in engine/loader.py."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from flagdeploy import ops, parallel
+from flagdeploy.errors import ModelLoadError
+from flagdeploy.loaders import gguf_reader, safetensors_reader
+from flagdeploy.models import build_model, load_weights
+from flagdeploy.models.linear import Linear
+from flagdeploy.ops.weights import to_device
+from flagdeploy.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: bool = True,
+               weight_format: str = "dense", load_format: str = "auto", mtp: bool = False):
+    """(model, tokenizer) from a .gguf file or an HF safetensors directory.
+
+    weight_format "dense" dequantises everything to `dtype`. "auto" keeps a GGUF's 4-bit linears
+    as int4 and stores the LM head as int8 where the backend has kernels for them (on the CPU that is
+    what makes decoding fast: the step reads 1/8 of the bytes), keeps FP8 block-scaled linears FP8
+    where the backend runs `linear_fp8_block`, and in a float32 run keeps expert banks that are exactly
+    bfloat16 (a BF16 checkpoint's) bfloat16 where the backend declares bf16 matmuls at full speed in a
+    float32 step (`Backend.narrow_weight_dtypes`: the experts are most of a MoE decode step's bytes);
+    elsewhere it falls back to dense.
+    load_format "dummy" reads only the config and makes random weights of the right shapes, so that
+    real shapes can be run and measured without a checkpoint.
+    mtp: also build and load the checkpoint's multi-token-prediction draft layer (`--speculative mtp`);
+    a model or checkpoint without one is refused before any weight is read.
+    """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', not {load_format!r}")
+    if weight_format not in ("auto", "dense"):
+        raise ValueError(f"weight_format must be 'auto' or 'dense', not {weight_format!r}")
+    be = ops.active_backend()
+    keep_int4 = weight_format == "auto" and "linear_w4a16" in be.overrides
+    quantize_head = keep_int4 and fmt == "gguf" and "linear_w8a16" in be.overrides
+    keep_fp8 = weight_format == "auto" and "linear_fp8_block" in be.overrides  # FP8 matmul units run FP8 as stored
+    # a float32 run whose matmuls take bf16 at full speed (the CPU's AMX): a BF16 checkpoint's experts stay bf16
+    bf16_experts = weight_format == "auto" and dtype == torch.float32 and "bfloat16" in be.narrow_weight_dtypes
+    cfg = read_model_config(path, fmt)
+    model = build_model(cfg, dtype, device)
+    if mtp:
+        _attach_mtp(model, path, fmt, load_format)
+    tokenizer = Tokenizer.from_source(path, fmt, extra_eos_ids=cfg.eos_token_ids)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+        return model, tokenizer
+    if fmt == "gguf":
+        reader = gguf_reader.open_gguf(path)
+        tensors, total = gguf_reader.iter_tensors(reader, cfg, dtype, keep_int4), len(reader.tensors)
+    else:
+        # under TP/EP each rank reads only its slices (and skips experts it does not hold)
+        plan = getattr(model, "read_plan", None) if parallel.tp_size() * parallel.ep_size() > 1 else None
+        tensors, total = safetensors_reader.iter_tensors(path, dtype, plan), safetensors_reader.count_tensors(path)
+    bar = tqdm(tensors, total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False)
+    try:
+        load_weights(model, ((n, to_device(t, device)) for n, t in bar), quantize_head, keep_fp8, bf16_experts)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}. The file does not match its own config; re-download it.") from exc
+    return model, tokenizer
+
+
+def _attach_mtp(model, path: Path, fmt: str, load_format: str) -> None:
+    """Give `model` its MTP draft layer, checking first that the checkpoint ships it."""
+    attach = getattr(model, "attach_mtp", None)
+    if attach is None:
+        raise ModelLoadError(f"--speculative mtp drafts with the checkpoint's own multi-token-prediction layer; "
+                             f"{type(model).__name__} ({model.cfg.architecture}) has none here (GLM-5.3-Flash, "
+                             "glm5_next, has one). Serve with --speculative ngram or off.")
+    names = None
+    if load_format != "dummy":
+        names = safetensors_reader.tensor_names(path) if fmt == "safetensors" else []
+    attach(names)
+
+
+def read_model_config(path: Path, fmt: str):
+    if fmt == "gguf":
+        return gguf_reader.read_config(gguf_reader.open_gguf(path))
+    if fmt == "safetensors":
+        return safetensors_reader.read_config(path)
+    raise ModelLoadError(f"unknown model format {fmt!r}; expected 'gguf' or 'safetensors'")
+
+
+def check_source(path: Path, fmt: str, weights: bool = True) -> None:
+    """Cheap validation before a server starts: the header/config parses and names a supported model."""
+    if fmt == "gguf":
+        gguf_reader.read_config(gguf_reader.open_gguf(path))
+    else:
+        safetensors_reader.read_config(path)
+        if weights:
+            safetensors_reader.shard_files(path)
+
+
+def init_dummy_weights(model, seed: int = 0) -> None:
+    """Random weights for every parameter and linear (norm scales at 1, the rest N(0, 0.02^2)):
+    enough for the activations to stay finite, which is all a speed measurement needs."""
+    gen = torch.Generator().manual_seed(seed)  # drawn on the CPU (same weights on every device), then moved
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones(p.shape) if "norm" in name else torch.randn(p.shape, generator=gen) * 0.02)
+        device = next(model.parameters()).device
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.init_random(gen, device=device)
+    if getattr(model.cfg, "tie_word_embeddings", False):
+        model.lm_head.weight = model.embed_tokens

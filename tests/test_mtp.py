@@ -1,0 +1,292 @@
+"""GLM-5.3-Flash's own MTP draft layer (`--speculative mtp`): the checkpoint layout and loading (and the
+refusal of a checkpoint without the layer), the proposer's paged catch-up and draft chain against a
+standalone computation, a draft layer built to agree with its target accepting nearly every draft, and a
+random one staying exact (batched, preempted, aborted) against speculation off."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import generate_with_an_abort, graphs_on_the_cpu
+from safetensors import safe_open
+
+from flagdeploy.engine import EngineConfig, SamplingParams
+from flagdeploy.engine import mtp as engine_mtp
+from flagdeploy.engine.loader import build_llm_engine, load_model
+from flagdeploy.engine.mtp import MtpProposer, MtpState
+from flagdeploy.engine.speculative import SpeculativeConfig, build_proposer
+from flagdeploy.errors import ModelLoadError
+from flagdeploy.loaders.tiny_checkpoint import (
+    TEXT_PREFIX,
+    TINY_TEXT,
+    write_tiny_glm5_next,
+)
+from flagdeploy.models.glm5_next import MlaCache, MoE
+from flagdeploy.planner.shapes import checkpoint_tensors
+
+N = TINY_TEXT["num_hidden_layers"]  # the MTP layer's index
+MTP3 = SpeculativeConfig(method="mtp", num_speculative_tokens=3)
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 9, 13, 22, 7, 31, 40, 3, 11, 17, 19, 23, 29], [12, 14, 16], [33, 35, 37, 39, 41, 43, 45]]
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    return write_tiny_glm5_next(tmp_path_factory.mktemp("glm5_mtp") / "ckpt", mtp=True, seed=3)
+
+
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory):
+    return write_tiny_glm5_next(tmp_path_factory.mktemp("glm5_plain") / "ckpt", seed=3)
+
+
+def _engine(path, spec: SpeculativeConfig | None = None, **options) -> object:
+    cfg = {"max_model_len": 64, "block_size": 4, "max_num_seqs": 4, "weight_format": "dense",
+           "kv_cache_memory": 64 << 20}
+    cfg.update(options)
+    return build_llm_engine(path, "safetensors", EngineConfig(speculative=spec or SpeculativeConfig(), **cfg),
+                            chip="cpu", progress=False)
+
+
+def _stored(path, name: str) -> torch.Tensor:
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(path / index[name], framework="pt") as f:
+        return f.get_tensor(name)
+
+
+# ---- checkpoint layout and loading --------------------------------------------------------------------
+
+def test_tiny_checkpoint_ships_the_planner_layout(mtp_dir, tmp_path):
+    """The MTP tensors written (and read by the model's slots) are the planner's `include_mtp` layout, FP8
+    where the main layers' MLA / MoE projections are; the config says so."""
+    config = json.loads((mtp_dir / "config.json").read_text())
+    assert config["text_config"]["num_nextn_predict_layers"] == 1
+    want = {n: s for n, s in checkpoint_tensors(config, include_mtp=True) if n.startswith(f"{TEXT_PREFIX}layers.{N}.")}
+    index = json.loads((mtp_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    got = {n for n in index if n.startswith(f"{TEXT_PREFIX}layers.{N}.")}
+    assert got == set(want) and len(want) > 20
+    assert all(tuple(_stored(mtp_dir, n).shape) == s for n, s in want.items())
+
+    fp8 = write_tiny_glm5_next(tmp_path / "fp8", mtp=True, fp8=True)
+    names = json.loads((fp8 / "model.safetensors.index.json").read_text())["weight_map"]
+    p = f"{TEXT_PREFIX}layers.{N}."
+    for name in ("self_attn.q_a_proj.weight", "self_attn.o_proj.weight", "mlp.experts.3.down_proj.weight",
+                 "mlp.shared_experts.gate_proj.weight"):
+        assert _stored(fp8, p + name).dtype == torch.float8_e4m3fn and p + name + "_scale_inv" in names
+    for name in ("eh_proj.weight", "self_attn.kv_b_proj.weight", "self_attn.indexer.wk.weight"):
+        assert _stored(fp8, p + name).dtype == torch.bfloat16
+    model, _ = load_model(fp8, "safetensors", torch.float32, "cpu", progress=False, mtp=True)
+    assert model.mtp is not None
+
+
+def test_loading_attaches_the_layer_and_refuses_a_checkpoint_without_one(mtp_dir, plain_dir, tmp_path):
+    model, _ = load_model(mtp_dir, "safetensors", torch.float32, "cpu", progress=False, mtp=True)
+    p = f"{TEXT_PREFIX}layers.{N}."
+    assert torch.equal(model.mtp.eh_proj.weight, _stored(mtp_dir, p + "eh_proj.weight").float())
+    assert torch.equal(model.mtp.head_norm, _stored(mtp_dir, p + "shared_head.norm.weight").float())
+    assert torch.equal(model.mtp.mlp.experts.down[5], _stored(mtp_dir, p + "mlp.experts.5.down_proj.weight").float())
+    assert isinstance(model.mtp.mlp, MoE) and model.mtp.attn.indexer is not None
+
+    # without the flag the model is the plain one: no draft layer, no pool, no bytes per token for it
+    plain, _ = load_model(mtp_dir, "safetensors", torch.float32, "cpu", progress=False)
+    assert plain.mtp is None and N not in plain.cache_pools(2, 4, 1)
+    c = plain.cfg
+    extra = (c.kv_lora_rank + 2 * c.index_head_dim) * 4
+    assert model.cache_bytes_per_token() == plain.cache_bytes_per_token() + extra
+    assert set(model.cache_pools(2, 4, 1)[N]) == {"latent", "index_keys", "index_gate"}
+    assert sum(p.numel() for p in model.parameters()) > sum(p.numel() for p in plain.parameters())
+    with pytest.raises(ValueError, match="MTP draft layer"):
+        build_proposer(MTP3, plain)
+
+    # a checkpoint without the layer: refused before any weight is read, with what to do instead
+    with pytest.raises(ModelLoadError, match=rf"has no MTP layer \(layers\.{N}\.eh_proj\.weight missing\).*"
+                                             "--speculative ngram or off"):
+        _engine(plain_dir, MTP3)
+    with pytest.raises(ModelLoadError, match="--speculative ngram or off"):
+        _engine(mtp_dir, MTP3, tp=2)
+    two = write_tiny_glm5_next(tmp_path / "two", num_nextn_predict_layers=2)
+    with pytest.raises(ModelLoadError, match="2 MTP layers.*exactly 1"):
+        load_model(two, "safetensors", torch.float32, "cpu", progress=False, mtp=True)
+    none = write_tiny_glm5_next(tmp_path / "none", num_nextn_predict_layers=0)
+    with pytest.raises(ModelLoadError, match="has no MTP layer.*num_nextn_predict_layers is 0"):
+        load_model(none, "safetensors", torch.float32, "cpu", progress=False, mtp=True)
+
+
+# ---- the proposer against a standalone computation ------------------------------------------------------
+
+class _Seq:
+    def __init__(self, tokens, table):
+        self.token_ids, self.block_table, self.draft_state = list(tokens), table, None
+
+    @property
+    def num_tokens(self):
+        return len(self.token_ids)
+
+
+def _standalone(model, tokens, hidden, k):
+    """The drafts from scratch, one unpaged cache: the layer over positions 0..T-2 in one call (t_{i+1}
+    and h_i), then k - 1 chain steps on its own block output and the previous draft; and the cache."""
+    layer, t = model.mtp, len(tokens)
+    cache = MlaCache()
+    logits, x = layer.forward_packed(model, torch.tensor(tokens[1:]), hidden[: t - 1], [(0, t - 1, 0)], [cache], [t - 2])
+    drafts, last = [int(logits[0].argmax())], x[t - 2]
+    for j in range(1, k):
+        logits, x = layer.forward_packed(model, torch.tensor([drafts[-1]]), last[None], [(0, 1, t - 1 + j - 1)],
+                                         [cache], [0])
+        drafts.append(int(logits[0].argmax()))
+        last = x[0]
+    return drafts, cache
+
+
+def test_proposer_catch_up_and_chain_equal_a_standalone_computation(mtp_dir, monkeypatch):
+    model, _ = load_model(mtp_dir, "safetensors", torch.float32, "cpu", progress=False, mtp=True)
+    bs, hsize = 4, model.cfg.hidden_size
+    pools = model.cache_pools(16, bs, 2)
+    proposer = MtpProposer(model)
+    proposer.bind(type("Runner", (), {"pools": pools})())
+    gen = torch.Generator().manual_seed(0)
+    hidden_a, hidden_b = torch.randn(20, hsize, generator=gen), torch.randn(20, hsize, generator=gen)
+    a = _Seq([3, 17, 9, 44, 21, 8, 30, 12], [5, 2, 7, 0, 9])  # 7 prompt tokens and the first output token
+    b = _Seq([40, 41, 6, 7], [11, 3, 14])
+
+    # a prompt in two chunks, then the first propose: the catch-up runs the layer over positions 0..6
+    proposer.observe(a, 0, hidden_a[:4])
+    proposer.observe(a, 4, hidden_a[4:7])
+    assert a.draft_state.num_pending == 7
+    got = proposer.propose([a], [3])
+    want, cache = _standalone(model, a.token_ids, hidden_a, 3)
+    assert got == [want]
+    st = a.draft_state
+    assert (st.cached, st.num_pending) == (7, 0)
+    # the catch-up wrote the real positions into the pools, the chain wrote nothing past them
+    paged = model.mtp.paged_cache(pools[N], a.block_table, 7)
+    assert torch.allclose(paged.latent.all(), cache.latent.all()[:7], atol=1e-5)
+    assert torch.allclose(paged.index_keys.all(), cache.index_keys.all()[:7], atol=1e-5)
+    flat = pools[N]["latent"].view(-1, model.cfg.kv_lora_rank)
+    beyond = [a.block_table[p // bs] * bs + p % bs for p in range(7, 20)]
+    assert not flat[beyond].any()
+    assert proposer.propose([a], [3]) == [want]  # nothing new observed: the same drafts again
+
+    # a verify step accepted two drafts (3 new positions) while b arrives; both in one batch, b with k = 1
+    a.token_ids += [50, 51, 52]
+    proposer.observe(a, 7, hidden_a[7:10])
+    proposer.observe(b, 0, hidden_b[:3])
+    got = proposer.propose([b, a], [1, 2])
+    assert got == [_standalone(model, b.token_ids, hidden_b, 1)[0], _standalone(model, a.token_ids, hidden_a, 2)[0]]
+    assert (a.draft_state.cached, b.draft_state.cached) == (10, 3)
+
+    # rows observed past MAX_PENDING_ROWS are run through the layer at once (a long prompt, no propose)
+    monkeypatch.setattr(engine_mtp, "MAX_PENDING_ROWS", 2)
+    b.token_ids += [60, 61]
+    proposer.observe(b, 3, hidden_b[3:5])
+    assert (b.draft_state.cached, b.draft_state.num_pending) == (5, 0)
+    assert proposer.propose([b], [3]) == [_standalone(model, b.token_ids, hidden_b, 3)[0]]
+
+    # a restart (preemption: start 0) forgets everything; a gap in the positions means no drafts
+    proposer.observe(b, 0, hidden_b[:1])
+    assert b.draft_state.cached == 0 and b.draft_state.num_pending == 1
+    proposer.observe(a, 12, hidden_a[12:13])
+    assert a.draft_state.broken and proposer.propose([a], [3]) == [[]]
+    proposer.release(a)
+    assert a.draft_state is None
+    assert isinstance(b.draft_state, MtpState)
+
+
+# ---- through the engine ---------------------------------------------------------------------------------
+
+def _zero_block_outputs(model) -> None:
+    """Every block's output projection zero (attention o_proj, KDA o_proj, MLP / expert / shared-expert
+    down projections): each block adds nothing, the mHC mixing only rescales the identical streams, so
+    the target's next token is a function of the current token alone (final norm at 1). The MTP layer with
+    eh_proj = [I | 0], zero block outputs and unit norms computes the same function of its input token."""
+
+    def zero_ffn(m):
+        if isinstance(m, MoE):
+            m.experts.down.zero_()
+            m.shared.down_proj.weight.zero_()
+        else:
+            m.down_proj.weight.zero_()
+
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.o_proj.weight.zero_()
+            zero_ffn(layer.mlp)
+        model.norm.fill_(1.0)
+        if model.mtp is None:
+            return
+        mtp, h = model.mtp, model.cfg.hidden_size
+        mtp.attn.o_proj.weight.zero_()
+        zero_ffn(mtp.mlp)
+        mtp.eh_proj.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+        for norm in (mtp.enorm, mtp.hnorm, mtp.input_norm, mtp.post_norm, mtp.head_norm):
+            norm.fill_(1.0)
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_an_agreeing_draft_layer_is_accepted(mtp_dir, graphed, monkeypatch):
+    on = _engine(mtp_dir, MTP3)
+    if graphed:  # the decode and verify steps through the graphs' code (a CPU stand-in replays them)
+        graphs_on_the_cpu(on, monkeypatch)
+    _zero_block_outputs(on.model)
+    # speculation off: the target's greedy chain, the next token a function of the current one alone
+    nxt: dict[int, int] = {}
+
+    def f(t: int) -> int:
+        if t not in nxt:
+            nxt[t] = int(on.model.forward(torch.tensor([t]))[0].argmax())
+        return nxt[t]
+
+    want = []
+    for p in PROMPTS:
+        out = [f(p[-1])]
+        while len(out) < GREEDY.max_tokens:
+            out.append(f(out[-1]))
+        want.append(out)
+    assert on.generate(PROMPTS, GREEDY) == want
+    stats = on.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"] > 0.9
+    assert stats["steps"] <= 2 + GREEDY.max_tokens // 2  # a prefill, then mostly 4 tokens per step
+    if graphed:
+        assert on.runner.verify_graphs.graphs
+
+
+def _assert_idle(engine):
+    assert not engine.has_work()
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert engine.runner.state_rows == {}  # every sequence gave its KDA state rows back
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_dir):
+    """The prompts' greedy tokens with speculation off (dense float32), batched."""
+    return _engine(mtp_dir).generate(PROMPTS, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def spec_engine(mtp_dir):
+    """The same checkpoint with a random MTP layer drafting K=3 (tests leave it idle)."""
+    return _engine(mtp_dir, MTP3)
+
+
+def test_a_random_draft_layer_is_exact_batched_and_aborted(spec_engine, reference):
+    on = spec_engine
+    long = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)  # still running at the abort
+    assert generate_with_an_abort(on, PROMPTS, GREEDY, [7, 8, 9, 10, 11], abort_at=4, victim_params=long) == reference
+    assert on.stats()["spec_decode_num_draft_tokens"] > 0
+    _assert_idle(on)
+    assert on.generate(PROMPTS[:1], GREEDY) == reference[:1]  # again, alone: the same tokens
+    _assert_idle(on)
+
+
+def test_a_random_draft_layer_is_exact_under_preemption(mtp_dir, spec_engine, reference):
+    probe = spec_engine
+    per_block = probe.runner.bytes_per_block(probe.model, 4)  # the MTP layer's rows included
+    state = (64 << 20) - probe.stats()["kv_blocks_total"] * per_block  # what the state rows take (or a bit more)
+    tight = _engine(mtp_dir, MTP3, max_model_len=40, kv_cache_memory=state + 10 * per_block, max_num_batched_tokens=8)
+    assert tight.stats()["kv_blocks_total"] == 10
+    assert tight.generate(PROMPTS, GREEDY) == reference
+    assert tight.stats()["preemptions"] > 0 and tight.stats()["spec_decode_num_draft_tokens"] > 0
+    _assert_idle(tight)
