@@ -261,15 +261,15 @@ class LLMEngine:
             for seq, k, d in zip(seqs, limits, self.proposer.propose(seqs, limits)):
                 seq.draft_ids = list(d[:k])
 
-    def _accept(self, req: _Request, drafts: list[int], targets: list[int], logits: torch.Tensor | None = None,
-                draft_probs: torch.Tensor | None = None) -> RequestOutput:
+    def _accept(self, req: _Request, drafts: list[int], targets: list[int],
+                logits: torch.Tensor | None = None) -> RequestOutput:
         """Verify k drafts. `targets[j]` is the target's argmax after the sequence's last token and the
         first j drafts, `logits[j]` its logits row there (1 + k rows). Greedy requests keep the longest
         prefix of drafts equal to the targets, then the target's own token after it. Sampled requests
         (`logits` given) keep what rejection sampling (`rejection.py`) emits from the rows as `sample` would
         process them (temperature, top_k, top_p; one softmax over the 1 + k rows), drawn with the
-        sequence's own generator: the accepted drafts, then a replacement or bonus token. `draft_probs`
-        [k, V]: the proposer's draft distributions, None for deterministic drafts. Either way 1..k+1 tokens,
+        sequence's own generator: the accepted drafts, then a replacement or bonus token (our proposers'
+        drafts are deterministic: no draft distributions to pass). Either way 1..k+1 tokens,
         each through `_advance` (EOS, stops, max_tokens); the first finish ends it. k/v of accepted drafts
         are already in the cache; the blocks taken for rejected ones are given back, and nothing past the
         accepted tokens is ever hashed into the prefix cache."""
@@ -280,8 +280,7 @@ class LLMEngine:
                 a += 1
             targets = targets[: a + 1]
         else:
-            targets = rejection_sample(probs_for(logits, seq.params), drafts, seq.generator, q=draft_probs,
-                                       fallback=targets)
+            targets = rejection_sample(probs_for(logits, seq.params), drafts, seq.generator, fallback=targets)
             a = len(targets) - 1
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += len(drafts)
