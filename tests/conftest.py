@@ -79,16 +79,24 @@ class ReplayedGraph:
 
 
 def graphs_on_the_cpu(engine, monkeypatch):
-    """Give the engine's runner the decode and verify graphs a GPU runner has, replayed by `ReplayedGraph`."""
-    from flagdeploy.engine.cuda_graphs import DecodeGraphs
+    """Give the engine's runner the decode and verify graphs a GPU runner has, and an MTP proposer its draft
+    step's graphs, replayed by `ReplayedGraph`."""
+    from flagdeploy.engine.cuda_graphs import DecodeGraphs, StepGraphs
 
     def capture(self, b, w):
         out = self._forward(b, w)
         self.graphs[(b, w)] = (ReplayedGraph(lambda: self._forward(b, w), out), out)
 
+    def capture_step(self, key, static):
+        out = self.step(key, *static)
+        return static, ReplayedGraph(lambda: self.step(key, *static), out), out
+
     monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    monkeypatch.setattr(StepGraphs, "_capture", capture_step)
     r, config = engine.runner, engine.config
     width, rows = -(-config.max_model_len // config.block_size), config.max_num_seqs * r.group
     r.graphs = DecodeGraphs(r._decode, "cpu", config.max_num_seqs, width, config.block_size, r.scratch_block, rows)
     r.verify_graphs = DecodeGraphs(r._verify, "cpu", config.max_num_seqs, width, config.block_size, r.scratch_block,
                                    rows, depth=r.group)
+    if getattr(engine.proposer, "graphs", False) is None:  # an MTP proposer bound to a runner without graphs
+        engine.proposer.graphs = StepGraphs(engine.proposer._step)

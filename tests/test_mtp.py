@@ -145,7 +145,7 @@ def test_proposer_catch_up_and_chain_equal_a_standalone_computation(mtp_dir, mon
     bs, hsize = 4, model.cfg.hidden_size
     pools = model.cache_pools(16, bs, 2)
     proposer = MtpProposer(model)
-    proposer.bind(type("Runner", (), {"pools": pools})())
+    proposer.bind(type("Runner", (), {"pools": pools, "group": 4, "block_size": bs, "scratch_block": 15})())
     gen = torch.Generator().manual_seed(0)
     hidden_a, hidden_b = torch.randn(20, hsize, generator=gen), torch.randn(20, hsize, generator=gen)
     a = _Seq([3, 17, 9, 44, 21, 8, 30, 12], [5, 2, 7, 0, 9])  # 7 prompt tokens and the first output token
@@ -250,7 +250,7 @@ def test_an_agreeing_draft_layer_is_accepted(mtp_dir, graphed, monkeypatch):
     assert stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"] > 0.9
     assert stats["steps"] <= 2 + GREEDY.max_tokens // 2  # a prefill, then mostly 4 tokens per step
     if graphed:
-        assert on.runner.verify_graphs.graphs
+        assert on.runner.verify_graphs.graphs and on.proposer.graphs.graphs
 
 
 def _assert_idle(engine):

@@ -12,6 +12,7 @@ does not pay for `max_model_len` (at 64 sequences and an 8k window that was 12x 
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -47,6 +48,25 @@ class DecodeInputs:
 
 
 Step = Callable[[DecodeInputs], torch.Tensor]
+
+
+def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, its outputs) of `fn` captured into memory pool `pool` (None: a new one), after two warm-up
+    runs on a side stream (cuBLAS workspaces, Triton compiles and lazy inits happen outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    # Collect cyclic garbage now: a dropped runner's graphs (runner -> graphs -> bound step -> runner) freed
+    # by a collection that happens to run inside the capture would free device memory mid-capture and
+    # invalidate it (torch no longer collects on entering `torch.cuda.graph`).
+    gc.collect()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 class DecodeGraphs:
@@ -91,15 +111,7 @@ class DecodeGraphs:
         return self.step(self._inputs(b, w), [(j * b, (j + 1) * b, src[j], dst[j]) for j in range(self.depth)])
 
     def _capture(self, b: int, w: int) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: cuBLAS workspaces and lazy inits happen outside the capture
-            for _ in range(2):
-                self._forward(b, w)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(b, w)
+        graph, out = capture(lambda: self._forward(b, w), self.pool)
         self.pool = graph.pool()
         self.graphs[(b, w)] = (graph, out)
         log.info("captured the %s step for %d sequences of up to %d blocks", "verify" if self.depth > 1 else "decode",
@@ -147,3 +159,31 @@ class DecodeGraphs:
         self.packed[:, : b * depth].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
         table = padded([t + [scratch] * (w - len(t)) for t in tables], [scratch] * w)
         self.buf.tables[: b * depth, :w].copy_(torch.tensor(table, dtype=torch.int64), non_blocking=True)
+
+
+class StepGraphs:
+    """CUDA graphs of a step `step(key, *inputs)` on a few tensors whose shapes `key` fixes, one per key:
+    the first call with a key captures the step on static copies of its inputs, later calls copy theirs
+    in and replay. For steps that may run twice on the same inputs (the warm-up runs it for real), such as the
+    MTP draft step (it rewrites the same cache rows with the same values)."""
+
+    def __init__(self, step: Callable[..., torch.Tensor]):
+        self.step = step
+        self.graphs: dict[tuple, tuple[list[torch.Tensor], object, torch.Tensor]] = {}
+        self.pool = None
+
+    def run(self, key: tuple, *inputs: torch.Tensor) -> torch.Tensor:
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(key, [t.clone() for t in inputs])
+        static, graph, out = entry
+        for s, t in zip(static, inputs):
+            s.copy_(t)
+        graph.replay()
+        return out
+
+    def _capture(self, key: tuple, static: list[torch.Tensor]) -> tuple:
+        graph, out = capture(lambda: self.step(key, *static), self.pool)
+        self.pool = graph.pool()
+        log.info("captured the step %s", key)
+        return static, graph, out

@@ -3,16 +3,19 @@
 The MTP layer (models/glm5_next/mtp.py) at position i reads the target's final hidden state h_i and the
 token t_{i+1} and predicts t_{i+2}. The engine hands over the target's hidden states as positions become
 final (`observe`: a prompt chunk's rows, a decode's row, a verify step's last token and accepted drafts).
-Before a step, `propose` first catches the MTP layer up over the positions observed since its last call,
-all sequences in one packed forward that writes the layer's own per-token cache (latent, indexer key and
-gate) into the engine's block pools at those positions; the argmax of each sequence's last row is draft 1.
-Drafts 2..K re-apply the layer to its own block output and the previous draft, one position further each
-step, all sequences batched per step; those positions lie past the computed tokens (their blocks may not
-exist), so the chain's cache rows stay in local tensors (`DraftTokenRows`) and are dropped afterwards.
+Before a step, `propose` runs one draft step for every ready sequence in fixed shapes (`DraftInputs`,
+replayed as one CUDA graph on a GPU, one read back): the MTP layer over the positions observed since the
+last draft (at most 1 + K: what a verify step makes final), writing its own per-token cache rows into the
+engine's block pools, whose last row's argmax is draft 1; then K - 1 chain steps, each re-applying the
+layer to its own block output and the previous draft one position further. The chain's positions lie past
+the computed tokens (their blocks may not exist yet), so their rows go to two draft blocks per sequence
+past the pool's own blocks, starting as a copy of the sequence's partly filled last block. A longer
+backlog (a prompt) is first run through the layer in one packed forward (`_catch_up`).
 
 Per sequence (`seq.draft_state`, an `MtpState`): how many positions the MTP cache holds, the hidden rows
-observed past them, and the last catch-up's result (its block output and first draft), reused while no new
-position arrives. Drafts are greedy (argmax); the target verifies them, so a wrong draft costs speed only.
+observed past them, and the hidden row of its last cached position: with nothing new observed (drafted
+for, then not scheduled), the draft step reruns that position, rewriting its rows with the same values.
+Drafts are greedy (argmax); the target verifies them, so a wrong draft costs speed only.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flagdeploy.models.glm5_next import DraftInputs
+
+from .cuda_graphs import BUCKETS, WIDTH_TOKENS, StepGraphs
 from .speculative import Proposer
 
 # observed hidden rows a sequence may hold before they are run through the MTP layer at once (a long prompt,
@@ -31,14 +37,12 @@ MAX_PENDING_ROWS = 512
 @dataclass
 class MtpState:
     """One sequence's MTP bookkeeping: positions [0, cached) are in the MTP cache; `pending` holds the
-    target's hidden rows of positions cached, cached + 1, ...; `last_x` / `first` are the block output and
-    the argmax at position cached - 1 (the last catch-up's), None before the first one."""
+    target's hidden rows of positions cached, cached + 1, ...; `last` the one of position cached - 1."""
 
     cached: int = 0
     pending: list[torch.Tensor] = field(default_factory=list)
     num_pending: int = 0
-    last_x: torch.Tensor | None = None
-    first: int | None = None
+    last: torch.Tensor | None = None
     broken: bool = False  # a gap in the observed positions: no drafts until the sequence restarts
 
 
@@ -64,14 +68,23 @@ class MtpProposer(Proposer):
         self.model, self.layer = model, model.mtp
         self.key = model.cfg.num_layers  # the MTP layer's entry of the engine's pools
         self.pool: dict[str, torch.Tensor] | None = None
+        self.graphs: StepGraphs | None = None
 
     def bind(self, runner) -> None:
-        """Take the runner's block pools (the MTP layer's per-token rows live in `pools[num_layers]`)."""
+        """Take the runner's block pools (the MTP layer's per-token rows live in `pools[num_layers]`, its
+        draft blocks after the runner's own and scratch blocks), K, and CUDA graphs if the runner has them."""
         pools = getattr(runner, "pools", None)
         if pools is None or self.key not in pools:
             raise ValueError("--speculative mtp: the runner's cache pools have no rows for the MTP layer (the model's "
                              "MTP layer must be attached before the runner is built).")
         self.pool = pools[self.key]
+        self.k, self.block_size, self.scratch = runner.group - 1, runner.block_size, runner.scratch_block
+        self.draft_blocks = runner.scratch_block + 1
+        if not 1 <= self.k <= self.block_size:
+            raise ValueError(f"--speculative mtp drafts 1 to block-size ({self.block_size}) tokens per step, "
+                             f"not {self.k}: set --num-speculative-tokens in that range.")
+        if getattr(runner, "graphs", None) is not None:
+            self.graphs = StepGraphs(self._step)
 
     # ---- the engine's calls ---------------------------------------------------------------------------
 
@@ -81,17 +94,9 @@ class MtpProposer(Proposer):
             st = seq.draft_state = MtpState(broken=start != 0)
         if st.broken or hidden.shape[0] == 0:
             return
-        end = st.cached + st.num_pending
-        if start > end:  # positions we never saw: the MTP cache cannot be completed
+        if start != st.cached + st.num_pending:  # a gap (or a step back, never made by the engine)
             st.broken = True
             return
-        if start < end:  # the sequence went back (not expected from the engine): recompute from `start`
-            if start < st.cached:
-                st.cached, st.pending, st.num_pending, st.last_x, st.first = start, [], 0, None, None
-            else:
-                kept = torch.cat(st.pending)[: start - st.cached] if st.pending else None
-                st.pending = [kept] if kept is not None and kept.shape[0] else []
-                st.num_pending = start - st.cached
         with torch.inference_mode():
             st.pending.append(hidden.detach().clone())
         st.num_pending += hidden.shape[0]
@@ -109,10 +114,10 @@ class MtpProposer(Proposer):
                 ready.append(i)
         if not ready:
             return out
-        self._catch_up([seqs[i] for i in ready if seqs[i].draft_state.num_pending])
-        for i in ready:
-            out[i] = [seqs[i].draft_state.first]
-        self._chain([seqs[i] for i in ready], [limits[i] for i in ready], [out[i] for i in ready])
+        group = [seqs[i] for i in ready]
+        self._catch_up([seq for seq in group if seq.draft_state.num_pending > self.k + 1])
+        for i, drafts in zip(ready, self._draft(group)):
+            out[i] = drafts[: limits[i]]
         return out
 
     def release(self, seq) -> None:
@@ -125,11 +130,11 @@ class MtpProposer(Proposer):
 
     def _catch_up(self, seqs: list) -> None:
         """Run the MTP layer over every pending position of `seqs` (one packed forward), writing its cache
-        rows into the pools; keep each sequence's last block output and argmax."""
+        rows into the pools."""
         if not seqs:
             return
         ids: list[int] = []
-        spans, caches, hidden, last = [], [], [], []
+        spans, caches, hidden = [], [], []
         for seq in seqs:
             st = seq.draft_state
             a = len(ids)
@@ -137,37 +142,78 @@ class MtpProposer(Proposer):
             spans.append((a, len(ids), st.cached))
             caches.append(self.layer.paged_cache(self.pool, seq.block_table, st.cached))
             hidden.extend(st.pending)
-            last.append(len(ids) - 1)
-        dev = self._device()
         with torch.inference_mode():
-            logits, x = self.layer.forward_packed(self.model, torch.tensor(ids, device=dev), torch.cat(hidden).to(dev),
-                                                  spans, caches, last)
-            first = logits.argmax(-1).tolist()
-            for seq, row, tok in zip(seqs, last, first):
-                st = seq.draft_state
-                st.cached += st.num_pending
-                st.pending, st.num_pending = [], 0
-                st.last_x, st.first = x[row].clone(), tok
+            self.layer.forward_packed(self.model, torch.tensor(ids, device=self._device()),
+                                      torch.cat(hidden).to(self._device()), spans, caches, [])
+        for seq in seqs:
+            self._cached(seq.draft_state)
 
-    def _chain(self, seqs: list, limits: list[int], drafts: list[list[int]]) -> None:
-        """Drafts 2..limit of each sequence: the MTP layer on (its own last block output, the last draft)
-        at the next position, all sequences that still want one batched per step, caches kept local."""
-        steps = max(limits)
-        if steps <= 1:
-            return
+    @staticmethod
+    def _cached(st: MtpState) -> None:
+        st.last = st.pending[-1][-1] if st.pending else st.last
+        st.cached += st.num_pending
+        st.pending, st.num_pending = [], 0
+
+    def _draft(self, seqs: list) -> list[list[int]]:
+        """K drafts per sequence from one fixed-shape draft step (`DraftInputs`): the catch-up rows of its
+        at most 1 + K pending positions (or its last cached one again), then the chain."""
+        bs, depth, k, scratch = self.block_size, self.k + 1, self.k, self.scratch
+        n = len(seqs)
+        graphed = self.graphs is not None and n <= BUCKETS[-1]
+        b = next(x for x in BUCKETS if x >= n) if graphed else n
+        rows, fill, hidden = [], [], []  # rows: (id, slot, table, ctx) per catch-up row, sequence-major
+        last, src, dst, chain, chain_tables = [], [], [], [], []
+        for i in range(b):
+            d0 = self.draft_blocks + 2 * i
+            if i >= n:  # a padding sequence: scratch rows; its chain runs in its own draft blocks at position 0
+                rows += [(0, scratch * bs, [scratch], 1)] * depth
+                last.append(i * depth)
+                src.append(scratch)
+                dst.append(d0)
+                chain.append([(d0 * bs + j, j + 1) for j in range(k - 1)])
+                chain_tables.append([d0, d0 + 1])
+                continue
+            seq, st = seqs[i], seqs[i].draft_state
+            first, count = (st.cached, st.num_pending) if st.num_pending else (st.cached - 1, 1)
+            table = seq.block_table
+            for p in range(first, first + count):
+                rows.append((seq.token_ids[p + 1], table[p // bs] * bs + p % bs, table, p + 1))
+            fill.extend(range(i * depth, i * depth + count))
+            hidden.extend(st.pending if st.num_pending else [st.last[None]])
+            rows += [(0, scratch * bs, [scratch], 1)] * (depth - count)
+            last.append(i * depth + count - 1)
+            p0 = seq.num_tokens - 1  # the chain's first position
+            t0 = p0 // bs
+            src.append(table[t0] if t0 < len(table) else scratch)
+            dst.append(d0)
+            chain_tables.append(list(table[:t0]) + [d0, d0 + 1])
+            chain.append([(chain_tables[-1][(p0 + j) // bs] * bs + (p0 + j) % bs, p0 + j + 1) for j in range(k - 1)])
+        need = max(len(t) for t in [r[2] for r in rows] + chain_tables)
+        width = need if not graphed else next(w for w in (max(1, WIDTH_TOKENS // bs) * 4**e for e in range(16)) if w >= need)
+        pad = lambda t: list(t) + [scratch] * (width - len(t))  # noqa: E731
+        flat = ([r[0] for r in rows] + [r[1] for r in rows] + [x for r in rows for x in pad(r[2])] + [r[3] for r in rows]
+                + last + src + dst + [c[j][0] for j in range(k - 1) for c in chain]
+                + [c[j][1] for j in range(k - 1) for c in chain] + [x for t in chain_tables for x in pad(t)] + fill)
         dev = self._device()
-        caches = {i: self.layer.draft_cache(self.layer.paged_cache(self.pool, seq.block_table, seq.draft_state.cached))
-                  for i, (seq, k) in enumerate(zip(seqs, limits)) if k > 1}
-        xs = {i: seqs[i].draft_state.last_x for i in caches}
         with torch.inference_mode():
-            for j in range(1, steps):
-                active = [i for i in caches if limits[i] > j]
-                if not active:
-                    break
-                spans = [(r, r + 1, seqs[i].draft_state.cached + j - 1) for r, i in enumerate(active)]
-                ids = torch.tensor([drafts[i][-1] for i in active], device=dev)
-                logits, x = self.layer.forward_packed(self.model, ids, torch.stack([xs[i] for i in active]), spans,
-                                                      [caches[i] for i in active], list(range(len(active))))
-                for r, (i, tok) in enumerate(zip(active, logits.argmax(-1).tolist())):
-                    drafts[i].append(tok)
-                    xs[i] = x[r]
+            ints = torch.tensor(flat, dtype=torch.int64).to(dev)
+            ints, at = ints[: len(flat) - len(fill)], ints[len(flat) - len(fill):]
+            h = torch.zeros(b * depth, self.model.cfg.hidden_size, dtype=self.model.dtype, device=dev)
+            h.index_copy_(0, at, torch.cat(hidden).to(h.dtype))
+            key = (b, width)
+            drafts = self.graphs.run(key, ints, h) if graphed else self._step(key, ints, h)
+            out = drafts[:n].tolist()
+        for seq in seqs:
+            self._cached(seq.draft_state)
+        return out
+
+    def _step(self, key: tuple[int, int], ints: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft step on its flat inputs (the graph's static buffers): `DraftInputs` views, then the layer."""
+        b, width = key
+        depth, k = self.k + 1, self.k
+        r = b * depth
+        parts = ints.split([r, r, r * width, r, b, b, b, (k - 1) * b, (k - 1) * b, b * width])
+        ids, slots, tables, ctx, last, src, dst, cslots, cctx, ctables = parts
+        d = DraftInputs(ids, hidden, slots, tables.view(r, width), ctx, last, src, dst, cslots.view(k - 1, b),
+                        cctx.view(k - 1, b), ctables.view(b, width))
+        return self.layer.draft(self.model, self.pool, d)

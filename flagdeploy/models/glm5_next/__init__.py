@@ -39,12 +39,12 @@ from .layer import Glm5Layer, HyperConnection
 from .mla import DsaIndexer, MlaAttention
 from .model import Glm5NextForCausalLM
 from .moe import DenseMlp, ExpertBank, MoE
-from .mtp import DraftTokenRows, Glm5MtpLayer
+from .mtp import DraftInputs, Glm5MtpLayer
 from .names import _canonical, checkpoint_names
 from .weights import dequantize_fp8_blocks, load_hf_weights
 
 __all__ = [
-    "DecodeBatch", "DenseMlp", "DraftTokenRows", "DsaIndexer", "ExpertBank", "Glm5Config", "Glm5Layer", "Glm5MtpLayer", "Glm5NextForCausalLM",
+    "DecodeBatch", "DenseMlp", "DraftInputs", "DsaIndexer", "ExpertBank", "Glm5Config", "Glm5Layer", "Glm5MtpLayer", "Glm5NextForCausalLM",
     "Glm5SequenceCache", "HyperConnection", "KdaAttention", "KdaState", "MlaAttention", "MlaCache", "MoE",
     "PagedTokenRows", "PooledKdaState", "Span", "TokenRows", "_canonical", "checkpoint_names",
     "dequantize_fp8_blocks", "from_hf_config", "load_hf_weights",

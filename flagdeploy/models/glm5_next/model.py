@@ -70,8 +70,9 @@ class Glm5NextForCausalLM(nn.Module):
                 widths.update(index_keys=c.index_head_dim, index_gate=c.index_head_dim)
             pools[i] = {k: torch.zeros(num_blocks, block_size, w, dtype=self.dtype, device=dev)
                         for k, w in widths.items()}
-        if self.mtp is not None:  # the draft layer's own latent and indexer rows, after the main layers'
-            pools[c.num_layers] = {k: torch.zeros(num_blocks, block_size, w, dtype=self.dtype, device=dev)
+        if self.mtp is not None:  # the draft layer's own latent and indexer rows, after the main layers',
+            # plus two draft blocks per state row after the `num_blocks` (engine/mtp.py: a draft chain's rows)
+            pools[c.num_layers] = {k: torch.zeros(num_blocks + 2 * max_seqs, block_size, w, dtype=self.dtype, device=dev)
                                    for k, w in self.mtp.cache_widths().items()}
         return pools
 

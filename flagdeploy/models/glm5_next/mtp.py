@@ -13,13 +13,17 @@ position i (before the final norm) and the embedding of the next token t_{i+1},
 state of the next draft step when drafting more than one token (vLLM re-applies a one-layer MTP to its own
 output). The attention caches, per position i, the latent and the indexer key / pool gate like the
 target's full-indexer layers: `MlaCache` rows in the engine's block pools (`cache_pools()[num_layers]`)
-through the sequence's block table; a draft chain past the sequence's computed tokens reads those rows
-and keeps its own in a local tensor (`DraftTokenRows`), so it never writes a block that may not exist.
+through the sequence's block table.
+
+Two ways in: `forward_packed` (variable-length spans, per-sequence caches: a long catch-up such as a
+prompt's) and `draft` (the whole draft of a step in fixed shapes, nothing read back, so the engine replays
+it as one CUDA graph: `DraftInputs`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,7 +32,7 @@ from flagdeploy import ops
 from flagdeploy.errors import ModelLoadError
 
 from ..linear import vocab_parallel_embedding
-from .cache import MlaCache, PagedTokenRows, Span, TokenRows
+from .cache import DecodeBatch, MlaCache, PagedTokenRows, Span
 from .common import _lin, _param
 from .config import Glm5Config
 from .mla import MlaAttention
@@ -57,21 +61,30 @@ def build_mtp_layer(c: Glm5Config, dtype: torch.dtype, checkpoint_names: Iterabl
     return Glm5MtpLayer(c, dtype)
 
 
-class DraftTokenRows(TokenRows):
-    """A draft chain's view of one cached quantity: the sequence's rows [0, length) as `base` holds them
-    (read once, lazily) followed by rows appended during the chain, kept here and never written to the
-    engine's pools (the chain's positions lie past the sequence's computed tokens)."""
+@dataclass
+class DraftInputs:
+    """One step's drafts for B sequences in shapes fixed by (B, D, W, K), as device tensors.
 
-    def __init__(self, base: TokenRows):
-        super().__init__()
-        self.base, self._base_rows = base, None
+    Catch-up rows (D per sequence, sequence-major; unused ones are padding on a scratch slot): the MTP
+    layer at each position observed since the last draft, `ids` the token after it and `hidden` the
+    target's hidden state at it; `last` [B] the row of each sequence's final position, whose argmax is
+    draft 1. Then K - 1 chain steps, one row per sequence, at the positions past the computed tokens:
+    those rows go to two draft blocks per sequence (`chain_tables` lists them after the sequence's full
+    blocks), into which block `copy_src` (the sequence's partly filled last block, after the catch-up
+    wrote it) is first copied (`copy_dst`), so the chain reads the real rows before it and never writes a
+    block the sequence owns (or may not have yet)."""
 
-    def all(self) -> torch.Tensor:
-        if self._base_rows is None:
-            self._base_rows = self.base.all()
-        if self.rows is None:
-            return self._base_rows
-        return torch.cat([self._base_rows, self.rows.to(self._base_rows.dtype)])
+    ids: torch.Tensor  # [B * D]
+    hidden: torch.Tensor  # [B * D, H]
+    slots: torch.Tensor  # [B * D] flat pool rows written
+    tables: torch.Tensor  # [B * D, W] block tables of the catch-up rows
+    ctx: torch.Tensor  # [B * D] context length of each row (its position + 1)
+    last: torch.Tensor  # [B]
+    copy_src: torch.Tensor  # [B] blocks
+    copy_dst: torch.Tensor  # [B]
+    chain_slots: torch.Tensor  # [K - 1, B]
+    chain_ctx: torch.Tensor  # [K - 1, B]
+    chain_tables: torch.Tensor  # [B, W]
 
 
 class Glm5MtpLayer(nn.Module):
@@ -101,11 +114,6 @@ class Glm5MtpLayer(nn.Module):
         """One sequence's rows in the engine's pools (`cache_pools()[num_layers]`), `length` cached."""
         return MlaCache(**{k: PagedTokenRows(p, block_table, length) for k, p in pool.items()})
 
-    @staticmethod
-    def draft_cache(base: MlaCache) -> MlaCache:
-        """A draft chain's cache over `base`: reads its rows, keeps the chain's own locally."""
-        return MlaCache(DraftTokenRows(base.latent), DraftTokenRows(base.index_keys), DraftTokenRows(base.index_gate))
-
     # ---- forward --------------------------------------------------------------------------------------
 
     def block(self, embeds: torch.Tensor, hidden: torch.Tensor, caches: list[MlaCache], spans: list[Span]) -> torch.Tensor:
@@ -122,16 +130,47 @@ class Glm5MtpLayer(nn.Module):
     @torch.inference_mode()
     def forward_packed(self, target, input_ids: torch.Tensor, hidden: torch.Tensor, spans: list[Span],
                        caches: list[MlaCache], logits_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [len(logits_rows), vocab] float32 at the requested rows, block outputs [T, H]) for packed
+        """(logits [len(logits_rows), vocab] float32 at the requested rows (None: none), block outputs [T, H]) for packed
         rows: row r of sequence i is position spans[i][2] + r - spans[i][0], with `input_ids[r]` the token
         after it and `hidden[r]` the hidden state at it. `target` (Glm5NextForCausalLM) lends the
         embedding and the LM head."""
         c = self.c
         embeds = vocab_parallel_embedding(input_ids, target.embed_tokens, c.vocab_size)
         x = self.block(embeds, hidden, caches, spans)
+        if not logits_rows:
+            return None, x
         rows = x[torch.tensor(logits_rows, dtype=torch.long, device=x.device)]
         logits = target.lm_head(ops.rms_norm(rows, self.head_norm, c.rms_norm_eps))[..., : c.vocab_size].float()
         return logits, x
+
+    def decode(self, target, ids: torch.Tensor, hidden: torch.Tensor, pool: dict[str, torch.Tensor],
+               slots: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """Block outputs [B, H] of B rows in fixed shapes, each written at its slot and attending over its
+        table's rows up to `ctx` (the target's `forward_decode`, one layer)."""
+        c, eps = self.c, self.c.rms_norm_eps
+        bs = next(iter(pool.values())).shape[1]
+        rows = (tables.unsqueeze(-1) * bs + torch.arange(bs, device=tables.device)).flatten(1)
+        embeds = vocab_parallel_embedding(ids, target.embed_tokens, c.vocab_size)
+        x = self.eh_proj(torch.cat([ops.rms_norm(embeds, self.enorm, eps),
+                                    ops.rms_norm(hidden.to(embeds.dtype), self.hnorm, eps)], dim=-1))
+        a, _ = self.attn.decode(ops.rms_norm(x, self.input_norm, eps), DecodeBatch({}, slots, slots, tables, ctx),
+                                pool, rows, None)
+        x = x + a
+        return x + self.mlp(ops.rms_norm(x, self.post_norm, eps))
+
+    def draft(self, target, pool: dict[str, torch.Tensor], d: DraftInputs) -> torch.Tensor:
+        """Drafts [B, K] (greedy): the catch-up rows, then K - 1 chain steps on the layer's own block output
+        and the previous draft. Nothing is read back to the host (one CUDA graph on a GPU)."""
+        c = self.c
+        greedy = lambda x: target.lm_head(ops.rms_norm(x, self.head_norm, c.rms_norm_eps))[..., : c.vocab_size].argmax(-1)  # noqa: E731
+        x = self.decode(target, d.ids, d.hidden, pool, d.slots, d.tables, d.ctx).index_select(0, d.last)
+        drafts = [greedy(x)]
+        for p in pool.values():
+            p.index_copy_(0, d.copy_dst, p.index_select(0, d.copy_src))
+        for j in range(d.chain_slots.shape[0]):
+            x = self.decode(target, drafts[-1], x, pool, d.chain_slots[j], d.chain_tables, d.chain_ctx[j])
+            drafts.append(greedy(x))
+        return torch.stack(drafts, dim=1)
 
     # ---- weights --------------------------------------------------------------------------------------
 
