@@ -200,16 +200,19 @@ def test_bf16_expert_banks_under_float32_activations(looped, monkeypatch):
         torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
 
 
-@pytest.mark.parametrize("form", ["sdpa", "matmuls", "compiled"])
+@pytest.mark.parametrize("form", ["native", "sdpa", "matmuls", "compiled"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cpu_decode_attention_forms_match_reference(dtype, form, monkeypatch):
-    """The cpu backend's decode attention has three forms (fused SDPA for few keys, batched matmuls for
-    more, plain reductions inside a compiled step): each agrees with float64 on GQA heads, padded block
-    tables and a one-key sequence, and the compiled one, called again at other lengths, masks by the
-    lengths it is given, not by those it was traced with."""
+    """The cpu backend's decode attention has four forms (its own kernel, fused SDPA for few keys, batched
+    matmuls for more, plain reductions inside a compiled step): each agrees with float64 on GQA heads,
+    padded block tables and a one-key sequence, and the compiled one, called again at other lengths, masks
+    by the lengths it is given, not by those it was traced with."""
     from flagdeploy.backends.cpu import ops as cpu_ops  # the installed module the backend runs
 
+    if form == "native" and (dtype == torch.float16 or not cpu_ops.native.available()):
+        pytest.skip("the backend's own attention kernel takes float32 and bf16 caches, where it is built")
     tune = cpu_ops.TUNE["paged_attention_decode"]
+    monkeypatch.setitem(tune, "native_max_keys", 10**9 if form == "native" else 0)
     monkeypatch.setitem(tune, "sdpa_max_keys", 10**9 if form == "sdpa" else 0)
     monkeypatch.setitem(tune, "matmul_dtypes", [str(dtype).removeprefix("torch.")])
     spec = OPS["paged_attention_decode"]
@@ -223,6 +226,34 @@ def test_cpu_decode_attention_forms_match_reference(dtype, form, monkeypatch):
         got = fn(*case)
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), spec.reference(*[_to64(a) for a in case]), atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtype):
+    """What makes speculative verify rows exact on the CPU: each row of the backend's own attention kernel
+    is bitwise the same computed alone (its own table), in a batch of other sequences (a wider, padded
+    table) and as one of a verify step's rows (the same sequence at consecutive lengths), on several
+    threads or one."""
+    from flagdeploy.backends.cpu import ops as cpu_ops
+
+    if not cpu_ops.native.available():
+        pytest.skip("the cpu backend's C++ kernels are not built on this machine")
+    g = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(64, 16, 3, 64, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(7, 9, 64, generator=g).to(dtype)
+    tables = torch.randperm(64, generator=g)[:42].view(7, 6)
+    tables[4:] = tables[3]  # rows 3..6: one sequence's verify rows
+    lens = torch.tensor([1, 40, 96, 60, 61, 62, 63])
+    batched = cpu_ops.native.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for r, n in enumerate(lens.tolist()):
+            w = -(-n // 16)
+            alone = cpu_ops.native.paged_decode_attention(q[r:r + 1], k, v, tables[r:r + 1, :w], lens[r:r + 1], 0.125)
+            assert torch.equal(alone, batched[r:r + 1]), r
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("rows", [1, 9], ids=lambda m: f"m{m}")

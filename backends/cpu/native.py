@@ -4,6 +4,10 @@
   converts each nibble to bf16), and that kernel is what a 4-bit GGUF's decode step is made of. This
   one runs AVX-512 VNNI dot products over 16 output rows at a time, or on AVX2 the same arithmetic in
   two halves (csrc/q4_linear.cpp).
+- `paged_decode_attention`: decode attention over paged caches, each (row, key head) by the same loops
+  whatever else is in the call (a row's result is bitwise the same alone, batched or as a speculative
+  verify row), in one call where torch's SDPA costs ~200 us per call and a verify step needed one per
+  row (csrc/decode_attention.cpp).
 - `fp8_to_int8` / `fp8_to_bf16`: `flagdeploy quantize`'s per-tensor arithmetic in one pass over an FP8
   weight's rows, where torch's elementwise ops make several over float32 temporaries (csrc/fp8_convert.cpp).
 
@@ -110,6 +114,7 @@ def available() -> bool:
             return False
     torch.ops.load_library(str(so))
     torch.library.register_fake("flagdeploy_cpu::q4_linear")(_q4_linear_fake)
+    torch.library.register_fake("flagdeploy_cpu::paged_decode_attention")(lambda q, *_: torch.empty_like(q))
     return True
 
 
@@ -138,6 +143,16 @@ def pack_q4(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
 def q4_linear(x: torch.Tensor, nib: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """x [M, K] (float32 or bf16) times the packed weight: [M, N] bf16."""
     return torch.ops.flagdeploy_cpu.q4_linear(x, nib, dm)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    """q [R, H, D] over each row's keys in the paged caches [blocks, block_size, KH, D]: [R, H, D]."""
+    return torch.ops.flagdeploy_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def attends(k_cache: torch.Tensor) -> bool:
+    """Whether `paged_decode_attention` takes caches like this one (float32 or bf16, contiguous)."""
+    return k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.is_contiguous() and available()
 
 
 def fp8_to_int8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], group: int):

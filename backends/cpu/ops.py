@@ -25,7 +25,10 @@ TUNE = yaml.safe_load((Path(__file__).with_name("tune.yaml")).read_text())
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Three forms of one computation, by where it runs and how many keys the step reads (`python
+    """Eagerly, while each sequence reads at most `native_max_keys` cache slots: the backend's own kernel
+    (`native.paged_decode_attention`: one call for every row, each row's result independent of the others,
+    so speculative verify rows equal lone decode rows bitwise). Past that, or where it is not built, three
+    forms of one computation, by where it runs and how many keys the step reads (`python
     benchmarks/cpu_attention.py`). Inside a compiled step: two plain reductions in float32, which inductor
     turns into loops that read the gathered keys once (its lowering of a masked SDPA of one query row per
     sequence costs 3-6x more). Eagerly: torch's fused SDPA while the keys are few, and past that, for
@@ -38,6 +41,10 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
         s = (_grouped(q, k.shape[2]).float().unsqueeze(1) * k.float().unsqueeze(3)).sum(-1) * scale  # [B, L, KH, G]
         p = s.masked_fill(~live[:, :, None, None], float("-inf")).softmax(1)
         return (p.unsqueeze(-1) * v.float().unsqueeze(3)).sum(1).flatten(1, 2).to(q.dtype)
+    if block_tables.shape[1] * k_cache.shape[1] <= TUNE["paged_attention_decode"]["native_max_keys"] and \
+            native.attends(k_cache):
+        # every row by one form whatever its neighbours: batched, alone and verify rows agree bitwise
+        return native.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     if in_verify_step() and q.shape[0] > 1:
         return _rows_alone(q, k_cache, v_cache, block_tables, context_lens, scale)
     return _eager_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
@@ -52,8 +59,8 @@ def _rows_alone(q, k_cache, v_cache, block_tables, context_lens, scale):
     out = []
     for r, n in enumerate(context_lens.tolist()):
         w = -(-n // bs)
-        out.append(_eager_decode(q[r : r + 1], k_cache, v_cache, block_tables[r : r + 1, :w], context_lens[r : r + 1],
-                                 scale))
+        out.append(paged_attention_decode(q[r : r + 1], k_cache, v_cache, block_tables[r : r + 1, :w],
+                                          context_lens[r : r + 1], scale))
     return torch.cat(out)
 
 

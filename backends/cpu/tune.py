@@ -130,6 +130,35 @@ def _attention_crossover() -> int:
     return last
 
 
+def _native_attention_max_keys() -> int:
+    """The most cache slots a decode step's sequences may each read for the backend's own kernel
+    (csrc/decode_attention.cpp) to still beat torch's faster form (fused SDPA or the batched matmuls) at
+    every size up to it, one sequence and four; SmolLM2's heads, bf16 caches of 16-slot blocks. 0 where the
+    kernels are not built."""
+    from . import native
+
+    if not native.available():
+        return 0
+    g = torch.Generator().manual_seed(0)
+    block, heads, kv_heads, dim, blocks = 16, 9, 3, 64, 4 * 8192 // 16
+    caches = [torch.randn(blocks, block, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2)]
+    last = 0
+    for slots in (256, 512, 1024, 2048, 4096, 8192):
+        own = torch_best = 0.0
+        for seqs in (1, 4):
+            width = slots // block
+            q = torch.randn(seqs, heads, dim, generator=g).to(torch.bfloat16)
+            tables = torch.randperm(blocks, generator=g)[: seqs * width].view(seqs, width)
+            args = (q, *caches, tables, torch.full((seqs,), slots, dtype=torch.int32), dim**-0.5)
+            own += _best(lambda: native.paged_decode_attention(*args))
+            torch_best += min(_best(lambda: fused.paged_attention_decode(*args)),
+                              _best(lambda: ops.decode_attention_matmuls(*args)))
+        if own > torch_best:
+            break
+        last = slots
+    return last
+
+
 def _freezing_wins() -> bool:
     """Whether oneDNN's laid-out float32 matmul (what a frozen compiled step calls) beats MKL's GEMM on
     plain weights at decode's 8 rows, over a small model's shapes."""
@@ -148,7 +177,8 @@ def measure() -> dict:
             "linear_w8a16": {"packed_max_m": _linear_crossover("linear_w8a16")},
             "moe_experts": {"dense_max_token_experts": _moe_crossover(), "column_major_gate_up": _column_major_gate_up()},
             # float32 caches stay on SDPA by choice, not measurement: the dense float32 mode is batch-invariant
-            "paged_attention_decode": {"sdpa_max_keys": _attention_crossover(), "matmul_dtypes": ["bfloat16", "float16"]},
+            "paged_attention_decode": {"native_max_keys": _native_attention_max_keys(),
+                                       "sdpa_max_keys": _attention_crossover(), "matmul_dtypes": ["bfloat16", "float16"]},
             "compile": _compile_settings(torch.backends.mkldnn.is_available() and _freezing_wins())}
 
 
