@@ -19,7 +19,8 @@ DSA indexer), so every rank caches the full MLA latent and computes the same top
 Modules, each importing only those before it: config (Glm5Config, from_hf_config), cache (per-sequence
 state and rows, DecodeBatch, Span), common (shared construction helpers), kda (linear attention), mla
 (DSA indexer and sparse latent attention), moe (dense MLP and MoE), layer (mHC and one block), names
-(checkpoint names and slot helpers), mtp (the MTP draft layer for --speculative mtp), model
+(checkpoint names and slot helpers), mtp (the MTP draft layer for --speculative mtp), vision (the vision
+tower: pixels to placeholder-token rows; not yet wired into loading or serving), model
 (Glm5NextForCausalLM), weights (FP8 pairing and load_hf_weights).
 """
 
@@ -41,11 +42,13 @@ from .model import Glm5NextForCausalLM
 from .moe import DenseMlp, ExpertBank, MoE
 from .mtp import DraftInputs, Glm5MtpLayer
 from .names import _canonical, checkpoint_names
+from .vision import Glm5VisionConfig, Glm5VisionTower
 from .weights import dequantize_fp8_blocks, load_hf_weights
 
 __all__ = [
     "DecodeBatch", "DenseMlp", "DraftInputs", "DsaIndexer", "ExpertBank", "Glm5Config", "Glm5Layer", "Glm5MtpLayer", "Glm5NextForCausalLM",
-    "Glm5SequenceCache", "HyperConnection", "KdaAttention", "KdaState", "MlaAttention", "MlaCache", "MoE",
+    "Glm5SequenceCache", "Glm5VisionConfig", "Glm5VisionTower", "HyperConnection", "KdaAttention", "KdaState",
+    "MlaAttention", "MlaCache", "MoE",
     "PagedTokenRows", "PooledKdaState", "Span", "TokenRows", "_canonical", "checkpoint_names",
     "dequantize_fp8_blocks", "from_hf_config", "load_hf_weights",
 ]
