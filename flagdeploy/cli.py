@@ -83,6 +83,50 @@ memory_utilization_option = click.option(
          "flag of that name: the planner fits within it and external engines are passed it.")
 
 
+class MediaLimitsParam(click.ParamType):
+    """`--limit-mm-per-prompt`: image=2,video=0 or vLLM's JSON spelling, as {modality: count}."""
+
+    name = "limits"
+
+    def convert(self, value, param, ctx):
+        from flagdeploy.media_policy import MediaPolicyError, parse_limits
+
+        try:
+            return parse_limits(value)
+        except MediaPolicyError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class MediaDomainsParam(click.ParamType):
+    """`--allowed-media-domains`: comma-separated host names, as a list."""
+
+    name = "hosts"
+
+    def convert(self, value, param, ctx):
+        from flagdeploy.media_policy import MediaPolicyError, parse_domains
+
+        try:
+            return parse_domains(value)
+        except MediaPolicyError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def media_options(command):
+    """serve's and plan's media flags: one meaning in both (flagdeploy/media_policy.py)."""
+    command = click.option(
+        "--allowed-media-domains", default=None, type=MediaDomainsParam(), metavar="HOSTS",
+        help="Hosts whose http(s) image/video/audio URLs are taken, comma-separated and matched exactly "
+             "(images.example.com,cdn.example.com). Default: none, media come inline as data: URLs only. The "
+             "gateway checks every request; vLLM/vLLM-Ascend get --allowed-media-domains (and "
+             "VLLM_MEDIA_URL_ALLOW_REDIRECTS=0); engines without an equivalent get a warning.")(command)
+    return click.option(
+        "--limit-mm-per-prompt", default=None, type=MediaLimitsParam(), metavar="LIMITS",
+        help="Most media items one request may carry, per modality: image=2,video=0 or vLLM's JSON "
+             "'{\"image\":2,\"video\":0}' (0 refuses a modality; one left out keeps the engine's own limit). The "
+             "gateway checks every request; vLLM/vLLM-Ascend get --limit-mm-per-prompt, SGLang "
+             "--limit-mm-data-per-request; engines without an equivalent get a warning.")(command)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="flagdeploy")
 def main() -> None:
@@ -164,12 +208,13 @@ def main() -> None:
               help="serve.yaml: several models (builtin, launched, attached) behind this one endpoint.")
 @click.option("--startup-timeout", default=1800.0, show_default=True, type=click.FloatRange(min=1),
               help="Seconds a launched engine may take to become ready before it is marked failed.")
+@media_options
 @click.pass_context
 def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
           memory_utilization, weight_format, load_format, served_names, default_temperature, api_key, reasoning_parser,
           max_waiting, max_tokens_policy, tool_call_parser, request_timeout, profile_file, tp, ep, dp, compile_,
           speculative, num_speculative_tokens, speculative_config, log_level, engine, upstreams, config_file,
-          startup_timeout) -> None:
+          startup_timeout, limit_mm_per_prompt, allowed_media_domains) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     With --engine (not builtin), --upstream or --config, the model runs on external engines behind this
@@ -189,6 +234,14 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     if spec.enabled and not builtin:
         _fail("--speculative/--speculative-config apply to the builtin engine; for --engine/--upstream/--config give "
               "the engine's own speculative flags there")
+    from flagdeploy.media_policy import MediaPolicy
+
+    media = MediaPolicy.parse(limit_mm_per_prompt, allowed_media_domains)
+    if builtin and media.profile_fields():
+        given = " and ".join(f"--{name.replace('_', '-')}" for name in media.profile_fields())
+        click.echo(f"flagdeploy: warning: the builtin engine has no equivalent of {given}: not applied (it refuses "
+                   f"media its model cannot take); they apply to --engine vllm|vllm-ascend|sglang|mindie|llama.cpp, "
+                   f"--upstream and serve.yaml models", err=True)
     if profile_file and builtin:
         (model, chip, port, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, served_names, tp, ep,
          dp, profile_spec) = _from_profile(ctx, profile_file, model=model, chip=chip, port=port,
@@ -238,7 +291,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
                        port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names,
                        api_key=api_key, profile_file=profile_file, startup_timeout=startup_timeout, log_level=log_level,
-                       memory_utilization=memory_utilization)
+                       memory_utilization=memory_utilization, media=media)
         return
     from flagdeploy.engine import AsyncEngine, EngineConfig
     from flagdeploy.engine.loader import build_llm_engine, check_source, check_split
@@ -305,9 +358,10 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
 
 def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, chip, max_model_len, max_num_seqs,
                    max_num_batched_tokens, block_size, served_names, api_key, profile_file, startup_timeout,
-                   log_level, memory_utilization=0.9, entry=None) -> None:
+                   log_level, memory_utilization=0.9, entry=None, media=None) -> None:
     """`serve` with external engines: the gateway (flagdeploy/gateway) from serve.yaml or from the options.
-    `entry`: the one model entry already built by the caller (--dp's builtin replicas), used as given."""
+    `entry`: the one model entry already built by the caller (--dp's builtin replicas), used as given;
+    `media`: the MediaPolicy of --limit-mm-per-prompt / --allowed-media-domains."""
     from click.core import ParameterSource
 
     from flagdeploy.gateway import build_gateway, load_config, parse_config
@@ -322,6 +376,9 @@ def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, ch
             if engine != "builtin" or upstreams:
                 _fail("--config describes every model; put the engine or upstreams in serve.yaml instead of "
                       "also passing --engine/--upstream")
+            if media is not None and media.profile_fields():
+                _fail("--config describes every model; set limit_mm_per_prompt / allowed_media_domains on the models "
+                      "of serve.yaml instead of passing --limit-mm-per-prompt / --allowed-media-domains")
             cfg = load_config(config_file)
             host = host if explicit("host") or not cfg.host else cfg.host
             port = port if explicit("port") or not cfg.port else cfg.port
@@ -352,12 +409,15 @@ def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, ch
                     entry["max_model_len"] = max_model_len if explicit("max_model_len") else prof["max_model_len"]
                     if not served_names and prof.get("served_model_name"):
                         entry["names"] = [prof["served_model_name"]]
+                    media_fields = {k: prof.pop(k) for k in ("limit_mm_per_prompt", "allowed_media_domains")}
+                    entry |= {k: v for k, v in media_fields.items() if v is not None}  # beside args, not in them
                     args = {k: v for k, v in prof.items() if k not in ("model", "chip", "port")}
                 if engine != "llama.cpp":  # profile fields; engines.yaml maps memory_utilization to each engine's flag
                     args |= {name: value for name, value in (("max_num_seqs", max_num_seqs),
                              ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size),
                              ("memory_utilization", memory_utilization)) if explicit(name)}
                 entry["args"] = args
+            entry |= media.profile_fields() if media is not None else {}  # the command line over a profile
             cfg = parse_config({"api_key": api_key, "startup_timeout": startup_timeout, "models": [entry]},
                                "serve options")
         gateway = build_gateway(cfg)
@@ -547,13 +607,16 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 @click.option("--policy", default=None, help="Plan the weights as `flagdeploy quantize --policy` would convert them.")
 @click.option("--kv-cache-dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp8", "int8"]))
 @memory_utilization_option
+@media_options
 @click.option("--layout", default=None, help="Evaluate exactly this layout, e.g. tp=4,ep=4,dp=1.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: chosen, alternatives, rejected.")
 @click.option("--emit", default=None, type=click.Choice(["profile", "vllm", "vllm-ascend", "sglang", "mindie"]),
               help="Print the profile YAML, or the launch command of that engine, for the chosen layout.")
 def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, objective, mtp, num_speculative_tokens,
-         acceptance_length, policy, kv_cache_dtype, memory_utilization, layout, as_json, emit) -> None:
+         acceptance_length, policy, kv_cache_dtype, memory_utilization, limit_mm_per_prompt, allowed_media_domains,
+         layout, as_json, emit) -> None:
     """Will it fit, and how to split it: TP x DP x EP x PP layouts for a model on a chip."""
+    import dataclasses
     import json
 
     from flagdeploy.planner import PlanRequest, make_plan
@@ -571,7 +634,8 @@ def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, 
         if emit and result.chosen:
             from flagdeploy.planner.emit import emit as emit_engine
 
-            profile = result.profile()
+            profile = dataclasses.replace(result.profile(), limit_mm_per_prompt=limit_mm_per_prompt,
+                                          allowed_media_domains=allowed_media_domains)
             click.echo(profile.to_yaml() if emit == "profile" else emit_engine(profile, emit).shell())
             return
     except (FlagdeployError, ValueError) as exc:

@@ -26,6 +26,7 @@ VLLM_ARGS = {
     "--max-model-len", "--quantization", "--served-model-name", "--trust-remote-code", "--dtype",
     "--enforce-eager", "--tokenizer", "--seed", "--load-format", "--port", "--host", "--tool-call-parser",
     "--enable-auto-tool-choice", "--chat-template", "--api-key", "--disable-log-stats",
+    "--limit-mm-per-prompt", "--allowed-media-domains",  # vllm/config/multimodal.py, vllm/config/model.py
 }
 # From python/sglang/srt/server_args.py (ServerArgs.add_cli_args).
 SGLANG_ARGS = {
@@ -38,6 +39,7 @@ SGLANG_ARGS = {
     "--speculative-num-draft-tokens", "--attention-backend", "--device", "--trust-remote-code",
     "--disable-cuda-graph", "--cuda-graph-max-bs", "--disable-radix-cache", "--enable-eplb",
     "--ep-num-redundant-experts", "--max-mamba-cache-size", "--mamba-full-memory-ratio", "--dtype",
+    "--limit-mm-data-per-request",
 }
 # MindIE Service config.json keys (MindIE docs: "Configuration Parameters (Service-Specific)", MTP page).
 MINDIE_KEYS = {
@@ -66,10 +68,11 @@ def value(argv: list[str], flag: str) -> str:
 
 
 # A profile per engine that exercises most mapped fields on a chip that engine runs on.
+MEDIA = dict(limit_mm_per_prompt={"image": 2, "video": 0}, allowed_media_domains=["img.example.com", "cdn.example.com"])
 RICH = {
-    "vllm": glm(chip="h200", tp=4, dp=2, ep=8, pp=1, mtp=False, quantization="fp8"),
+    "vllm": glm(chip="h200", tp=4, dp=2, ep=8, pp=1, mtp=False, quantization="fp8", **MEDIA),
     "vllm-ascend": glm(chip="ascend910c", devices=16, tp=16, ep=16, quantization="w8a8", mtp=True),
-    "sglang": glm(chip="h20", devices=4, tp=4, ep=4, mtp=True, quantization="fp8"),
+    "sglang": glm(chip="h20", devices=4, tp=4, ep=4, mtp=True, quantization="fp8", **MEDIA),
     "mindie": glm(chip="ascend910b", quantization="w8a8", mtp=True, kv_cache_dtype="auto"),
 }
 

@@ -9,6 +9,10 @@ builtin model configured, the wrapper runs alone.
 /health is the process (always 200); /ready is every model (503 with Retry-After while any engine is
 not ready, each model's state in the body); /v1/models lists builtin and upstream models together;
 /v1/messages/count_tokens of an upstream model is counted by its engine (gateway/tokens.py).
+
+Media parts (images, video, audio) go to the engine as the client sent them, or translated to OpenAI
+parts (translate.py), once the model's media policy allows them (flagdeploy/media_policy.py: data:
+URLs, http(s) URLs of the allowed hosts, at most the limit per modality).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flagdeploy.errors import FlagdeployError
+from flagdeploy.media_policy import MediaPolicy
 from flagdeploy.net import free_port
 from flagdeploy.server import errors
 from flagdeploy.server.auth import presented_key
@@ -54,11 +59,13 @@ _SEVERITY = [State.FAILED, State.DOWN, State.RESTARTING, State.STARTING, State.S
 class ModelPool:
     """The replicas of one upstream model, the names it answers to, and its state. `model`: the
     model's files (GGUF or directory), read for its chat template when its engine cannot count
-    prompt tokens by itself."""
+    prompt tokens by itself. `media`: what media a request to it may carry."""
 
     def __init__(self, names: list[str], upstreams: list[Upstream], engine: str = "upstream",
-                 max_model_len: int | None = None, slack: int = 2, model: str | None = None):
+                 max_model_len: int | None = None, slack: int = 2, model: str | None = None,
+                 media: MediaPolicy | None = None):
         self.configured_names = list(names)
+        self.media = media or MediaPolicy()
         self.upstreams = upstreams
         self.engine = engine
         self._max_model_len = max_model_len
@@ -255,6 +262,8 @@ class Gateway:
         dialect = dialect_for(path, shown, pool.says_which_stop)
         try:
             body = dialect.chat_request(body) if isinstance(body, dict) else body
+            if isinstance(body, dict):
+                pool.media.check(body)
         except APIError as exc:
             await self._error(send, path, exc)
             return
@@ -272,6 +281,7 @@ class Gateway:
             if not isinstance(body, dict):
                 raise errors.bad_json() if body is None else APIError(400, "The request body must be a JSON object.")
             chat = AnthropicDialect(pool.name).chat_request(body)
+            pool.media.check(chat)  # the engine fetches what it counts
             picked = pool.pick(None)
             if picked is None:
                 raise pool.unavailable()
@@ -462,12 +472,16 @@ def build_gateway(config: ServeConfig, inner: ASGIApp | None = None,
     pools = []
     for entry in config.models:
         if entry.engine == "builtin" and entry.replicas == 1:
+            if given := entry.media_policy().profile_fields():
+                log.warning("builtin model %s: %s not applied (the builtin app refuses media its model cannot take)",
+                            entry.names[:1] or entry.model or "(default)", " and ".join(given))
             inner = inner or builtin_app(entry, config.api_key)
             continue
         # An attached engine without names answers to the ids it serves (learned from its /v1/models).
         names = entry.names if entry.engine == "upstream" else (entry.names or [_default_name(entry)])
         pools.append(ModelPool(names, _upstreams(entry, config, supervisor_options or {}), engine=entry.engine,
-                               max_model_len=entry.max_model_len, model=_model_files(entry)))
+                               max_model_len=entry.max_model_len, model=_model_files(entry),
+                               media=entry.media_policy()))
     return Gateway(pools, inner, config.api_key, Timeouts(config.connect_timeout, config.read_timeout))
 
 

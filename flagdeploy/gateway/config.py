@@ -19,6 +19,10 @@
 `args` are the neutral profile fields (flagdeploy/planner/profile.py) for vllm, vllm-ascend, sglang and
 mindie (the planner's emitter turns them into each engine's flags), the EngineConfig fields for
 builtin, and llama_cpp.server options (n_ctx, n_threads, chat_format, ...) for llama.cpp.
+
+The media settings of a model, `limit_mm_per_prompt` and `allowed_media_domains` (serve's flags of
+those names, flagdeploy/media_policy.py), sit beside `args` whatever the engine: the gateway checks
+them on every request to the model, and an engine with an equivalent flag is passed them too.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pydantic import (
 )
 
 from flagdeploy.errors import FlagdeployError
+from flagdeploy.media_policy import MediaPolicy, parse_domains, parse_limits
 
 Engine = Literal["builtin", "vllm", "vllm-ascend", "sglang", "mindie", "llama.cpp", "upstream"]
 PLANNER_ENGINES = ("vllm", "vllm-ascend", "sglang", "mindie")  # launched from flagdeploy.planner.emit
@@ -78,6 +83,23 @@ class ModelConfig(BaseModel):
     env: dict[str, str] = Field(default_factory=dict, description="added to a launched engine's environment")
     command: list[str] | None = Field(None, description="run exactly this argv instead ('{port}' and "
                                       "'{model}' are filled); for an engine version the emitter does not know")
+    limit_mm_per_prompt: dict[str, int] | None = Field(None, description="most media items of one request, per "
+                                                       "modality: {image: 2, video: 0} or 'image=2,video=0'")
+    allowed_media_domains: list[str] | None = Field(None, description="hosts whose http(s) media URLs are "
+                                                    "taken; none: data: URLs only")
+
+    @field_validator("limit_mm_per_prompt", mode="before")
+    @classmethod
+    def _limits(cls, value: Any) -> dict[str, int] | None:
+        return parse_limits(value)
+
+    @field_validator("allowed_media_domains", mode="before")
+    @classmethod
+    def _domains(cls, value: Any) -> list[str] | None:
+        return parse_domains(value)
+
+    def media_policy(self) -> MediaPolicy:
+        return MediaPolicy.parse(self.limit_mm_per_prompt, self.allowed_media_domains)
 
     @field_validator("upstreams")
     @classmethod
@@ -220,7 +242,10 @@ def _llama_cpp(entry: ModelConfig, port: int) -> LaunchPlan:
         args["n_ctx"] = entry.max_model_len
     for key, value in args.items():
         argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return LaunchPlan(argv + entry.extra_args, dict(entry.env))
+    # llama_cpp.server has no media limit or domain list: the gateway's check is the only one.
+    warnings = [f"llama.cpp (llama_cpp.server) has no equivalent of --{name.replace('_', '-')}: not passed; the "
+                f"gateway enforces it on every request" for name in entry.media_policy().profile_fields()]
+    return LaunchPlan(argv + entry.extra_args, dict(entry.env), warnings=warnings)
 
 
 def _planned(entry: ModelConfig, port: int, replica: int) -> LaunchPlan:
@@ -236,6 +261,10 @@ def _planned(entry: ModelConfig, port: int, replica: int) -> LaunchPlan:
         raise ConfigError(f"model {entry.names[:1] or entry.model}: unknown args {unknown} for {entry.engine}; "
                           f"args are profile fields: {sorted(known - {'model', 'chip', 'port'})}. Pass engine "
                           f"flags the profile lacks through `extra_args`.")
+    if misplaced := sorted(set(args) & {"limit_mm_per_prompt", "allowed_media_domains"}):
+        raise ConfigError(f"model {entry.names[:1] or entry.model}: {', '.join(misplaced)} go beside `args`, not in "
+                          f"it: the gateway checks them for every engine, and passes them to {entry.engine}")
+    args |= entry.media_policy().profile_fields()
     if entry.max_model_len:
         args.setdefault("max_model_len", entry.max_model_len)
     if entry.names:

@@ -105,10 +105,13 @@ class ChatTemplate:
             bos_token=self.bos_token, eos_token=self.eos_token, **(chat.get("chat_template_kwargs") or {}))
 
 
-# What a request is counted with when the model's own template is unknown: an approximation.
+# What a request is counted with when the model's own template is unknown: an approximation (of a
+# content array, the text parts: media are not counted, rather than their URLs' or data's characters).
 CHATML = ChatTemplate(
     "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string or not m.content %}{{ m.content or '' }}"
+    "{% else %}{{ m.content | selectattr('text') | map(attribute='text') | join('\\n') }}{% endif %}"
     "{% for c in m.tool_calls or [] %}{{ c.function | tojson }}{% endfor %}<|im_end|>\n{% endfor %}"
     "<|im_start|>assistant\n")
 

@@ -7,7 +7,10 @@ tool_choice, thinking switch, output format) and the engine's answer (already no
 chunk, reasoning_content, tool-call deltas with index) back into its protocol, streamed or not,
 with the same event builders as the builtin routes so that both look identical to a client.
 
-OpenAI chat and completions pass through unchanged (`PASSTHROUGH`).
+OpenAI chat and completions pass through unchanged (`PASSTHROUGH`), media parts included. Media of
+the other protocols become OpenAI parts, in their place among the text: Anthropic `image` blocks
+(base64 source -> a data: URL, url source -> the URL) and Responses `input_image` parts, both as
+`{"type": "image_url", "image_url": {"url": ...}}`.
 
 Claude Code also needs what the engine does not send in an OpenAI answer: the prompt's tokens in
 the stream's message_start (counted before the request goes, gateway/tokens.py, and set as
@@ -182,7 +185,8 @@ class AnthropicDialect(Dialect):
         self.client_stream = bool(req.stream)
         # message_start carries the prompt's tokens, and a stream left at a stop sequence has no usage.
         self.wants_prompt_count = self.client_stream or self.matcher is not None
-        out: dict[str, Any] = {"model": req.model, "messages": req.template_messages(structured=bool(tools)),
+        messages = req.template_messages(structured=bool(tools), media=True)
+        out: dict[str, Any] = {"model": req.model, "messages": messages,
                                "stream": self.client_stream or self.matcher is not None}
         stop = self.stops if self.stops and self.matcher is None else None
         for key, value in (("max_tokens", req.max_tokens), ("temperature", req.temperature), ("top_p", req.top_p),
@@ -258,7 +262,7 @@ class ResponsesDialect(Dialect):
             raise APIError(400, "previous_response_id is not supported: this server keeps no response state. "
                                 "Send the whole conversation as `input`.", param="previous_response_id")
         self.req = req
-        out: dict[str, Any] = {"model": req.model, "messages": req.messages(), "stream": bool(req.stream)}
+        out: dict[str, Any] = {"model": req.model, "messages": req.messages(media=True), "stream": bool(req.stream)}
         for key, value in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
                            ("top_p", req.top_p)):
             if value is not None:

@@ -137,7 +137,7 @@ def emit(profile: Profile, engine: str) -> Launch:
             warnings.append(f"{_render(rule['warn'], ctx, None)} {src}")
 
     ctx = _context(prof, engine, chip)
-    flags: dict[str, str | None] = {}  # ordered: flag -> value (None: bare switch)
+    flags: dict[str, str | list[str] | None] = {}  # ordered: flag -> value (None: bare switch; a list: nargs)
     config = copy.deepcopy(eng.get("config", {}).get("base", {}))
     for name, fspec in eng["flags"].items():
         value = _field_value(fspec, ctx, name, engine)
@@ -159,7 +159,7 @@ def emit(profile: Profile, engine: str) -> Launch:
 
     argv = [str(_render(a, ctx, None)) for a in eng["program"]]
     for flag, value in flags.items():
-        argv += [flag] if value is None else [flag, value]
+        argv += [flag] + ([] if value is None else value if isinstance(value, list) else [value])
     env = {k: str(_render(v, ctx, None)) for k, v in (eng.get("env") or {}).items()} | env_extra
     files = {}
     if "config" in eng:
@@ -220,12 +220,15 @@ def _render(template: Any, ctx: dict, value: Any) -> Any:
     return template.format(**names)
 
 
-def _argval(value: Any) -> str | None:
-    """argv text for a flag value: True is a bare switch, mappings are JSON (e.g. --speculative-config)."""
+def _argval(value: Any) -> str | list[str] | None:
+    """argv text for a flag value: True is a bare switch, mappings are JSON (e.g. --speculative-config),
+    a list is one argument per item (argparse nargs, e.g. vLLM's --allowed-media-domains A B)."""
     if value is True:
         return None
     if isinstance(value, dict):
         return json.dumps(value, separators=(",", ":"))
+    if isinstance(value, list):
+        return [str(v) for v in value]
     return str(value)
 
 

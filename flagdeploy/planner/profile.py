@@ -39,6 +39,23 @@ class Profile:
     num_speculative_tokens: int = 3  # K with mtp: drafts verified per sequence and step (serve's flag of that name)
     memory_utilization: float = 0.9
     port: int = 8000
+    # serve's --limit-mm-per-prompt and --allowed-media-domains (flagdeploy/media_policy.py); None: not set
+    limit_mm_per_prompt: dict[str, int] | None = None  # {modality: most items per request}
+    allowed_media_domains: list[str] | None = None  # hosts whose http(s) media URLs are fetched
+
+    def __post_init__(self) -> None:
+        """The media settings in their one spelling (a profile may hold serve's `image=2,video=0`);
+        a bad one is a ValueError naming the field."""
+        from flagdeploy import media_policy as media
+
+        try:
+            self.limit_mm_per_prompt = media.parse_limits(self.limit_mm_per_prompt)
+        except media.MediaPolicyError as exc:
+            raise media.MediaPolicyError(f"limit_mm_per_prompt: {exc}") from None
+        try:
+            self.allowed_media_domains = media.parse_domains(self.allowed_media_domains)
+        except media.MediaPolicyError as exc:
+            raise media.MediaPolicyError(f"allowed_media_domains: {exc}") from None
 
     def to_yaml(self) -> str:
         return yaml.safe_dump({"profile": asdict(self)}, sort_keys=False)

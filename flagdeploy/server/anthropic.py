@@ -72,8 +72,10 @@ class _Lenient(BaseModel):
 
 class Block(_Lenient):
     """A content block. Text is the conversation; tool_use / tool_result become plain text so that
-    an agent's history still renders on a template without tools; thinking, images and documents
-    are dropped (Claude Code echoes earlier thinking blocks back, which must not fail)."""
+    an agent's history still renders on a template without tools; thinking and documents are dropped
+    (Claude Code echoes earlier thinking blocks back, which must not fail); images become OpenAI image
+    parts where the messages go to an engine that takes them (`template_messages(media=True)`: the
+    gateway), and are dropped otherwise (a model that cannot take them has refused the request)."""
 
     type: str
     text: str | None = None
@@ -83,6 +85,31 @@ class Block(_Lenient):
     tool_use_id: str | None = None
     content: str | list[Block] | None = None
     is_error: bool | None = None
+    source: Any = None  # an image's: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
+
+    def image_part(self) -> dict[str, Any]:
+        """An image block as an OpenAI image part: a base64 source as a data: URL, a url source as its URL."""
+        source = self.source if isinstance(self.source, dict) else {}
+        kind = source.get("type")
+        if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
+            url = f"data:{source['media_type']};base64,{source['data']}"
+        elif kind == "url" and isinstance(source.get("url"), str):
+            url = source["url"]
+        else:
+            got = json.dumps(self.source, ensure_ascii=False)
+            raise APIError(400, f"An image block's source must be {{\"type\": \"base64\", \"media_type\": "
+                                f"\"image/png\", \"data\": \"<base64>\"}} or {{\"type\": \"url\", \"url\": "
+                                f"\"https://...\"}}, but it is {got[:200]}. Send the image in one of those forms "
+                                f"(`file` sources name Anthropic's Files API, which is not served here).")
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    def images(self) -> list[dict[str, Any]]:
+        """The OpenAI image parts this block carries: itself if an image, a tool result's own images."""
+        if self.type == "image":
+            return [self.image_part()]
+        if self.type == "tool_result" and isinstance(self.content, list):
+            return [b.image_part() for b in self.content if b.type == "image"]
+        return []
 
     def render(self) -> str:
         if self.type == "text":
@@ -103,18 +130,49 @@ def _text(content: str | list[Block] | None) -> str:
     return "\n".join(t for t in (b.render() for b in content) if t)
 
 
+def _chat_content(content: str | list[Block] | None, media: bool, text: str) -> str | list[dict[str, Any]]:
+    """Chat content for `content`: `text` (the blocks as plain text), or, with `media` and an image
+    among the blocks, OpenAI content parts in block order: each block's text, then its images (a tool
+    result's after its text), consecutive text joined by newlines as in `text`."""
+    blocks = content if media and isinstance(content, list) else []
+    carried = [b.images() for b in blocks]
+    if not any(carried):
+        return text
+    parts: list[dict[str, Any]] = []
+    run: list[str] = []
+    for block, images in zip(blocks, carried):
+        if rendered := block.render():
+            run.append(rendered)
+        if images and run:
+            parts.append({"type": "text", "text": "\n".join(run)})
+            run = []
+        parts += images
+    return parts + ([{"type": "text", "text": "\n".join(run)}] if run else [])
+
+
 class Message(_Lenient):
     role: str  # a plain string: Claude Code >= 2.1.154 sends "system" here
     content: str | list[Block] | None = None
 
 
-def _structured(m: Message) -> list[dict[str, Any]]:
+def _tool_turn(b: Block, media: bool) -> dict[str, Any]:
+    """A tool_result block as a tool turn (an error's text marked as one)."""
+    prefix = "[error] " if b.is_error else ""
+    content = _chat_content(b.content, media, prefix + _text(b.content))
+    if isinstance(content, list) and prefix:  # on the first text, as in the plain-text form
+        first = content[0]["text"] if content[0]["type"] == "text" else ""
+        content = [{"type": "text", "text": prefix + first}] + content[1 if first else 0:]
+    return {"role": "tool", "tool_call_id": b.tool_use_id, "content": content}
+
+
+def _structured(m: Message, media: bool = False) -> list[dict[str, Any]]:
     """One Anthropic message as OpenAI-style turns: tool results first (each its own tool turn),
-    then the text, with tool_use blocks as the assistant's tool calls."""
+    then the text (and, with `media`, the images in their place), with tool_use blocks as the
+    assistant's tool calls."""
     blocks = m.content if isinstance(m.content, list) else []
-    turns = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": ("[error] " if b.is_error else "") + _text(b.content)}
-             for b in blocks if b.type == "tool_result"]
-    text = "\n".join(b.text or "" for b in blocks if b.type == "text")
+    turns = [_tool_turn(b, media) for b in blocks if b.type == "tool_result"]
+    said = [b for b in blocks if b.type in ("text", "image")]
+    text = _chat_content(said, media, "\n".join(b.text or "" for b in blocks if b.type == "text"))
     calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input or {}, ensure_ascii=False)}}
              for b in blocks if b.type == "tool_use"]
     if text or calls or not turns:
@@ -157,18 +215,20 @@ class MessagesRequest(_Lenient):
         """`thinking` as the template's thinking switch (budget_tokens has no template equivalent)."""
         return thinking_template_kwargs(thinking_switch(self.thinking))
 
-    def template_messages(self, structured: bool = False) -> list[dict[str, Any]]:
+    def template_messages(self, structured: bool = False, media: bool = False) -> list[dict[str, Any]]:
         """Chat-template dicts; system prompts inside `messages` are merged into the top-level one
         (what vLLM does: models trained on one leading system turn degrade on scattered ones).
         `structured`: tool_use / tool_result blocks as OpenAI tool calls and tool turns (for a request
-        with tools), else as text."""
+        with tools), else as text. `media`: image blocks as OpenAI image parts in their place (a
+        message with one gets a content array), else dropped."""
         system = [_text(self.system)] + [_text(m.content) for m in self.messages if m.role == "system"]
         system_text = "\n\n".join(s for s in system if s)
         turns = [{"role": "system", "content": system_text}] if system_text else []
         for m in self.messages:
             if m.role == "system":
                 continue
-            turns += _structured(m) if structured and isinstance(m.content, list) else [{"role": m.role, "content": _text(m.content)}]
+            turns += (_structured(m, media) if structured and isinstance(m.content, list)
+                      else [{"role": m.role, "content": _chat_content(m.content, media, _text(m.content))}])
         return turns
 
     def media_parts(self) -> list[tuple[str, str]]:

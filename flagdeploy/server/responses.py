@@ -106,10 +106,11 @@ class ResponsesRequest(_Lenient):
         effort = (self.reasoning or {}).get("effort")
         return {"reasoning_effort": effort} if isinstance(effort, str) else {}
 
-    def messages(self) -> list[dict[str, Any]]:
+    def messages(self, media: bool = False) -> list[dict[str, Any]]:
         """The input items as chat turns: messages by role (developer is system), function calls as
         the assistant's tool calls (consecutive ones in one turn), their outputs as tool turns;
-        reasoning items are dropped (earlier thinking does not go back into prompts)."""
+        reasoning items are dropped (earlier thinking does not go back into prompts). `media`:
+        `input_image` parts as OpenAI image parts in their place (not in system turns), else dropped."""
         turns: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return turns + [{"role": "user", "content": self.input}]
@@ -117,7 +118,8 @@ class ResponsesRequest(_Lenient):
             kind = item.get("type", "message")
             if kind == "message":
                 role = item.get("role", "user")
-                turns.append({"role": "system" if role == "developer" else role, "content": _item_text(item.get("content"))})
+                role = "system" if role == "developer" else role
+                turns.append({"role": role, "content": _item_content(item.get("content"), media and role != "system")})
             elif kind == "function_call":
                 call = {"id": item.get("call_id") or item.get("id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
@@ -130,7 +132,7 @@ class ResponsesRequest(_Lenient):
             elif kind == "function_call_output":
                 output = item.get("output")
                 turns.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                              "content": output if isinstance(output, str) else _item_text(output)})
+                              "content": output if isinstance(output, str) else _item_content(output, media)})
         # system turns anywhere merge into one leading system prompt, as on /v1/messages
         system = "\n\n".join(t["content"] for t in turns if t["role"] == "system" and t["content"])
         rest = [t for t in turns if t["role"] != "system"]
@@ -143,6 +145,39 @@ def _item_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("text"))
+
+
+def _item_content(content: Any, media: bool) -> str | list[dict[str, Any]]:
+    """An item's content as chat content: its text (`_item_text`), or, with `media` and an
+    `input_image` among the parts, OpenAI parts in order (consecutive text joined by newlines)."""
+    parts = content if media and isinstance(content, list) else []
+    if not any(isinstance(p, dict) and p.get("type") == "input_image" for p in parts):
+        return _item_text(content)
+    out: list[dict[str, Any]] = []
+    run: list[str] = []
+    for part in parts:
+        if not isinstance(part, dict):
+            continue
+        if part.get("text"):
+            run.append(part["text"])
+        elif part.get("type") == "input_image":
+            if run:
+                out.append({"type": "text", "text": "\n".join(run)})
+                run = []
+            out.append(_image_part(part))
+    return out + ([{"type": "text", "text": "\n".join(run)}] if run else [])
+
+
+def _image_part(part: dict[str, Any]) -> dict[str, Any]:
+    """An `input_image` part ({"image_url": URL, "detail"?}) as an OpenAI chat image part."""
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        given = "a file_id" if part.get("file_id") else f"image_url {json.dumps(url)}"
+        raise APIError(400, f"An input_image part needs `image_url` (a data: URL or an http(s) URL), but it has {given}. "
+                            "This server keeps no files: send the image itself as a base64 data: URL.",
+                       param="input")
+    image = {"url": url} | ({"detail": part["detail"]} if isinstance(part.get("detail"), str) else {})
+    return {"type": "image_url", "image_url": image}
 
 
 async def _parse(request: Request) -> ResponsesRequest:
