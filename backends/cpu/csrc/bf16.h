@@ -22,3 +22,12 @@ inline uint16_t bf16_bits(float v) {
   std::memcpy(&b, &v, 4);
   return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
+
+// a float32 or bfloat16 (its bits) value as float32: lets one kernel template read either dtype
+inline float as_float(float v) { return v; }
+inline float as_float(uint16_t bf16) {
+  uint32_t b = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}

@@ -23,25 +23,19 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
+
 #ifndef FLAGDEPLOY_OPS_NS
 #define FLAGDEPLOY_OPS_NS flagdeploy_cpu  // tests build an AVX2-only copy under another name
 #endif
 
 namespace {
 
-inline float to_float(float v) { return v; }
-inline float to_float(uint16_t bits) {
-  uint32_t b = static_cast<uint32_t>(bits) << 16;
-  float v;
-  std::memcpy(&v, &b, 4);
-  return v;
-}
-
 // A key or value row in float32 (once per key, shared by the query heads of its group).
 template <typename T>
 inline void row_to_float(const T* src, float* dst, int64_t d) {
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]);
+  for (int64_t i = 0; i < d; ++i) dst[i] = as_float(src[i]);
 }
 
 // One fixed summation pattern (the compiler's vector reduction of this loop): the same for every row.

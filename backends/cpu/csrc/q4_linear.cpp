@@ -94,14 +94,6 @@ Activations quantize(const T* x, int64_t rows, int64_t k) {
 
 #else
 
-inline float as_float(float v) { return v; }
-inline float as_float(uint16_t bf16) {
-  uint32_t b = static_cast<uint32_t>(bf16) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
 inline int8_t saturate_int8(float v) { return static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, v))); }
 
 // The same values as the AVX-512 version: round half to even (the default rounding mode), saturated.
