@@ -17,35 +17,18 @@ same run (an 8192^3 matmul); ours / limit and transformers / ours.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from flagdeploy import ops
 from flagdeploy.models.glm5_next import Glm5VisionConfig, Glm5VisionTower, _canonical
 from flagdeploy.models.slots import copy_param
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def best(fn, runs: int) -> float:
-    fn()
-    sync()
-    out = float("inf")
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        sync()
-        out = min(out, time.perf_counter() - t)
-    return out
+from flagdeploy.ops.check import fastest, synchronizer
 
 
 def matmul_rate(device: str, n: int) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2 * n**3 / best(lambda: a @ a, 5)
+    return 2 * n**3 / fastest(lambda: a @ a, 5, device)
 
 
 def flops(c: Glm5VisionConfig, grid: torch.Tensor) -> float:
@@ -122,15 +105,15 @@ def main() -> None:
             want = torch.cat(want) if isinstance(want, (list, tuple)) else want
             got = ours(pv, grid)
             diff = ((got.float() - want.float()).norm() / want.float().norm()).item()
-            t_theirs = best(lambda: theirs(pv.to(torch.bfloat16), grid_thw=grid), args.runs)
-            t_ours = best(lambda: ours(pv, grid), args.runs)
+            t_theirs = fastest(lambda: theirs(pv.to(torch.bfloat16), grid_thw=grid), args.runs, device)
+            t_ours = fastest(lambda: ours(pv, grid), args.runs, device)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
             with torch.inference_mode(), profile(activities=activities) as prof:
                 ours(pv, grid)
-                sync()
+                synchronizer(device)()
             key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=15))
         limit = flops(cfg, grid.cpu()) / rate

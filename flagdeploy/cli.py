@@ -83,44 +83,31 @@ memory_utilization_option = click.option(
          "flag of that name: the planner fits within it and external engines are passed it.")
 
 
-class MediaLimitsParam(click.ParamType):
-    """`--limit-mm-per-prompt`: image=2,video=0 or vLLM's JSON spelling, as {modality: count}."""
+class MediaParam(click.ParamType):
+    """A media-policy flag parsed by `flagdeploy.media_policy.<parser>`, its MediaPolicyError a usage error."""
 
-    name = "limits"
-
-    def convert(self, value, param, ctx):
-        from flagdeploy.media_policy import MediaPolicyError, parse_limits
-
-        try:
-            return parse_limits(value)
-        except MediaPolicyError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-class MediaDomainsParam(click.ParamType):
-    """`--allowed-media-domains`: comma-separated host names, as a list."""
-
-    name = "hosts"
+    def __init__(self, name: str, parser: str):
+        self.name, self.parser = name, parser
 
     def convert(self, value, param, ctx):
-        from flagdeploy.media_policy import MediaPolicyError, parse_domains
+        from flagdeploy import media_policy
 
         try:
-            return parse_domains(value)
-        except MediaPolicyError as exc:
+            return getattr(media_policy, self.parser)(value)
+        except media_policy.MediaPolicyError as exc:
             self.fail(str(exc), param, ctx)
 
 
 def media_options(command):
     """serve's and plan's media flags: one meaning in both (flagdeploy/media_policy.py)."""
     command = click.option(
-        "--allowed-media-domains", default=None, type=MediaDomainsParam(), metavar="HOSTS",
+        "--allowed-media-domains", default=None, type=MediaParam("hosts", "parse_domains"), metavar="HOSTS",
         help="Hosts whose http(s) image/video/audio URLs are taken, comma-separated and matched exactly "
              "(images.example.com,cdn.example.com). Default: none, media come inline as data: URLs only. The "
              "gateway checks every request; vLLM/vLLM-Ascend get --allowed-media-domains (and "
              "VLLM_MEDIA_URL_ALLOW_REDIRECTS=0); engines without an equivalent get a warning.")(command)
     return click.option(
-        "--limit-mm-per-prompt", default=None, type=MediaLimitsParam(), metavar="LIMITS",
+        "--limit-mm-per-prompt", default=None, type=MediaParam("limits", "parse_limits"), metavar="LIMITS",
         help="Most media items one request may carry, per modality: image=2,video=0 or vLLM's JSON "
              "'{\"image\":2,\"video\":0}' (0 refuses a modality; one left out keeps the engine's own limit). The "
              "gateway checks every request; vLLM/vLLM-Ascend get --limit-mm-per-prompt, SGLang "
