@@ -129,10 +129,10 @@ class Glm5MtpLayer(nn.Module):
 
     @torch.inference_mode()
     def forward_packed(self, target, input_ids: torch.Tensor, hidden: torch.Tensor, spans: list[Span],
-                       caches: list[MlaCache], logits_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [len(logits_rows), vocab] float32 at the requested rows (None: none), block outputs [T, H]) for packed
-        rows: row r of sequence i is position spans[i][2] + r - spans[i][0], with `input_ids[r]` the token
-        after it and `hidden[r]` the hidden state at it. `target` (Glm5NextForCausalLM) lends the
+                       caches: list[MlaCache], logits_rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(logits [len(logits_rows), vocab] float32 at the requested rows (None when none are), block
+        outputs [T, H]) for packed rows: row r of sequence i is position spans[i][2] + r - spans[i][0], with
+        `input_ids[r]` the token after it and `hidden[r]` the hidden state at it. `target` (Glm5NextForCausalLM) lends the
         embedding and the LM head."""
         c = self.c
         embeds = vocab_parallel_embedding(input_ids, target.embed_tokens, c.vocab_size)
