@@ -104,13 +104,13 @@ def media_options(command):
         "--allowed-media-domains", default=None, type=MediaParam("hosts", "parse_domains"), metavar="HOSTS",
         help="Hosts whose http(s) image/video/audio URLs are taken, comma-separated and matched exactly "
              "(images.example.com,cdn.example.com). Default: none, media come inline as data: URLs only. The "
-             "gateway checks every request; vLLM/vLLM-Ascend get --allowed-media-domains (and "
+             "builtin engine and the gateway check every request; vLLM/vLLM-Ascend get --allowed-media-domains (and "
              "VLLM_MEDIA_URL_ALLOW_REDIRECTS=0); engines without an equivalent get a warning.")(command)
     return click.option(
         "--limit-mm-per-prompt", default=None, type=MediaParam("limits", "parse_limits"), metavar="LIMITS",
         help="Most media items one request may carry, per modality: image=2,video=0 or vLLM's JSON "
              "'{\"image\":2,\"video\":0}' (0 refuses a modality; one left out keeps the engine's own limit). The "
-             "gateway checks every request; vLLM/vLLM-Ascend get --limit-mm-per-prompt, SGLang "
+             "builtin engine and the gateway check every request; vLLM/vLLM-Ascend get --limit-mm-per-prompt, SGLang "
              "--limit-mm-data-per-request; engines without an equivalent get a warning.")(command)
 
 
@@ -224,11 +224,6 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     from flagdeploy.media_policy import MediaPolicy
 
     media = MediaPolicy.parse(limit_mm_per_prompt, allowed_media_domains)
-    if builtin and media.profile_fields():
-        given = " and ".join(f"--{name.replace('_', '-')}" for name in media.profile_fields())
-        click.echo(f"flagdeploy: warning: the builtin engine has no equivalent of {given}: not applied (it refuses "
-                   f"media its model cannot take); they apply to --engine vllm|vllm-ascend|sglang|mindie|llama.cpp, "
-                   f"--upstream and serve.yaml models", err=True)
     if profile_file and builtin:
         (model, chip, port, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, served_names, tp, ep,
          dp, profile_spec) = _from_profile(ctx, profile_file, model=model, chip=chip, port=port,
@@ -284,6 +279,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     from flagdeploy.engine.loader import build_llm_engine, check_source, check_split
     from flagdeploy.loaders.source import resolve
     from flagdeploy.server import create_app, make_server
+    from flagdeploy.server.media import MediaSettings
 
     _check_port(host, port)
     from flagdeploy.server.reasoning import get_style
@@ -334,7 +330,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     app = create_app(load, names, api_key=api_key, default_temperature=default_temperature,
                      reasoning_parser=reasoning_parser, max_waiting=None if max_waiting < 0 else max_waiting,
                      tool_call_parser=tool_call_parser, request_timeout=request_timeout,
-                     max_tokens_policy=max_tokens_policy)
+                     max_tokens_policy=max_tokens_policy, media=MediaSettings(media))
     server = make_server(app, host, port, log_level)
     click.echo(f"flagdeploy: loading {src.path} ... (/ready answers 503 until done)", err=True)
     server.run()

@@ -119,7 +119,7 @@ class MediaPolicy:
         counts: Counter[str] = Counter()
         for medium, url in media_items(chat.get("messages")):
             counts[medium] += 1
-            problem = None if url is None else self._url_problem(url)
+            problem = None if url is None else self.url_problem(url)
             if problem is not None:
                 takes = f"data: URLs and http(s) URLs of {', '.join(self.domains)}" if self.domains else "data: URLs only"
                 raise APIError(400, f"{medium.capitalize()} {counts[medium]} of this request ({url[:120]}) {problem}; "
@@ -134,7 +134,7 @@ class MediaPolicy:
                                     f"(--limit-mm-per-prompt {medium}={limit}). Send fewer (split the request), or "
                                     f"have the operator raise the limit.", code="too_many_media_items")
 
-    def _url_problem(self, url: str) -> str | None:
+    def url_problem(self, url: str) -> str | None:
         """Why a media URL is not taken, or None. Fail closed: a host that parsers could read two
         ways (credentials, a backslash, spaces or control characters) is not an allowed one."""
         text = url.strip()

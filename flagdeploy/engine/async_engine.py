@@ -38,12 +38,11 @@ class RequestMetrics:
 
 
 class AsyncEngine:
-    # What the builtin runtime's models take as input: text only, so far (the server refuses other
-    # media with a 400 rather than dropping them).
-    input_modalities: frozenset[str] = frozenset({"text"})
-
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        # what the served model takes (the server refuses other media with a 400 rather than dropping them)
+        self.input_modalities: frozenset[str] = getattr(engine, "input_modalities", frozenset({"text"}))
+        self.media_processor = getattr(engine, "media_processor", None)  # server/media.py prepares media with it
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self._inbox: queue.Queue = queue.Queue()
@@ -58,7 +57,8 @@ class AsyncEngine:
 
     # ---- called from the event loop --------------------------------------------------------------
 
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 media: list | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request now and return its outputs as an async iterator.
 
         Submission is synchronous on purpose: the request counts as in flight (`would_wait`) from the
@@ -69,7 +69,7 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
         self._in_flight[request_id] = loop
-        self._inbox.put(("add", request_id, prompt_token_ids, params))
+        self._inbox.put(("add", request_id, prompt_token_ids, params, media))
         return self._outputs(request_id, q, time.perf_counter())
 
     async def _outputs(self, request_id: str, q: asyncio.Queue, submitted: float) -> AsyncIterator[RequestOutput]:
@@ -160,9 +160,9 @@ class AsyncEngine:
                 return
             block = False
             if msg[0] == "add":
-                _, rid, prompt, params = msg
+                _, rid, prompt, params, media = msg
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, media=media)
                 except Exception as exc:  # bad input for this request only
                     self._deliver(rid, exc)
             elif msg[0] == "abort":

@@ -1,7 +1,8 @@
 """Paged KV-cache blocks with prefix caching by chained block hashes.
 
-A block holds `block_size` tokens' k/v. A full block is identified by the hash of its tokens chained
-with the hash of the block before it, so equal hashes mean equal prefixes. Freed blocks keep their
+A block holds `block_size` tokens' k/v. A full block is identified by the hash of its tokens (and of the
+media whose placeholders it holds) chained with the hash of the block before it, so equal hashes mean
+equal prefixes. Freed blocks keep their
 hash until they are reused for something else (least recently freed first), so a prompt that comes
 back later still hits.
 """
@@ -31,8 +32,7 @@ class BlockManager:
 
     def _hash(self, seq: Sequence, i: int) -> int:
         prev = self.block_hash[seq.block_table[i - 1]] if i else None
-        bs = self.block_size
-        return hash((prev, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+        return hash((prev, seq.block_key(i, self.block_size)))
 
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)
@@ -53,7 +53,7 @@ class BlockManager:
         prev = None
         hits = 0
         for i in range((seq.num_tokens - 1) // bs if self.prefix_caching else 0):
-            h = hash((prev, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+            h = hash((prev, seq.block_key(i, bs)))
             block = self.hash_to_block.get(h)
             if block is None:
                 break

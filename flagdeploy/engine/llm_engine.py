@@ -16,6 +16,7 @@ from .block_manager import BlockManager
 from .grammar import Matcher
 from .lockstep import LockstepRunner, Workers
 from .model_runner import build_runner
+from .multimodal import MediaItem
 from .rejection import rejection_sample
 from .sampler import probs_for, sample
 from .sampling import RequestOutput, SamplingParams, TokenLogprob
@@ -83,6 +84,7 @@ def _token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
 class LLMEngine:
     # speculation off unless __init__ turns it on (engines built on this class without its __init__: edge)
     proposer = None
+    media_processor = None  # images and video → pixels and placeholder text (a model with an encoder; loader.py)
     spec_num_drafts = spec_num_draft_tokens = spec_num_accepted_tokens = 0
     spec_accepted_per_pos: list[int] = []
 
@@ -132,18 +134,38 @@ class LLMEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"Prompt token ids must lie in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}.")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    media: list[MediaItem] | None = None) -> None:
+        """media: the prompt's images and videos (multimodal.py), their placeholders already expanded in
+        `prompt_ids`; only for a model with an encoder (`input_modalities`)."""
         self.check_prompt(prompt_ids)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if media:
+            self._check_media(prompt_ids, media, params)
         max_tokens = min(params.max_tokens, self.config.max_model_len - len(prompt_ids))
-        seq = Sequence(request_id, prompt_ids, params, max_tokens)
+        seq = Sequence(request_id, prompt_ids, params, max_tokens, media)
         req = _Request(seq, self.tokenizer)  # compiles the grammar: a bad one fails here, alone
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = self._prompt_logprobs(prompt_ids, params.prompt_logprobs)
         self.requests[request_id] = req
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(prompt_ids)
+
+    def _check_media(self, prompt_ids: list[int], media: list[MediaItem], params: SamplingParams) -> None:
+        kinds = {item.kind for item in media} - set(self.input_modalities)
+        if kinds:
+            raise ValueError(f"{type(self.model).__name__} takes {' and '.join(sorted(self.input_modalities))} input, "
+                             f"not {' or '.join(sorted(kinds))}; serve a model with a vision encoder for media input.")
+        if any(not item.positions or item.positions[-1] >= len(prompt_ids) for item in media):
+            raise ValueError("a media item's placeholder positions lie outside the prompt")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt logprobs are not computed for prompts with images or video; leave them out.")
+
+    @property
+    def input_modalities(self) -> frozenset[str]:
+        """What the served model takes: text, and image and video where it has a vision encoder."""
+        return frozenset(getattr(self.model, "input_modalities", ("text",)))
 
     def _prompt_logprobs(self, prompt_ids: list[int], k: int) -> list[TokenLogprob | None]:
         """Each prompt token's logprob given the tokens before it, from one scratch forward pass
@@ -381,4 +403,11 @@ class LLMEngine:
             "spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
+            **self._encoder_stats(),
         }
+
+    def _encoder_stats(self) -> dict[str, int]:
+        encoder = getattr(self.runner, "encoder", None)
+        if encoder is None:
+            return {}
+        return {"mm_items_encoded": encoder.encoded, "mm_encoder_cache_hits": encoder.hits}

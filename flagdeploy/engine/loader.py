@@ -8,7 +8,8 @@ from pathlib import Path
 
 from flagdeploy import ops, parallel
 from flagdeploy.errors import ModelLoadError
-from flagdeploy.models import build_model
+from flagdeploy.loaders import safetensors_reader
+from flagdeploy.models import build_model, media_processor
 
 from . import lockstep
 from .llm_engine import EngineConfig, LLMEngine
@@ -65,4 +66,7 @@ def build_llm_engine(path: Path, fmt: str, config: EngineConfig | None = None, c
                     config.max_model_len, model.cfg.max_position_embeddings)
         config.max_model_len = model.cfg.max_position_embeddings
     model.prepare(config.max_model_len)
-    return LLMEngine(model, tokenizer, config, workers)
+    engine = LLMEngine(model, tokenizer, config, workers)
+    if fmt == "safetensors":  # a model with a vision encoder: its processor, for the server to prepare media
+        engine.media_processor = media_processor(model, path, safetensors_reader.raw_config(path))
+    return engine

@@ -23,9 +23,14 @@ from flagdeploy.ops.weights import Int4Weight, Int8Weight
 
 from .compiled_step import CompiledDecode
 from .cuda_graphs import DecodeGraphs, DecodeInputs
+from .multimodal import EncoderCache, step_embeds
 from .scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
+
+# feature rows the encoder cache holds (a 1024 x 1024 image gives 1,369 rows; at GLM-5.3-Flash's width
+# of 4096 in bfloat16, 32k rows are 256 MiB)
+ENCODER_CACHE_ROWS = 32768
 
 
 @dataclass
@@ -54,6 +59,8 @@ class StateStep:
     seqs: list[tuple[int, int, list[int], list[int], int]]
     rows: list[int]
     chains: dict[int, list[int]] | None = None
+    # media features replacing token embeddings: (packed row indices, rows), encoded on rank 0 when it plans
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _weight_only(model) -> bool:
@@ -251,6 +258,9 @@ class SequenceStateRunner(_Runner):
             if spec_tokens:
                 self.verify_graphs = DecodeGraphs(self._verify, device, max_seqs, width, block_size, num_blocks, rows,
                                                   depth=self.group)
+        # a model with a vision encoder: its features by content, `ENCODER_CACHE_ROWS` rows at most
+        self.encoder = (EncoderCache(model.encode_media, ENCODER_CACHE_ROWS, device)
+                        if "image" in getattr(model, "input_modalities", ()) else None)
         self.compiled = None
         if compile and self.batched_decode and not self.graphs:
             self.compiled = CompiledDecode(self._decode, device, block_size, num_blocks, scratch_state=rows,
@@ -285,9 +295,11 @@ class SequenceStateRunner(_Runner):
 
     def plan(self, batch: ScheduledBatch) -> tuple[StateStep, list[int]]:
         drafts = batch.drafts or [[] for _ in batch.seqs]
-        seqs, rows, sampled, chains, count = [], [], [], {}, 0
+        seqs, rows, sampled, chains, count, media = [], [], [], {}, 0, []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed, seq.num_computed + n
+            if seq.media and not drafts[i]:
+                media.append((count, seq.media, start, end))
             state = self._rows_of(seq)
             if drafts[i]:  # a verify step: the last real token, then the drafts; every row is a logits row
                 new = [seq.token_ids[start], *drafts[i]]
@@ -302,11 +314,12 @@ class SequenceStateRunner(_Runner):
             if not drafts[i] and end == seq.num_tokens:
                 rows.append(count - 1)
                 sampled.append(i)
-        return StateStep(seqs, rows, chains or None), sampled
+        embeds = step_embeds(self.encoder, media) if media else None
+        return StateStep(seqs, rows, chains or None, embeds), sampled
 
     def execute(self, step: StateStep) -> torch.Tensor:
-        if self.batched_decode and all(start > 0 and (len(new) == 1 or i in (step.chains or ()))
-                                       for i, (_, _, _, new, start) in enumerate(step.seqs)):
+        if self.batched_decode and step.embeds is None and all(start > 0 and (len(new) == 1 or i in (step.chains or ()))
+                                                               for i, (_, _, _, new, start) in enumerate(step.seqs)):
             if step.chains:
                 return self._verify_step(step)
             return _rows(self._decode_step(step), step.rows)
@@ -320,7 +333,7 @@ class SequenceStateRunner(_Runner):
         prompt = any(len(new) > 1 or start == 0 for _, _, _, new, start in step.seqs)
         with ops.prefill_step() if prompt else contextlib.nullcontext():
             logits = self.model.forward_packed(torch.tensor(ids, device=self.device), torch.tensor(cu), caches,
-                                               return_hidden=self.keep_hidden)
+                                               return_hidden=self.keep_hidden, embeds=step.embeds)
         if self.keep_hidden:
             logits, hidden = logits
             self._record_hidden(step, hidden, list(range(len(ids))))

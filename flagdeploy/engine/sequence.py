@@ -7,6 +7,7 @@ import itertools
 
 import torch
 
+from .multimodal import MediaItem, media_keys
 from .sampling import SamplingParams
 
 _ids = itertools.count()
@@ -19,7 +20,8 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+                 media: list[MediaItem] | None = None):
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.token_ids = list(prompt_ids)
@@ -36,6 +38,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.draft_ids: list[int] = []  # proposed for the next step; never in token_ids until accepted
         self.draft_state = None  # the proposer's own per-sequence bookkeeping (engine/speculative.py)
+        self.media = media or []  # images and videos whose features replace prompt positions (multimodal.py)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 
@@ -50,6 +53,13 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
+
+    def block_key(self, i: int, block_size: int) -> tuple:
+        """What identifies block i's contents for the prefix cache: its token ids and, where it covers
+        media placeholders, the media's keys (equal placeholder ids can stand for different images)."""
+        a, b = i * block_size, (i + 1) * block_size
+        ids = tuple(self.token_ids[a:b])
+        return (ids, media_keys(self.media, a, b)) if self.media else ids
 
     def reset_for_recompute(self) -> None:
         """After preemption its cache is gone: prompt and output so far are recomputed as one prefill."""

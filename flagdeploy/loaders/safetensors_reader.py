@@ -15,13 +15,17 @@ from flagdeploy.ops.weights import FP8_DTYPES, Int8Weight, W8A8Weight
 from flagdeploy.parallel import Shard
 
 
-def read_config(path: Path):
-    """The model's config (its family's dataclass), validated before any weight is read."""
+def raw_config(path: Path) -> dict:
+    """config.json as a dict."""
     try:
-        cfg = json.loads((path / "config.json").read_text())
+        return json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{path / 'config.json'} could not be read ({exc}); the directory needs the model's config.json.") from exc
-    return config_from_hf(cfg)
+
+
+def read_config(path: Path):
+    """The model's config (its family's dataclass), validated before any weight is read."""
+    return config_from_hf(raw_config(path))
 
 
 def shard_files(path: Path) -> list[Path]:

@@ -159,6 +159,8 @@ def _not_converted(text: dict, mtp: bool = False) -> list[str]:
 
 def _text_shapes(model) -> Iterator[tuple[str, tuple[int, ...]]]:
     for name, slot in model.weight_slots().items():
+        if name.startswith("visual."):  # the tower's own names come from transformers (_vision_shapes)
+            continue
         if len(slot) == 2:  # (parameter, shard): the shard's full length where the model is split
             param, shard = slot
             shape = tuple(shard.full if shard is not None and d == shard.dim else n for d, n in enumerate(param.shape))
@@ -243,15 +245,18 @@ def _write_shards(root: Path, groups: Iterator[list[tuple[str, torch.Tensor]]], 
 # ---- tokenizer ------------------------------------------------------------------------------------------
 
 
-def write_word_tokenizer(root: Path, vocab_size: int, eos: str = "w1") -> None:
+def write_word_tokenizer(root: Path, vocab_size: int, eos: str = "w1", specials: dict[int, str] | None = None) -> None:
     """A word-level tokenizer ("w0".."wN", split on whitespace) with a plain chat template, so that a
-    directory of random weights is a servable model."""
+    directory of random weights is a servable model. specials: ids whose word is instead a special
+    token matched anywhere in the text (a multimodal model's `<|image|>` and its brackets)."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    words = {i: f"w{i}" for i in range(vocab_size)} | (specials or {})
+    tok = Tokenizer(models.WordLevel({w: i for i, w in words.items()}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     # whole words only: a plain added "w1" would also match inside "w13" (-> "w1", "3")
     tok.add_special_tokens([AddedToken(t, single_word=True, special=True) for t in ("w0", eos)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (specials or {}).values()])
     tok.save(str(root / "tokenizer.json"))
     template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w2 {% endif %}"
     (root / "tokenizer_config.json").write_text(json.dumps(

@@ -10,6 +10,8 @@ and such models do not resume from the prefix cache. Outside the engine they run
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,4 +52,18 @@ def has_sequence_state(model) -> bool:
     return hasattr(model, "new_cache")
 
 
-__all__ = ["FAMILIES", "ModelConfig", "build_model", "config_from_hf", "has_sequence_state", "load_weights"]
+# family → its media processor (images and video → the encoder's pixels and the prompt's placeholder
+# text), "module:class" imported only when a model with an encoder is served (it needs transformers)
+MEDIA_PROCESSORS = {"glm5_next": "flagdeploy.models.glm5_next.processor:Glm5MediaProcessor"}
+
+
+def media_processor(model, path: Path, hf_config: dict[str, Any]):
+    """The processor for `model`'s media input, from its checkpoint directory; None for a text-only model."""
+    if "image" not in getattr(model, "input_modalities", ()):
+        return None
+    module, name = MEDIA_PROCESSORS[model.cfg.architecture].split(":")
+    return getattr(importlib.import_module(module), name).from_checkpoint(path, hf_config)
+
+
+__all__ = ["FAMILIES", "ModelConfig", "build_model", "config_from_hf", "has_sequence_state", "load_weights",
+           "media_processor"]

@@ -43,6 +43,7 @@ from .answer import AnswerDelta, AnswerParser, parse_answer
 from .engine_slot import EngineSlot
 from .errors import APIError
 from .generation import ClientDisconnected, EventStream, Generation, unless_disconnected
+from .media import takes_media
 from .names import ModelNames, strip_context_suffix
 from .pipeline import ServerSettings, chat_prompt, check_grammar, first_output, make_jobs, tool_plan
 from .protocol import SamplingFields, thinking_switch, thinking_template_kwargs
@@ -501,29 +502,31 @@ def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
     `style` the model's reasoning tags (None: no thinking blocks); `max_waiting` the queue bound."""
     router = APIRouter(prefix="/v1/messages", dependencies=[Depends(auth)], route_class=AnthropicRoute)
 
-    async def prepare(req: MessagesRequest) -> tuple["AsyncEngine", str, list[int], RequestReasoning | None, ToolPlan | None]:
+    async def prepare(req: MessagesRequest) -> tuple["AsyncEngine", str, list[int], RequestReasoning | None,
+                                                     ToolPlan | None, list | None]:
         """Engine, the model name to echo (bare: Anthropic echoes the id without `[1m]`), prompt ids,
-        how to split reasoning from the answer, and the request's tools."""
+        how to split reasoning from the answer, the request's tools and its media items."""
         names.resolve(req.model)  # 404 for a name we do not serve
         model = strip_context_suffix(req.model) if req.model and req.model.strip() else names.canonical
         engine = slot.get()
         refuse_media(req.media_parts(), engine.input_modalities, model)
         check_anthropic_tools(req.tools, req.tool_choice)
         tools = tool_plan(engine, req.function_tools(), req.choice(), settings.tool_call_parser)
-        prompt, prompt_text = await chat_prompt(engine, req.template_messages(structured=tools is not None),
-                                                req.template_kwargs(), tools)
-        return engine, model, prompt, RequestReasoning.for_prompt(settings.style, prompt_text), tools
+        prompt, prompt_text, media = await chat_prompt(
+            engine, req.template_messages(structured=tools is not None, media=takes_media(engine)), req.template_kwargs(),
+            tools, media=settings.media)
+        return engine, model, prompt, RequestReasoning.for_prompt(settings.style, prompt_text), tools, media
 
     @router.post("")
     async def create_message(request: Request) -> Response:
         req = await _parse(request)
-        engine, model, prompt, reasoning, tools = await prepare(req)
+        engine, model, prompt, reasoning, tools, media = await prepare(req)
         mid = f"msg_{uuid.uuid4().hex}"
         sampling = req.sampling()
         stops = sampling.stop_list()
         grammar = check_grammar(engine, tools.grammar(engine.tokenizer), "tool_choice") if tools is not None else None
         gen = settings.generation(engine, make_jobs(engine, settings, sampling, req.max_tokens, [prompt], mid,
-                                                    grammar=grammar), overload_status=529)
+                                                    media=media, grammar=grammar), overload_status=529)
         if req.stream:
             first = await first_output(request, gen, "messages")
             if first is None:
@@ -556,7 +559,7 @@ def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
     @router.post("/count_tokens")
     async def count_tokens(request: Request) -> dict[str, int]:
         """The prompt as generation would see it (chat template applied), without generating."""
-        _, _, prompt, _, _ = await prepare(await _parse(request))
+        _, _, prompt, _, _, _ = await prepare(await _parse(request))
         return {"input_tokens": len(prompt)}
 
     return router

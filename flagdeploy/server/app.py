@@ -24,6 +24,7 @@ from .auth import api_key_check
 from .engine_slot import EngineSlot
 from .errors import APIError
 from .generation import SSE_DONE, EventStream, Generation, collect, sse
+from .media import MediaSettings, takes_media
 from .metrics import HTTPMetricsMiddleware, ServerMetrics
 from .names import ModelNames
 from .pipeline import (
@@ -149,7 +150,7 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
                api_key: str | None = None, default_temperature: float = 0.0,
                reasoning_parser: str | None = None, max_waiting: int | None = None,
                tool_call_parser: str = "auto", request_timeout: float | None = None,
-               max_tokens_policy: MaxTokensPolicy = "error") -> FastAPI:
+               max_tokens_policy: MaxTokensPolicy = "error", media: MediaSettings | None = None) -> FastAPI:
     """The server app. `load_engine` runs on a background thread at startup; until it returns,
     /ready and the inference routes answer 503.
 
@@ -159,6 +160,8 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
     to take it from the model's chat template. `request_timeout` (seconds, None: none) aborts a
     generation that runs longer: 408 before the first byte, an error event in a stream after it.
     `max_tokens_policy` ("error" or "clamp") answers a max_tokens that cannot fit after the prompt.
+    `media`: the allowed media hosts, items per request and fetch limits for a model that takes images
+    and video (server/media.py; default: data: URLs only, no count limit).
 
     `default_temperature` applies when a request sets none. It is 0 (greedy) unless the operator
     says otherwise: a bare request gets the model's own best answer, reproducibly, and clients that
@@ -168,7 +171,7 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
     if tool_call_parser != "auto":
         get_parser(tool_call_parser)  # an unknown name fails here, at startup
     settings = ServerSettings(default_temperature, get_style(reasoning_parser), max_waiting, tool_call_parser,
-                              request_timeout, max_tokens_policy)
+                              request_timeout, max_tokens_policy, media or MediaSettings())
     slot = EngineSlot(lambda: app_metrics.attach(load_engine()))
     app_metrics = ServerMetrics(lambda: slot.engine)  # this app's own registry
     started = now()
@@ -227,14 +230,15 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
                            else req.tool_choice)
         choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
         tools = tool_plan(engine, req.tools, choice, settings.tool_call_parser)
-        prompt, prompt_text = await chat_prompt(engine, [m.to_template() for m in req.messages], req.template_kwargs(),
-                                                tools)
+        prompt, prompt_text, media = await chat_prompt(engine, [m.to_template(takes_media(engine)) for m in req.messages],
+                                                       req.template_kwargs(), tools, media=settings.media)
         reasoning = RequestReasoning.for_prompt(settings.style, prompt_text)
         grammar, grammar_param = (tools.grammar(engine.tokenizer), "tool_choice") if tools and tools.forced else _output_grammar(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         gen = settings.generation(engine, make_jobs(engine, settings, req, req.requested_max_tokens(), [prompt], cid,
-                                                    max_param, grammar=check_grammar(engine, grammar, grammar_param),
+                                                    max_param, media=media,
+                                                    grammar=check_grammar(engine, grammar, grammar_param),
                                                     logprobs=logprobs))
         if req.stream:
             first = await first_output(request, gen, "messages")

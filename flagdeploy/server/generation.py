@@ -44,6 +44,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
+    media: list | None = None  # the prompt's images and videos (engine/multimodal.py MediaItem)
 
 
 class Generation:
@@ -66,7 +67,8 @@ class Generation:
             self._deadline = time.monotonic() + self.timeout
         for job in self.jobs:
             try:
-                stream = self.engine.generate(job.prompt_ids, job.params, job.request_id)
+                media = {"media": job.media} if job.media else {}
+                stream = self.engine.generate(job.prompt_ids, job.params, job.request_id, **media)
             except Exception as exc:  # a bad prompt: handed to the consumer like any failure
                 self._queue.put_nowait((job.index, exc))
                 continue

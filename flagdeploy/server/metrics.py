@@ -56,6 +56,9 @@ _ENGINE_COUNTERS = {
     "spec_decode_num_drafts": ("spec_decode_num_drafts", "Speculative verify steps of a sequence (drafts proposed)."),
     "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
     "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    # media: items run through the vision encoder, and items found in its cache instead
+    "mm_items_encoded": ("mm_items_encoded", "Images and videos run through the model's vision encoder."),
+    "mm_encoder_cache_hits": ("mm_encoder_cache_hits", "Images and videos whose features came from the encoder cache."),
 }
 _ENGINE_GAUGES = {
     "running": ("num_requests_running", "Requests in the running batch."),

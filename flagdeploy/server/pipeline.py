@@ -20,12 +20,15 @@ from starlette.requests import Request
 
 from flagdeploy.engine.grammar import GrammarError, GrammarSpec
 from flagdeploy.engine.grammar import validate as validate_grammar
+from flagdeploy.engine.multimodal import MediaItem
 from flagdeploy.engine.sampling import RequestOutput, SamplingParams
 from flagdeploy.errors import PromptTooLongError
 
 from . import errors
 from .errors import APIError
 from .generation import ClientDisconnected, Generation, Job, unless_disconnected
+from .media import MediaSettings, takes_media
+from .media import prepare as prepare_media
 from .protocol import SamplingFields
 from .reasoning import ReasoningStyle
 from .tools import ToolPlan, plan_tools
@@ -54,6 +57,7 @@ class ServerSettings:
     tool_call_parser: str = "auto"
     request_timeout: float | None = None
     max_tokens_policy: MaxTokensPolicy = "error"
+    media: MediaSettings = MediaSettings()
 
     def generation(self, engine: "AsyncEngine", jobs: list[Job], overload_status: int = 429) -> Generation:
         """The request's engine requests, admitted (or refused: backpressure) and submitted, with no
@@ -116,20 +120,29 @@ def text_size(value: Any) -> int:
 
 async def chat_prompt(engine: "AsyncEngine", messages: list[dict[str, Any]],
                       template_kwargs: dict[str, Any] | None = None, tools: ToolPlan | None = None,
-                      param: str = "messages") -> tuple[list[int], str]:
-    """Token ids and text of `messages` (template dicts) through the model's chat template;
-    `template_kwargs` are extra template variables (enable_thinking, reasoning_effort, ...), `tools`
-    how the request's tools reach the prompt. The text tells whether the template opened a
-    reasoning section for the output. Rendering and tokenizing run on a worker thread."""
+                      param: str = "messages", media: MediaSettings | None = None
+                      ) -> tuple[list[int], str, list[MediaItem] | None]:
+    """Token ids, text and media items of `messages` (template dicts) through the model's chat
+    template; `template_kwargs` are extra template variables (enable_thinking, reasoning_effort, ...),
+    `tools` how the request's tools reach the prompt. The text tells whether the template opened a
+    reasoning section for the output. Rendering and tokenizing run on a worker thread.
+    `media`: for a model that takes images and video, the settings their parts are loaded under
+    (server/media.py); the items are None when the prompt has none."""
     kwargs = dict(template_kwargs or {})
+    loaded = None
+    if media is not None and takes_media(engine):
+        messages, loaded = await prepare_media(engine, messages, media)
     if tools is not None:
         messages = tools.messages(messages)
         kwargs["tools"] = tools.template_tools()
     check_length_bound(engine, text_size(messages) + text_size(kwargs.get("tools")), param)
 
-    def render() -> tuple[list[int], str]:
+    def render() -> tuple[list[int], str, list[MediaItem] | None]:
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-        return engine.tokenizer.encode(text), text  # the template already carries the special tokens
+        if loaded is not None:
+            ids, items = loaded.expand(engine, text)
+            return ids, text, items
+        return engine.tokenizer.encode(text), text, None  # the template already carries the special tokens
 
     try:
         return await asyncio.to_thread(render)
@@ -188,9 +201,11 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed: int | None, defa
 
 def make_jobs(engine: "AsyncEngine", settings: ServerSettings, req: SamplingFields, requested_max: int | None,
               prompts: list[list[int]], stem: str, max_tokens_param: str = "max_tokens", prompt_param: str = "messages",
-              **engine_fields: Any) -> list[Job]:
+              media: list[MediaItem] | None = None, **engine_fields: Any) -> list[Job]:
     """One engine request per (prompt, choice); choice i of a seeded request uses seed + i so that
-    the n answers differ yet the whole request is reproducible. Without `requested_max`: whatever fits."""
+    the n answers differ yet the whole request is reproducible. Without `requested_max`: whatever fits.
+    `media`: the items of a chat prompt (one prompt), shared by its choices (the encoder cache sees
+    them once)."""
     n = req.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise APIError(400, f"This request asks for {len(prompts) * n} completions (prompts x n); at most "
@@ -207,7 +222,7 @@ def make_jobs(engine: "AsyncEngine", settings: ServerSettings, req: SamplingFiel
             seed = None if req.seed is None else req.seed + i
             index = p * n + i
             params = sampling_params(req, max_tokens, seed, settings.default_temperature, **engine_fields)
-            jobs.append(Job(index, p, prompt_ids, params, f"{stem}-{index}"))
+            jobs.append(Job(index, p, prompt_ids, params, f"{stem}-{index}", media))
     return jobs
 
 

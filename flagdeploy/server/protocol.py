@@ -55,9 +55,12 @@ class ChatMessage(_Lenient):
             return self.content
         return "\n".join(p.text for p in self.content if p.type == "text" and p.text is not None)
 
-    def to_template(self) -> dict[str, Any]:
-        """The dict a chat template expects; `developer` (o-series clients) means `system`."""
-        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+    def to_template(self, media: bool = False) -> dict[str, Any]:
+        """The dict a chat template expects; `developer` (o-series clients) means `system`. `media`: a
+        content array stays one (its image and video parts for server/media.py to place), else text."""
+        content = [p.model_dump(exclude_none=True) for p in self.content] \
+            if media and isinstance(self.content, list) else self.text()
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         for key in ("name", "tool_calls", "tool_call_id"):
             value = getattr(self, key)
             if value is not None:

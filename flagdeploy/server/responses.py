@@ -31,6 +31,7 @@ from .answer import AnswerDelta, AnswerParser, parse_answer
 from .engine_slot import EngineSlot
 from .errors import APIError
 from .generation import EventStream, Generation, collect
+from .media import takes_media
 from .names import ModelNames
 from .pipeline import ServerSettings, chat_prompt, check_grammar, first_output, make_jobs, tool_plan
 from .protocol import SamplingFields, now
@@ -388,12 +389,13 @@ def responses_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
         refuse_media(req.media_parts(), engine.input_modalities, model)
         check_responses_tools(req.tools, req.tool_choice)
         tools = tool_plan(engine, req.function_tools(), req.choice(), settings.tool_call_parser)
-        prompt, prompt_text = await chat_prompt(engine, req.messages(), req.template_kwargs(), tools, "input")
+        prompt, prompt_text, media = await chat_prompt(engine, req.messages(media=takes_media(engine)),
+                                                       req.template_kwargs(), tools, "input", settings.media)
         reasoning = RequestReasoning.for_prompt(settings.style, prompt_text)
         grammar, param = (tools.grammar(engine.tokenizer), "tool_choice") if tools and tools.forced else (req.grammar(), "text.format")
         sampling = SamplingFields(temperature=req.temperature, top_p=req.top_p)
         gen = settings.generation(engine, make_jobs(engine, settings, sampling, req.max_output_tokens, [prompt], rid,
-                                                    "max_output_tokens", "input",
+                                                    "max_output_tokens", "input", media,
                                                     grammar=check_grammar(engine, grammar, param)))
         if req.stream:
             first = await first_output(request, gen, "input")

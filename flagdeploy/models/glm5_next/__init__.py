@@ -20,8 +20,10 @@ Modules, each importing only those before it: config (Glm5Config, from_hf_config
 state and rows, DecodeBatch, Span), common (shared construction helpers), kda (linear attention), mla
 (DSA indexer and sparse latent attention), moe (dense MLP and MoE), layer (mHC and one block), names
 (checkpoint names and slot helpers), mtp (the MTP draft layer for --speculative mtp), vision (the vision
-tower: pixels to placeholder-token rows; not yet wired into loading or serving), model
-(Glm5NextForCausalLM), weights (FP8 pairing and load_hf_weights).
+tower: pixels to placeholder-token rows), model (Glm5NextForCausalLM, with the tower when the checkpoint
+ships one), weights (FP8 pairing and load_hf_weights). processor (images and video to the tower's
+pixels and the prompt's placeholder text, at serve time) imports transformers and is loaded only for a
+model that takes media (flagdeploy.models.media_processor).
 """
 
 from .cache import (

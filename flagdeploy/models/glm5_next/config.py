@@ -59,7 +59,15 @@ class Glm5Config:
     fp8_block: tuple[int, int] | None = None
     # multi-token-prediction draft layers the checkpoint ships (at layers.{num_layers}.*); None: not stated
     num_nextn_predict_layers: int | None = None
+    # the checkpoint's `vision_config` (a Glm5NextForConditionalGeneration): the model builds its vision
+    # tower from it (vision.Glm5VisionConfig.from_hf); None: a text-only checkpoint
+    vision: dict[str, Any] | None = None
 
+
+# the multimodal token ids a Glm5NextConfig states at its top level, with transformers' defaults (for
+# configs written without them; the media processor reads them)
+MM_TOKEN_IDS = {"image_token_id": 154854, "video_token_id": 154855, "image_start_token_id": 154830,
+                "image_end_token_id": 154831, "video_start_token_id": 154832, "video_end_token_id": 154833}
 
 # HF text-config key → our field, where the names differ.
 _RENAMED = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads"}
@@ -111,6 +119,8 @@ def from_hf_config(cfg: dict[str, Any]) -> Glm5Config:
         out.num_nextn_predict_layers = cfg["num_nextn_predict_layers"]  # stated beside text_config
     if cfg.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in t:
         out.tie_word_embeddings = bool(cfg["tie_word_embeddings"])
+    if cfg.get("model_type", "glm5_next") == "glm5_next" and cfg.get("vision_config") is not None:
+        out.vision = dict(cfg["vision_config"])
     quant = cfg.get("quantization_config") or t.get("quantization_config") or {}
     if quant.get("quant_method") == "fp8" or quant.get("weight_block_size"):  # FP8 as published, or kept by quantize
         out.fp8_block = tuple(quant.get("weight_block_size") or (128, 128))  # type: ignore[assignment]

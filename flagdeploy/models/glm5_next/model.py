@@ -5,6 +5,8 @@ parameter (`weight_slots`, `read_plan`). Loading itself is in weights.py.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -20,6 +22,9 @@ from .layer import Glm5Layer
 from .moe import ExpertBank, MoE
 from .mtp import Glm5MtpLayer, build_mtp_layer
 from .names import _EXPERT_NAME, _canonical, _slot_shard, ffn_slots, mla_slots
+from .vision import Glm5VisionConfig, Glm5VisionTower
+
+log = logging.getLogger(__name__)
 
 
 class Glm5NextForCausalLM(nn.Module):
@@ -33,6 +38,15 @@ class Glm5NextForCausalLM(nn.Module):
         self.norm = _param(cfg.hidden_size, dtype=dtype)
         self.lm_head = vocab_parallel_head(cfg.vocab_size, cfg.hidden_size, dtype)
         self.mtp: Glm5MtpLayer | None = None  # the checkpoint's draft layer, only when asked (`attach_mtp`)
+        self.visual: Glm5VisionTower | None = None  # a multimodal checkpoint's vision tower (`encode_media`)
+        vision = Glm5VisionConfig.from_hf(cfg.vision) if cfg.vision is not None else None
+        if vision is not None and vision.out_hidden_size != cfg.hidden_size:
+            # (transformers' default config is such a pair: its vision default was never matched to the text one)
+            log.warning("vision_config.out_hidden_size is %d but the text hidden_size is %d: the vision tower's rows "
+                        "cannot replace token embeddings, so this checkpoint is served as text only.",
+                        vision.out_hidden_size, cfg.hidden_size)
+        elif vision is not None:
+            self.visual = Glm5VisionTower(vision, dtype)
         self._plan_slots: dict[str, tuple] | None = None  # `read_plan`'s view of weight_slots, built once
 
     def new_cache(self) -> Glm5SequenceCache:
@@ -86,6 +100,16 @@ class Glm5NextForCausalLM(nn.Module):
         self._plan_slots = None
         return self.mtp
 
+    @property
+    def input_modalities(self) -> tuple[str, ...]:
+        """What a prompt may carry: text, and images and video where the checkpoint ships its vision tower."""
+        return ("text",) if self.visual is None else ("text", "image", "video")
+
+    def encode_media(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Feature rows of the items of `grid_thw` (their patches packed in `pixel_values`, as the
+        processor lays them out): one row per placeholder token, in the text model's width and dtype."""
+        return self.visual(pixel_values, grid_thw).to(self.dtype)
+
     def state_bytes_per_seq(self) -> int:
         """What one sequence's KDA state takes in the state pools (fixed, whatever its length)."""
         size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
@@ -137,16 +161,23 @@ class Glm5NextForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_packed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                       caches: list[Glm5SequenceCache], return_hidden: bool = False):
+                       caches: list[Glm5SequenceCache], return_hidden: bool = False,
+                       embeds: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Logits [T, vocab] for a packed batch: sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1].
 
         Everything token-wise (projections, MoE, mHC, norms) runs once on all rows; only the KDA
         recurrence, the conv, the indexer and attention loop over sequences. return_hidden: also the final
         hidden states [T, H] (before the final norm; what an MTP draft layer reads): (logits, hidden).
+        embeds: (packed row indices, rows [n, H]) replacing those rows' token embeddings: the features of
+        the images and video whose placeholder tokens they are (`encode_media`), as transformers scatters
+        them into `inputs_embeds`. The text model is NoPE, so nothing else about a media position differs.
         """
         bounds = cu_seqlens.tolist()
         spans = [(a, b, cache.length) for a, b, cache in zip(bounds[:-1], bounds[1:], caches)]
         x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.cfg.vocab_size)
+        if embeds is not None:
+            index, rows = embeds
+            x = x.index_copy(0, index.to(x.device), rows.to(x.device, x.dtype))
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         masks = None
         for i, layer in enumerate(self.layers):
@@ -241,6 +272,8 @@ class Glm5NextForCausalLM(nn.Module):
             slots.update(ffn_slots(p + "mlp.", layer.mlp))
         if self.mtp is not None:  # the draft layer after the main ones (`attach_mtp`)
             slots.update(self.mtp.weight_slots(f"layers.{c.num_layers}."))
+        if self.visual is not None:  # replicated under TP/EP: every slot takes the whole tensor
+            slots.update(self.visual.weight_slots("visual."))
         if c.tie_word_embeddings:
             del slots["lm_head.weight"]
         return slots

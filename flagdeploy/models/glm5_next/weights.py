@@ -104,7 +104,7 @@ def load_hf_weights(model: Glm5NextForCausalLM, tensors: Iterable[tuple[str, Any
     if missing:
         few = ", ".join(sorted(missing, key=_natural)[:5])
         raise ModelLoadError(f"{len(missing)} weights are missing from the checkpoint, e.g. {few}")
-    if skipped:  # the vision tower and the MTP draft layer: not used when serving text
+    if skipped:  # the MTP draft layer when not asked for: not used by the plain model
         log.info("skipped %d checkpoint tensors the text model does not use, e.g. %s", len(skipped),
                  ", ".join(sorted(skipped, key=_natural)[:3]))
     if bf16_experts:
