@@ -45,6 +45,29 @@ def flops(c: Glm5VisionConfig, grid: torch.Tensor) -> float:
     return total
 
 
+def sdpa_backends(cfg: Glm5VisionConfig, grid: torch.Tensor, runs: int) -> str:
+    """ms of one block's attention (each item's frames as the batch, q/k/v as the tower lays them out: strided
+    [frames, heads, patches, head_dim] views) under each SDPA backend that takes it (--profile, on the GPU)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, d = cfg.num_heads, cfg.hidden_size // cfg.num_heads
+    out = []
+    for t, gh, gw in grid.tolist():
+        n = gh * gw
+        qkv = torch.randn(t * n, heads, 3, d, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (z.view(t, n, heads, d).transpose(1, 2) for z in qkv.unbind(2))
+        for be in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            try:
+                with sdpa_kernel(be):
+                    ms = fastest(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), runs, "cuda") * 1e3
+                out.append(f"{t}x{n} {be.name}: {ms:.3f} ms")
+            except RuntimeError as exc:
+                out.append(f"{t}x{n} {be.name}: unavailable ({str(exc).splitlines()[0][:80]})")
+        ms = fastest(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), runs, "cuda") * 1e3
+        out.append(f"{t}x{n} default: {ms:.3f} ms")
+    return "; ".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -115,7 +138,9 @@ def main() -> None:
                 ours(pv, grid)
                 synchronizer(device)()
             key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
-            print(prof.key_averages().table(sort_by=key, row_limit=15))
+            print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=90))
+            if device == "cuda":
+                print("# SDPA per block:", sdpa_backends(cfg, grid.cpu(), args.runs))
         limit = flops(cfg, grid.cpu()) / rate
         print(f"| {label} | {pv.shape[0]} | {got.shape[0]} | {diff:.1e} | {t_theirs * 1e3:.1f} | {t_ours * 1e3:.1f} | "
               f"{limit * 1e3:.1f} | {t_ours / limit:.2f} | {t_theirs / t_ours:.2f} |", flush=True)

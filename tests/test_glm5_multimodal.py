@@ -236,3 +236,21 @@ def test_prefix_cache_blocks_are_keyed_by_the_media_they_show():
     blocks.match_prefix(other)
     assert same.num_cached_tokens == 16  # every full block before the last token
     assert other.num_cached_tokens == 4  # the text block only
+
+
+def test_long_videos_are_encoded_in_pieces_with_the_same_rows(ours, monkeypatch):
+    """encode_media runs the tower on at most ENCODER_CHUNK_PATCHES patches at once (one frame if larger):
+    frames never see one another, so the rows are those of one whole call."""
+    from flagdeploy.models.glm5_next import model as glm_model
+
+    vpv, vg = _video(frames=6, height=56, width=84)  # 3 pairs of 24 patches
+    pv, g = _image(90, 60, 1)  # 80 patches
+    pixels, grid = torch.cat([vpv, pv, vpv]), torch.cat([vg, g, vg])
+    whole = ours.encode_media(pixels, grid)
+    calls = []
+    forward = ours.visual.forward
+    monkeypatch.setattr(glm_model, "ENCODER_CHUNK_PATCHES", 50)
+    monkeypatch.setattr(ours.visual, "forward", lambda p, gr: calls.append(gr.tolist()) or forward(p, gr))
+    pieces = ours.encode_media(pixels, grid)
+    assert max(sum(t * h * w for t, h, w in c) for c in calls) == 80 and len(calls) > 3
+    torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)

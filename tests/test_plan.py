@@ -501,3 +501,27 @@ def test_serve_with_an_engine_reads_k_back_from_the_profile(tmp_path, monkeypatc
     assert r.exit_code == 0, r.output
     argv = launch_plan(built[0].models[0], 9000).argv
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def test_vision_encoder_peak_is_its_own_ledger_line_on_the_first_stage():
+    """GLM-5.3-Flash's vision tower at its published width runs on at most ENCODER_CHUNK_PATCHES patches at
+    once (engine: Glm5NextForCausalLM.encode_media): its widest intermediate there is the block MLP
+    (2 x 1024 + 3 x 4096 values per patch, bf16), reserved on the stage that holds the embeddings."""
+    from flagdeploy.models.glm5_next.model import ENCODER_CHUNK_PATCHES
+    from flagdeploy.planner.report import memory_lines
+
+    _, config = load_config("glm-5.3-flash")
+    v = config["vision_config"]
+    assert (v["hidden_size"], v["intermediate_size"]) == (1024, 4096)
+    plan = make_plan(PlanRequest("glm-5.3-flash", "h200", 8, layout=Layout(tp=8)))
+    m = plan.chosen.memory
+    assert m.encoder_activations == ENCODER_CHUNK_PATCHES * (2 * 1024 + 3 * 4096) * 2  # ~0.9 GiB
+    lines = {item.strip(): n for item, _, n in memory_lines(plan)}
+    assert lines["vision encoder activations"] == m.encoder_activations
+    assert sum(n for item, n in lines.items() if item != "free") == m.used
+    pp = make_plan(PlanRequest("glm-5.3-flash", "h200", 8, layout=Layout(tp=4, pp=2)))
+    assert pp.chosen.memory.encoder_activations in (0, m.encoder_activations)  # only if stage 0 is the fullest
+    text = {k: v for k, v in config.items() if k != "vision_config"}  # a text-only checkpoint
+    text_only = make_plan(PlanRequest("glm-text", "h200", 8, layout=Layout(tp=8), config=text)).chosen.memory
+    assert text_only.encoder_activations == 0 and m.weights > text_only.weights  # the tower's weights too
+    assert m.used - text_only.used == m.encoder_activations + m.weights - text_only.weights

@@ -135,6 +135,7 @@ class ModelFacts:
     experts_per_token: int
     moe_layers: int
     attn_flops_dim: int  # per attended position and token: ~heads x head dim of q.k and p.v
+    encoder_activations: int = 0  # a vision encoder's activation peak (0: text only)
 
 
 @dataclass
@@ -152,11 +153,12 @@ class DeviceMemory:
     mtp_kv_cache: int = 0
     draft_state: int = 0
     mtp_weights: int = 0  # part of weights
+    encoder_activations: int = 0  # the vision encoder's peak, on the first stage (where it runs)
 
     @property
     def used(self) -> int:
         return (self.weights + self.kv_cache + self.mtp_kv_cache + self.linear_state + self.draft_state
-                + self.activations + self.reserve)
+                + self.activations + self.encoder_activations + self.reserve)
 
     @property
     def free(self) -> int:
@@ -166,7 +168,8 @@ class DeviceMemory:
         """The parts that add up to `used` (mtp_weights is inside weights, so not listed), free and capacity."""
         return {"weights": self.weights, "kv_cache": self.kv_cache, "mtp_kv_cache": self.mtp_kv_cache,
                 "linear_state": self.linear_state, "draft_state": self.draft_state, "activations": self.activations,
-                "reserve": self.reserve, "free": self.free, "capacity": self.capacity}
+                "encoder_activations": self.encoder_activations, "reserve": self.reserve, "free": self.free,
+                "capacity": self.capacity}
 
 
 @dataclass
@@ -227,13 +230,15 @@ def memory(groups: list[WeightGroup], cache: CacheShape, facts: ModelFacts, chip
     tokens = seqs * load.max_model_len
 
     def used(s: int) -> int:
-        return stages[s] + (kv[s] + mtp_kv[s]) * tokens + state[s] * seqs * (1 + slots)
+        return stages[s] + (kv[s] + mtp_kv[s]) * tokens + state[s] * seqs * (1 + slots) + (encoder if s == 0 else 0)
 
+    encoder = facts.encoder_activations
     worst = max(range(pp), key=used)
     activations = load.max_num_batched_tokens * facts.hidden * 2 * 16 + seqs * math.ceil(facts.vocab / layout.tp) * 4
     return DeviceMemory(stages[worst], kv[worst] * tokens, state[worst] * seqs, activations, RESERVE_BYTES,
                         int(chip.memory_gib * GIB * load.memory_utilization), mtp_kv_cache=mtp_kv[worst] * tokens,
-                        draft_state=state[worst] * seqs * slots, mtp_weights=mtp_w[worst])
+                        draft_state=state[worst] * seqs * slots, mtp_weights=mtp_w[worst],
+                        encoder_activations=encoder if worst == 0 else 0)
 
 
 def _allreduce_s(nbytes: float, n: int, link: Link) -> float:

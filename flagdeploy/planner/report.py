@@ -118,7 +118,10 @@ def memory_lines(plan: Plan, estimate: Estimate | None = None) -> list[tuple[str
         if r.mtp:
             out.append((f"KDA draft-state slots ({k} x per seq)", f"{_size(m.draft_state / seqs)} x {seqs} seqs",
                         m.draft_state))
-    out += [("activations", "", m.activations), ("reserve", "", m.reserve), ("free", "", m.free)]
+    out.append(("activations", "", m.activations))
+    if m.encoder_activations:
+        out.append(("vision encoder activations", "", m.encoder_activations))
+    out += [("reserve", "", m.reserve), ("free", "", m.free)]
     return out
 
 

@@ -93,8 +93,13 @@ def model_facts(config: dict, groups: list[WeightGroup]) -> ModelFacts:
     else:
         attn_dim = heads * (t.get("head_dim") or t["hidden_size"] // heads)
         linear_heads = 0
+    encoder = 0
+    if config.get("model_type") == "glm5_next" and config.get("vision_config"):
+        from flagdeploy.models.glm5_next.model import encoder_activation_bytes
+
+        encoder = encoder_activation_bytes(config["vision_config"])
     return ModelFacts(t["hidden_size"], t["vocab_size"], layers, heads, t.get("num_key_value_heads") or heads,
-                      linear_heads, experts, t.get("num_experts_per_tok") or 0, moe_layers, attn_dim)
+                      linear_heads, experts, t.get("num_experts_per_tok") or 0, moe_layers, attn_dim, encoder)
 
 
 def _divisors(n: int) -> list[int]:
@@ -162,6 +167,7 @@ def _evaluate(req: PlanRequest, chip: Chip, groups, cache, facts, load, layouts)
                         if load.mtp else "")
                 why = (f"does not fit: needs {_gib(m.used)} per device (weights {_gib(m.weights)}, KV {_gib(m.kv_cache)}, "
                        f"linear state {_gib(m.linear_state)}{spec}, activations {_gib(m.activations)}, "
+                       f"{f'vision encoder {_gib(m.encoder_activations)}, ' if m.encoder_activations else ''}"
                        f"reserve {_gib(m.reserve)}), has {_gib(m.capacity)}; short by {_gib(-m.free)}")
             else:
                 fits.append(est)

@@ -26,6 +26,22 @@ from .vision import Glm5VisionConfig, Glm5VisionTower
 
 log = logging.getLogger(__name__)
 
+# patches the vision tower runs at once: the largest image transformers' image processor admits (8,000
+# tokens of 2 x 2 patches) fits whole; a longer video goes through in pieces of about this size
+ENCODER_CHUNK_PATCHES = 32768
+
+
+def encoder_activation_bytes(vision_config: dict, dtype_bytes: int = 2) -> int:
+    """The vision tower's activation peak on ENCODER_CHUNK_PATCHES patches (what the planner reserves
+    beside the text model's): inside a block the residual, its norm and the MLP's gate/up and product
+    (or the attention's q, k, v, rotated copies and output, if wider); in the merger, per 2 x 2 block
+    the merged row, the projection, the norm and the projector's gate/up and product."""
+    c = Glm5VisionConfig.from_hf(vision_config)
+    block = max(2 * c.hidden_size + 3 * c.intermediate_size, 8 * c.hidden_size)
+    merged = c.spatial_merge_size ** 2
+    merger = (merged * c.hidden_size + 2 * c.out_hidden_size + 3 * c.projection_intermediate_size) / merged
+    return int(ENCODER_CHUNK_PATCHES * max(block, merger) * dtype_bytes)
+
 
 class Glm5NextForCausalLM(nn.Module):
     def __init__(self, cfg: Glm5Config, dtype: torch.dtype = torch.float32):
@@ -107,8 +123,23 @@ class Glm5NextForCausalLM(nn.Module):
 
     def encode_media(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Feature rows of the items of `grid_thw` (their patches packed in `pixel_values`, as the
-        processor lays them out): one row per placeholder token, in the text model's width and dtype."""
-        return self.visual(pixel_values, grid_thw).to(self.dtype)
+        processor lays them out): one row per placeholder token, in the text model's width and dtype.
+
+        The tower runs on at most ENCODER_CHUNK_PATCHES patches at once (or one frame, if larger): its
+        frames never see one another, so a long video is encoded a few frame pairs at a time with the
+        same rows, and the activation peak the planner counts (`encoder_activation_bytes`) holds."""
+        out, rows, chunk, at = [], [], [], 0
+        for t, h, w in grid_thw.tolist():
+            for first in range(0, t, max(1, ENCODER_CHUNK_PATCHES // (h * w))):
+                pairs = min(t - first, max(1, ENCODER_CHUNK_PATCHES // (h * w)))
+                if chunk and sum(c[0] * c[1] * c[2] for c in chunk) + pairs * h * w > ENCODER_CHUNK_PATCHES:
+                    out.append(self.visual(torch.cat(rows), torch.tensor(chunk, device=grid_thw.device)))
+                    rows, chunk = [], []
+                rows.append(pixel_values[at : at + pairs * h * w])
+                chunk.append((pairs, h, w))
+                at += pairs * h * w
+        out.append(self.visual(torch.cat(rows), torch.tensor(chunk, device=grid_thw.device)))
+        return torch.cat(out).to(self.dtype)
 
     def state_bytes_per_seq(self) -> int:
         """What one sequence's KDA state takes in the state pools (fixed, whatever its length)."""

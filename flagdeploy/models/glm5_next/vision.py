@@ -84,6 +84,31 @@ def _gate_up(inter: int, in_f: int, dtype: torch.dtype, bias: bool = False) -> L
                   part_rows={"gate_proj": inter, "up_proj": inter})
 
 
+class _Qkv(Linear):
+    """The fused qkv projection, its output rows regrouped by head once the weight is joined: [q, k, v] of
+    head 0, then of head 1, ... instead of all q heads, all k heads, all v heads. Each output element is the
+    same dot product either way; what changes is where it lands: the q rows (and the k rows) of all patches
+    and heads are then one evenly strided run of [head_dim] vectors, which the per-head RMS norms read in
+    place, where the checkpoint's order made `ops.rms_norm` copy q and k out first. Quantized weights are
+    left in the checkpoint's order (`interleaved` False)."""
+
+    def __init__(self, hidden: int, heads: int, dtype: torch.dtype, bias: bool):
+        super().__init__(3 * hidden, hidden, dtype, ("qkv",), bias=bias)
+        self.heads = heads
+        self.interleaved = False  # set once the dense weight is regrouped
+
+    def finalize(self) -> None:
+        # regrouped before `Linear.finalize`, so that the backend lays out (`prepare_weight`) the final order
+        w = self._pending.get(("qkv", "weight"))
+        if isinstance(w, torch.Tensor) and w.shape[0] == self.out_features:
+            for kind in ("weight", "bias"):
+                t = self._pending.get(("qkv", kind))
+                if t is not None:
+                    self._pending[("qkv", kind)] = t.reshape(3, self.heads, -1).transpose(0, 1).reshape(t.shape)
+            self.interleaved = True
+        super().finalize()
+
+
 class _Block(nn.Module):
     def __init__(self, c: Glm5VisionConfig, dtype: torch.dtype):
         super().__init__()
@@ -91,30 +116,42 @@ class _Block(nn.Module):
         self.heads, self.eps, self.limit = c.num_heads, c.rms_norm_eps, c.swiglu_limit
         self.norm1 = _param(h, dtype=dtype)
         self.norm2 = _param(h, dtype=dtype)
-        self.qkv = _lin(3 * h, h, dtype, "qkv", bias=b)
+        self.qkv = _Qkv(h, c.num_heads, dtype, b)
         self.q_norm = _param(h // c.num_heads, dtype=dtype)
         self.k_norm = _param(h // c.num_heads, dtype=dtype)
         self.proj = _lin(h, h, dtype, "proj", bias=b)
         self.gate_up = _gate_up(i, h, dtype, bias=b)
         self.down = _lin(h, i, dtype, "down_proj", bias=b)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: _Frames) -> torch.Tensor:
-        x = x + self._attention(ops.rms_norm(x, self.norm1, self.eps), cos, sin, frames)
-        return x + self.down(ops.swiglu(self.gate_up(ops.rms_norm(x, self.norm2, self.eps)), self.limit))
+    def forward(self, x: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: _Frames,
+                next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream after this block, its RMS norm by `next_norm`) from (the stream before it, its
+        norm by `norm1`): each residual add is fused with the norm that follows it (`ops.add_rms_norm`, one
+        pass where an add and a norm were two), the next block's `norm1` (or the post-norm) included."""
+        a = self._attention(normed, cos, sin, frames)
+        normed, x = ops.add_rms_norm(a, x, self.norm2, self.eps)
+        m = self.down(ops.swiglu(self.gate_up(normed), self.limit))
+        normed, x = ops.add_rms_norm(m, x, next_norm, self.eps)
+        return x, normed
 
     def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: _Frames) -> torch.Tensor:
         """Bidirectional attention within each frame. `ops.attention_prefill` is causal (it is the text
         model's), so this calls torch's SDPA directly: once per item, its frames (all of one length)
-        as the batch, which keeps a long video to one call instead of one per frame."""
+        as the batch, which keeps a long video to one call instead of one per frame. q, k and v go in as
+        strided [frames, heads, patches, head_dim] views of [patches, heads, head_dim] rows (the layout
+        SDPA's fast kernels take as it is); a lone item's output is used in place."""
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
+        if self.qkv.interleaved:
+            q, k, v = self.qkv(x).view(n, self.heads, 3, -1).unbind(2)
+        else:
+            q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
         q, k = ops.rope(ops.rms_norm(q, self.q_norm, self.eps), ops.rms_norm(k, self.k_norm, self.eps), cos, sin)
-        out = torch.empty_like(q)
+        outs = []
         for start, t, per_frame in frames:
             rows = slice(start, start + t * per_frame)
             qs, ks, vs = (z[rows].view(t, per_frame, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-            out[rows] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).flatten(0, 1)
-        return self.proj(out.view(n, -1))
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(t * per_frame, -1))
+        return self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
 class Glm5VisionTower(nn.Module):
@@ -154,9 +191,12 @@ class Glm5VisionTower(nn.Module):
         c, m = self.cfg, self.cfg.spatial_merge_size
         x = ops.linear(pixel_values.to(self.dtype), self.patch_weight.flatten(1), self.patch_bias)
         cos, sin, frames = self._rotary(grid_thw, x.device)
-        for block in self.blocks:
-            x = block(x, cos, sin, frames)
-        x = ops.rms_norm(x, self.post_norm, c.rms_norm_eps)
+        # the stream and its norm travel together: each block's last residual add is fused with the norm after it
+        norms = [b.norm1 for b in self.blocks[1:]] + [self.post_norm]
+        normed = ops.rms_norm(x, self.blocks[0].norm1 if len(self.blocks) else self.post_norm, c.rms_norm_eps)
+        for block, next_norm in zip(self.blocks, norms):
+            x, normed = block(x, normed, cos, sin, frames, next_norm)
+        x = normed
         # each merge block's m² rows, channel-major, as the downsample conv's [out, channels, m, m] reads them
         x = x.view(-1, m * m, c.hidden_size).transpose(1, 2).reshape(-1, m * m * c.hidden_size)
         x = self.merger_proj(ops.linear(x, self.downsample_weight.flatten(1), self.downsample_bias))
