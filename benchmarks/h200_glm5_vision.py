@@ -65,6 +65,9 @@ def sdpa_backends(cfg: Glm5VisionConfig, grid: torch.Tensor, runs: int) -> str:
                 out.append(f"{t}x{n} {be.name}: unavailable ({str(exc).splitlines()[0][:80]})")
         ms = fastest(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), runs, "cuda") * 1e3
         out.append(f"{t}x{n} default: {ms:.3f} ms")
+        qc, kc, vc = (z.contiguous() for z in (q, k, v))
+        ms = fastest(lambda: torch.nn.functional.scaled_dot_product_attention(qc, kc, vc), runs, "cuda") * 1e3
+        out.append(f"{t}x{n} default, contiguous [frames, heads, patches, head_dim]: {ms:.3f} ms")
     return "; ".join(out)
 
 

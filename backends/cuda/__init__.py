@@ -22,7 +22,7 @@ backend = Backend(
     overrides={
         # one Triton kernel each (backends/cuda/triton_decode.py), the fused ones as their fallback
         "linear": ops.linear,
-        "rms_norm": triton_decode.rms_norm,
+        "rms_norm": ops.rms_norm,  # short rows (per-head norms) tiled, wider ones triton_decode's kernel
         "add_rms_norm": triton_decode.add_rms_norm,
         "rope": triton_decode.rope,
         "swiglu": triton_decode.swiglu,

@@ -21,7 +21,7 @@ from flagdeploy.ops import glm, reference
 from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight, fp8_quant_groups, stripped
 
-from . import triton_gemv, triton_moe, triton_router
+from . import triton_decode, triton_gemv, triton_moe, triton_router
 from .triton_decode import _runs_here
 
 log = logging.getLogger(__name__)
@@ -453,4 +453,46 @@ def gated_rms_norm(x, gate, weight, eps):
     if rows:
         _gated_rms_norm_kernel[(rows,)](xc, gc, weight.contiguous(), out, float(eps), D=d,
                                         BD=triton.next_power_of_2(d))
+    return out
+
+
+# ---- RMSNorm over short rows: many rows per program --------------------------------------------------
+# triton_decode's kernel runs one program per row: right for hidden-size rows, but per-head norms (the
+# vision tower's q/k norms: 64 channels, 16 heads x 5k-8k patches = 90k-130k rows) then leave each program
+# a few loads' work and 3 ms of the image's 19 ms in launching blocks. Here a program takes a [BR, D]
+# tile; each row's arithmetic is the per-row kernel's (float32 sum over the row, rounded to the input
+# dtype before the weight multiply), and BR depends only on D, so a row's result never depends on how
+# many rows came with it.
+
+_SHORT_ROW = 128  # rows up to this width take the tiled kernel
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_rows_kernel(x, w, out, rows, sx, so, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+        r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)[:, None]
+        d = tl.arange(0, BD)[None, :]
+        m = (r < rows) & (d < D)
+        h = tl.load(x + r * sx + d, mask=m, other=0.0)
+        hf = h.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(hf * hf, axis=1) / D + eps)
+        y = (hf * inv[:, None]).to(h.dtype).to(tl.float32)  # the reference casts back before the weight multiply
+        wv = tl.load(w + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(out + r * so + d, (wv * y).to(out.dtype.element_ty), mask=m)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Rows of at most `_SHORT_ROW` channels: the tiled kernel above, reading rows that are evenly strided
+    in place (the q or k heads of a fused projection's output); wider rows: triton_decode's kernel."""
+    d = x.shape[-1] if x.dim() else 0
+    if d > _SHORT_ROW or not triton_decode._norm_ok(x, weight):
+        return triton_decode.rms_norm(x, weight, eps)
+    x2 = triton_decode._rows(x)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    rows = x2.shape[0]
+    if rows:
+        bd = triton.next_power_of_2(d)
+        br = max(1, 2048 // bd)
+        _rms_norm_rows_kernel[(triton.cdiv(rows, br),)](x2, weight, out, rows, x2.stride(0), d, float(eps), D=d, BD=bd,
+                                                        BR=br, num_warps=4)
     return out

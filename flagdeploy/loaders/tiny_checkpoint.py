@@ -53,6 +53,11 @@ TINY_VISION: dict = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size
                          projection_intermediate_size=16, patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
                          in_channels=3)
 
+# config.json key → the token's text, for `write_tiny_glm5_next(media=True)`
+_MM_TOKENS = {"image_start_token_id": "<|begin_of_image|>", "image_end_token_id": "<|end_of_image|>",
+              "video_start_token_id": "<|begin_of_video|>", "video_end_token_id": "<|end_of_video|>",
+              "image_token_id": "<|image|>", "video_token_id": "<|video|>"}
+
 TEXT_PREFIX = "model.language_model."
 # Published-checkpoint FP8 modules (module name relative to a text layer); the MLA ones only on indexed layers.
 _FP8_MLA = re.compile(r"^self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight$")
@@ -62,14 +67,17 @@ _NORM = re.compile(r"norm\d?\.weight$")
 
 
 def write_tiny_glm5_next(path, *, fp8: bool = False, seed: int = 0, block: tuple[int, int] = (16, 16),
-                         shard_size_bytes: int = 200_000, mtp: bool = False, **text_overrides) -> Path:
+                         shard_size_bytes: int = 200_000, mtp: bool = False, media: bool = False,
+                         **text_overrides) -> Path:
     """Write a complete tiny `glm5_next` checkpoint directory at `path` and return it.
 
     fp8: store the published FP8 modules as float8_e4m3fn with a float32 `weight_scale_inv` per
     `block` (rows, cols), and add the published `quantization_config`. seed: the weights' generator.
     shard_size_bytes: a shard is closed once it holds at least this much (a weight and its scale stay
     together). mtp: also write the MTP draft layer (and `num_nextn_predict_layers: 1`). text_overrides:
-    any `text_config` field (e.g. `index_kpool=1, index_topk=3`).
+    any `text_config` field (e.g. `index_kpool=1, index_topk=3`). media: give the multimodal tokens
+    (`<|image|>`, its brackets, ...) the last six ids of the vocabulary, in config.json and the tokenizer,
+    so that the checkpoint takes images and video through `flagdeploy serve` (its answers are noise).
     `path` must not exist or be an empty directory.
     """
     path = Path(path)
@@ -85,7 +93,14 @@ def write_tiny_glm5_next(path, *, fp8: bool = False, seed: int = 0, block: tuple
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(
             {"eos_token_id": config["text_config"].get("eos_token_id"), "pad_token_id": 0}, indent=2) + "\n")
-        write_word_tokenizer(tmp, config["text_config"]["vocab_size"])
+        vocab = config["text_config"]["vocab_size"]
+        specials = None
+        if media:  # the multimodal ids inside the tiny vocabulary (the published ones are 154830..154855)
+            ids = dict(zip(_MM_TOKENS, range(vocab - len(_MM_TOKENS), vocab)))
+            config.update(ids)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            specials = {i: token for token, i in zip(_MM_TOKENS.values(), ids.values())}
+        write_word_tokenizer(tmp, vocab, specials=specials)
         _write_shards(tmp, _tensors(config, fp8, block, seed, mtp), shard_size_bytes)
         if path.exists():
             path.rmdir()  # empty (checked above)
