@@ -247,6 +247,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
             reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser, request_timeout=request_timeout,
             max_waiting=max_waiting, max_tokens_policy=max_tokens_policy, memory_utilization=memory_utilization,
             tp=tp, ep=ep, compile=compile_, speculative_config=spec.as_json() if spec.enabled else None)
+        entry |= media.profile_fields()  # the gateway checks them and passes them to every replica
         _serve_gateway(ctx, engine=engine, upstreams=upstreams, config_file=config_file, model=model, host=host,
                        port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names,

@@ -62,6 +62,12 @@ def test_launch_plan_argv_and_devices(default_model):
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--served-model-name"] == ["tiny", "Tiny2"]
     assert "--api-key" not in argv and "--request-timeout" not in argv  # the gateway checks the key
     assert "--compile" not in argv and "--no-compile" not in argv  # unset: the replica's default
+    assert "--limit-mm-per-prompt" not in argv and "--allowed-media-domains" not in argv
+    media = {"limit_mm_per_prompt": {"image": 2, "video": 0}, "allowed_media_domains": ["images.example.com"]}
+    cfg = parse_config({"models": [builtin_replicas_entry(None, 2, chip="cpu") | media]})
+    with_media = launch_plan(cfg.models[0], 9100, 0).argv  # each replica applies the policy it fetches under
+    assert _flag(with_media, "--limit-mm-per-prompt") == "image=2,video=0"
+    assert _flag(with_media, "--allowed-media-domains") == "images.example.com"
     switched = [launch_plan(_entry(compile=on), 9100, 0).argv for on in (True, False)]
     assert "--compile" in switched[0] and "--no-compile" in switched[1]  # switches, not "--compile True"
     for plan in plans:  # the cpu: no device variable, the cores split between the replicas

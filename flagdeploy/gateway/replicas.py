@@ -99,6 +99,11 @@ def builtin_launch_plan(entry: ModelConfig, port: int, replica: int = 0, *,
             argv.append(SERVE_FLAGS[key] if value else SERVE_FLAGS[key].replace("--", "--no-", 1))
         elif value is not None:
             argv += [SERVE_FLAGS[key], str(value)]
+    policy = entry.media_policy()  # the gateway checks it too; a replica fetches from the allowed hosts itself
+    if policy.limits is not None:
+        argv += ["--limit-mm-per-prompt", ",".join(f"{k}={v}" for k, v in policy.limits.items())]
+    if policy.domains is not None:
+        argv += ["--allowed-media-domains", ",".join(policy.domains)]
     argv += ["--dp", "1"]  # a replica is one engine; only the gateway fans out
     per_replica = _int(args.get("tp", 1), "tp") * _int(args.get("ep", 1), "ep")
     if backend is None:
