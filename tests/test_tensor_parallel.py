@@ -129,3 +129,39 @@ def test_a_rank_that_fails_to_load_is_reported_not_waited_for(tmp_path):
         workers.close(force=True)
         parallel.shutdown()
     assert not any(p.is_alive() for p in workers.procs)
+
+
+def test_glm5_next_image_prompt_split_engine_matches_one_process(tmp_path):
+    """An image prompt under --tp 2: rank 0 encodes the image and its rows travel to rank 1 inside the step;
+    chunked prefill splits the placeholder run; the tokens are one process's."""
+    import json
+
+    from PIL import Image
+
+    from flagdeploy.engine.multimodal import MediaItem
+    from flagdeploy.models.glm5_next.processor import Glm5MediaProcessor
+
+    path = write_tiny_glm5_next(tmp_path / "glm5", media=True)
+    processor = Glm5MediaProcessor.from_checkpoint(path, json.loads((path / "config.json").read_text()))
+    pixels = torch.randint(0, 256, (60, 90, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    inputs = processor.image_inputs(Image.fromarray(pixels.numpy()))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def run(tp: int) -> list[int]:
+        config = EngineConfig(max_model_len=64, max_num_batched_tokens=5, block_size=4, kv_cache_memory=1 << 20, tp=tp)
+        engine = build_llm_engine(path, "safetensors", config, chip="cpu", progress=False)
+        try:
+            text = processor.expand(f"w5 w9 {processor.placeholder('image')} w13", [(inputs, None)])
+            ids = engine.tokenizer.encode(text)
+            (where,) = processor.positions(ids, [(inputs, None)])
+            engine.add_request("r", ids, params, media=[MediaItem("image", "k", where, inputs.pixel_values,
+                                                                  inputs.grid_thw)])
+            out = []
+            while engine.has_work():
+                out += [t for o in engine.step() for t in o.token_ids]
+            assert engine.stats()["mm_items_encoded"] == 1
+            return out
+        finally:
+            engine.close()
+
+    assert run(2) == run(1)
