@@ -10,8 +10,10 @@ run identical weights. The image goes through the model's image processor (PIL f
 are laid out as its video processor lays them out (tests/test_glm5_vision.py checks that layout).
 
 Per input: the relative RMS difference of the two outputs; each tower's time (best of a few runs, after a
-warm-up); the limit = the forward's matmul and attention FLOPs over the bf16 matmul rate measured in the
-same run (an 8192^3 matmul); ours / limit and transformers / ours.
+warm-up; ours replays the CUDA graph of its blocks that the warm-up captured, as it does for a layout
+that comes twice in a row, and a line under the row gives its eager time too); the limit = the forward's
+matmul and attention FLOPs over the bf16 matmul rate measured in the same run (an 8192^3 matmul);
+ours / limit and transformers / ours.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def sdpa_backends(cfg: Glm5VisionConfig, grid: torch.Tensor, runs: int) -> str:
     [frames, heads, patches, head_dim] views) under each SDPA backend that takes it (--profile, on the GPU)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     heads, d = cfg.num_heads, cfg.hidden_size // cfg.num_heads
     out = []
     for t, gh, gw in grid.tolist():
@@ -59,16 +62,32 @@ def sdpa_backends(cfg: Glm5VisionConfig, grid: torch.Tensor, runs: int) -> str:
         for be in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
             try:
                 with sdpa_kernel(be):
-                    ms = fastest(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), runs, "cuda") * 1e3
+                    ms = fastest(lambda q=q, k=k, v=v: sdpa(q, k, v), runs, "cuda") * 1e3
                 out.append(f"{t}x{n} {be.name}: {ms:.3f} ms")
             except RuntimeError as exc:
                 out.append(f"{t}x{n} {be.name}: unavailable ({str(exc).splitlines()[0][:80]})")
-        ms = fastest(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), runs, "cuda") * 1e3
+        ms = fastest(lambda q=q, k=k, v=v: sdpa(q, k, v), runs, "cuda") * 1e3
         out.append(f"{t}x{n} default: {ms:.3f} ms")
         qc, kc, vc = (z.contiguous() for z in (q, k, v))
-        ms = fastest(lambda: torch.nn.functional.scaled_dot_product_attention(qc, kc, vc), runs, "cuda") * 1e3
+        ms = fastest(lambda q=qc, k=kc, v=vc: sdpa(q, k, v), runs, "cuda") * 1e3
         out.append(f"{t}x{n} default, contiguous [frames, heads, patches, head_dim]: {ms:.3f} ms")
     return "; ".join(out)
+
+
+def enqueue(fn, runs: int = 3) -> float:
+    """ms of host time until `fn` returns, the GPU idle when it starts (best of `runs`): near the forward's
+    time, the forward is bound by the host launching its kernels rather than by the GPU running them."""
+    import time
+
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(runs):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return best * 1e3
 
 
 def main() -> None:
@@ -132,7 +151,12 @@ def main() -> None:
             got = ours(pv, grid)
             diff = ((got.float() - want.float()).norm() / want.float().norm()).item()
             t_theirs = fastest(lambda: theirs(pv.to(torch.bfloat16), grid_thw=grid), args.runs, device)
+            ours.cuda_graphs = False
+            t_eager = fastest(lambda: ours(pv, grid), args.runs, device)
+            ours.cuda_graphs = True  # the layout came before: the next call captures, the timed ones replay
             t_ours = fastest(lambda: ours(pv, grid), args.runs, device)
+            replayed = ours(pv, grid)
+            replay_diff = ((replayed.float() - got.float()).norm() / got.float().norm()).item()
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -144,9 +168,17 @@ def main() -> None:
             print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=90))
             if device == "cuda":
                 print("# SDPA per block:", sdpa_backends(cfg, grid.cpu(), args.runs))
+                host_ours = enqueue(lambda: ours(pv, grid))
+                host_theirs = enqueue(lambda: theirs(pv.to(torch.bfloat16), grid_thw=grid))
+                print(f"# host time to enqueue one forward (no final sync): ours {host_ours:.1f} ms, "
+                      f"transformers {host_theirs:.1f} ms")
         limit = flops(cfg, grid.cpu()) / rate
         print(f"| {label} | {pv.shape[0]} | {got.shape[0]} | {diff:.1e} | {t_theirs * 1e3:.1f} | {t_ours * 1e3:.1f} | "
               f"{limit * 1e3:.1f} | {t_ours / limit:.2f} | {t_theirs / t_ours:.2f} |", flush=True)
+        graphed = ours._graph is not None
+        print(f"# {label}: ours {'through its CUDA graph' if graphed else 'eager (no graph was captured)'}; "
+              f"eager {t_eager * 1e3:.1f} ms (transformers / eager {t_theirs / t_eager:.2f}); "
+              f"replayed vs eager output rel. diff {replay_diff:.1e}", flush=True)
 
 
 if __name__ == "__main__":

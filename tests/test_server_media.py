@@ -228,3 +228,15 @@ def test_too_many_images_in_each_protocol(server):
     ok = _openai(url).chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": _data_url(PNG)}}]}])
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_the_builtin_limit_holds_for_a_modality_the_operator_left_out():
+    from flagdeploy.media_policy import MediaPolicy
+    from flagdeploy.server.errors import APIError
+    from flagdeploy.server.media import BUILTIN_LIMITS, MediaSettings
+
+    part = {"type": "image_url", "image_url": {"url": _data_url(PNG)}}
+    body = {"messages": [{"role": "user", "content": [part] * (BUILTIN_LIMITS["image"] + 1)}]}
+    with pytest.raises(APIError, match=f"image={BUILTIN_LIMITS['image']}"):
+        MediaSettings().checked_policy().check(body)
+    MediaSettings(MediaPolicy({"image": 32})).checked_policy().check(body)  # the operator's own limit wins

@@ -2,9 +2,8 @@
 
 A block holds `block_size` tokens' k/v. A full block is identified by the hash of its tokens (and of the
 media whose placeholders it holds) chained with the hash of the block before it, so equal hashes mean
-equal prefixes. Freed blocks keep their
-hash until they are reused for something else (least recently freed first), so a prompt that comes
-back later still hits.
+equal prefixes. Freed blocks keep their hash until they are reused for something else (least recently
+freed first), so a prompt that comes back later still hits.
 """
 
 from __future__ import annotations

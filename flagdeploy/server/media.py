@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 _PARTS = {"image_url": "image", "video_url": "video"}
 
 
+# the builtin engine's own items per request, for a modality `--limit-mm-per-prompt` leaves out: each item
+# is fetched, decoded and encoded before anything else runs, so the count is never unbounded
+BUILTIN_LIMITS = {"image": 16, "video": 2}
+
+
 @dataclass(frozen=True)
 class MediaSettings:
     """The operator's media settings for the builtin engine: `--limit-mm-per-prompt`,
@@ -47,6 +52,10 @@ class MediaSettings:
 
     policy: MediaPolicy = field(default_factory=MediaPolicy)
     limits: FetchLimits = field(default_factory=FetchLimits)
+
+    def checked_policy(self) -> MediaPolicy:
+        """The policy with BUILTIN_LIMITS for the modalities the operator did not limit."""
+        return MediaPolicy({**BUILTIN_LIMITS, **(self.policy.limits or {})}, self.policy.domains)
 
 
 @dataclass(frozen=True)
@@ -93,7 +102,7 @@ async def prepare(engine: "AsyncEngine", messages: list[dict[str, Any]],
     model's placeholder in place."""
     if not has_media(messages):
         return messages, None
-    settings.policy.check({"messages": messages})  # hosts and counts, before any fetch
+    settings.checked_policy().check({"messages": messages})  # hosts and counts, before any fetch
     processor = engine.media_processor
     flat, refs = [], []
     for message in messages:

@@ -17,6 +17,7 @@ text model and is replicated under tensor parallelism (whole tensors in every sl
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,8 @@ from flagdeploy.errors import ModelLoadError
 from ..linear import Linear
 from .common import _lin, _param
 from .names import linear_slots
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -155,7 +158,17 @@ class _Block(nn.Module):
 
 
 class Glm5VisionTower(nn.Module):
-    """Built empty in `dtype`; fill every `weight_slots` entry, `finalize`, then call it."""
+    """Built empty in `dtype`; fill every `weight_slots` entry, `finalize`, then call it.
+
+    On a GPU the blocks are a few hundred kernels a forward, and launching them from Python costs about
+    as long as running them (H200: ~17 ms of kernels, 10-40 ms of host time by the host's speed). So
+    when one input layout (the items' frames and patch counts) comes twice in a row, the blocks are
+    captured as one CUDA graph and replayed from then on while the layout stays the same: a video
+    read in equal chunks, a stream of images of one size. One graph at a time (its memory pool holds
+    one forward's block activations, what an eager forward peaks at); a new layout runs eagerly and
+    drops it. `cuda_graphs = False` (on the class or an instance) turns this off; the CPU never graphs."""
+
+    cuda_graphs = True
 
     def __init__(self, cfg: Glm5VisionConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -176,6 +189,8 @@ class Glm5VisionTower(nn.Module):
         p = c.projection_intermediate_size
         self.merger_gate_up = _gate_up(p, d, dtype)
         self.merger_down = _lin(d, p, dtype, "down_proj")
+        self._graph: tuple | None = None  # (layout, graph, its static inputs x/cos/sin, its output)
+        self._last_layout: tuple | None = None  # the layout of the last eager forward on the GPU
 
     def item_tokens(self, grid_thw: torch.Tensor) -> list[int]:
         """Rows of `forward`'s output per item (image or video), in order: its placeholder tokens in the
@@ -191,17 +206,52 @@ class Glm5VisionTower(nn.Module):
         c, m = self.cfg, self.cfg.spatial_merge_size
         x = ops.linear(pixel_values.to(self.dtype), self.patch_weight.flatten(1), self.patch_bias)
         cos, sin, frames = self._rotary(grid_thw, x.device)
-        # the stream and its norm travel together: each block's last residual add is fused with the norm after it
-        norms = [b.norm1 for b in self.blocks[1:]] + [self.post_norm]
-        normed = ops.rms_norm(x, self.blocks[0].norm1 if len(self.blocks) else self.post_norm, c.rms_norm_eps)
-        for block, next_norm in zip(self.blocks, norms):
-            x, normed = block(x, normed, cos, sin, frames, next_norm)
-        x = normed
+        x = self._blocks_on_device(x, cos, sin, frames) if x.is_cuda else self._blocks(x, cos, sin, frames)
         # each merge block's m² rows, channel-major, as the downsample conv's [out, channels, m, m] reads them
         x = x.view(-1, m * m, c.hidden_size).transpose(1, 2).reshape(-1, m * m * c.hidden_size)
         x = self.merger_proj(ops.linear(x, self.downsample_weight.flatten(1), self.downsample_bias))
         x = F.gelu(F.layer_norm(x, (c.out_hidden_size,), self.merger_norm_weight, self.merger_norm_bias, 1e-5))
         return self.merger_down(ops.swiglu(self.merger_gate_up(x), c.swiglu_limit))
+
+    def _blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: _Frames) -> torch.Tensor:
+        """The blocks, then the post-norm. The stream and its norm travel together: each block's last
+        residual add is fused with the norm after it."""
+        norms = [b.norm1 for b in self.blocks[1:]] + [self.post_norm]
+        normed = ops.rms_norm(x, self.blocks[0].norm1 if len(self.blocks) else self.post_norm, self.cfg.rms_norm_eps)
+        for block, next_norm in zip(self.blocks, norms):
+            x, normed = block(x, normed, cos, sin, frames, next_norm)
+        return normed
+
+    def _blocks_on_device(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: _Frames) -> torch.Tensor:
+        """`_blocks` as a replayed CUDA graph where this layout came last time too (see the class); the
+        graph's output is its own buffer, read by the merger before any later replay (stream order)."""
+        if not self.cuda_graphs:
+            return self._blocks(x, cos, sin, frames)
+        layout = (tuple(frames), tuple(x.shape), x.dtype, x.device)
+        graph = self._graph
+        if graph is not None and graph[0] == layout:
+            _, g, (xs, cs, ss), out = graph
+            xs.copy_(x)
+            cs.copy_(cos)
+            ss.copy_(sin)
+            g.replay()
+            return out
+        self._graph = None  # another layout: the graph's pool goes
+        if layout != self._last_layout:
+            self._last_layout = layout
+            return self._blocks(x, cos, sin, frames)
+        from flagdeploy.engine.cuda_graphs import capture
+
+        static = (x.clone(), cos.clone(), sin.clone())
+        try:
+            g, out = capture(lambda: self._blocks(*static, frames), None)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # no graph: eager from now on
+            log.warning("vision tower: CUDA graph capture failed (%s); the blocks run eagerly", exc)
+            self.cuda_graphs = False
+            return self._blocks(x, cos, sin, frames)
+        self._graph = (layout, g, static, out)
+        g.replay()
+        return out
 
     def _rotary(self, grid_thw: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, _Frames]:
         """cos/sin [patches, head_dim / 2] (float32) of every patch's (row, column), and each item's (first
@@ -249,6 +299,7 @@ class Glm5VisionTower(nn.Module):
 
     def finalize(self) -> None:
         """Join the loaded linear parts (once all slots are filled)."""
+        self._graph = self._last_layout = None  # a graph reads the weights it was captured with
         for m in self.modules():
             if isinstance(m, Linear):
                 m.finalize()

@@ -1,0 +1,415 @@
+"""`flagdeploy serve` against llama.cpp's `llama-server` on the CPU, same GGUF, same run (issue 33).
+
+    python benchmarks/cpu_vs_llama_server.py [--rounds 3] [--max-tokens 128] [--concurrency 16] [--quick]
+        [--llama-server PATH] [--model SRC] [--build-only]
+
+What a CPU user would otherwise run is llama.cpp's server, so that is the baseline. The script:
+
+1. finds or builds `llama-server`: from the llama-cpp-python source distribution (its version pins the
+   vendored llama.cpp under vendor/llama.cpp; the installed version, else LLAMA_CPP_PYTHON), configured as
+   a user would build it for this machine (GGML_NATIVE, Release) and cached under
+   `<flagdeploy cache>/llama-server/bin/`, keyed by that version and a hash of the CPU's flags, so only the
+   first run on a machine pays the build (minutes). `--llama-server PATH` uses a binary you have.
+2. serves the embedded default GGUF (SmolLM2-135M-Instruct Q4_1, found as `flagdeploy serve` finds it)
+   with each server in turn, never both at once (they would share the cores):
+   `llama-server -m GGUF -t THREADS -np CONCURRENCY -c CONCURRENCY*CTX_PER_SLOT` and `flagdeploy serve` with
+   its default flags (only --port; --model only when --model is given here). The per-slot context defaults
+   to flagdeploy serve's default --max-model-len, 4096, so both hold the same context per sequence.
+3. measures, over HTTP (streamed chat completions, temperature 0, `max_tokens` forced with `ignore_eos`,
+   which both servers take; the completion tokens are counted from the streamed usage, and every request is
+   checked to have produced exactly max_tokens):
+   - ready s: process start -> readiness endpoint answers 200 (llama-server /health, flagdeploy /ready);
+   - 1-stream tok/s: output tokens / wall time of one request (prefill included), median of --rounds
+     sequential requests after one warm-up request;
+   - N-concurrent tok/s: output tokens of N requests sent at once / wall time until the last one ends,
+     median of --rounds rounds after one warm-up round.
+   The maths is flagdeploy.bench's (loadgen.run_round, stats.median_of_rounds), as `flagdeploy bench serve`.
+
+Prints one row per server and the ratios flagdeploy / llama-server: above 1 is flagdeploy faster for the
+tok/s columns, and slower for ready s. "spread" is max/min throughput over the rounds used: far above 1 the
+host was not quiet and the figures need more rounds. Finally it says whether the two servers' greedy answers
+(EOS honoured, same prompts) agree; informational only, different kernels may round differently.
+`--quick` is a smoke test (32 tokens, 1 round), not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import httpx
+
+from flagdeploy.bench.client import Endpoint, StreamResult, stream_request
+from flagdeploy.bench.loadgen import Prompt, ServeConfig, ServeResults, run_round
+from flagdeploy.loaders.source import cache_dir, resolve
+from flagdeploy.net import free_port
+
+LLAMA_CPP_PYTHON = "0.3.36"  # used when llama-cpp-python is not installed (the `gateway` extra)
+CMAKE_FLAGS = ["-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
+               "-DBUILD_SHARED_LIBS=OFF"]  # static: the cached binary must not need the build tree's .so files
+READY_TIMEOUT = 1800.0  # seconds; flagdeploy's own --startup-timeout default
+COMPARE_PROMPTS = 4  # greedy answers compared between the servers (EOS honoured)
+
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
+    "Name three prime numbers.", "Tell me a fact about cats.", "Translate 'good morning' to Spanish.",
+    "What is 12 times 7?", "Describe a rainbow.", "Why is the sky blue?", "Give me a synonym for happy.",
+    "What is the boiling point of water?", "Who wrote Hamlet?", "Say hello in French.", "What is a noun?",
+    "Name a planet.", "How many legs does a spider have?",
+]
+
+
+def log(msg: str) -> None:
+    print(f"[cpu_vs_llama_server] {msg}", file=sys.stderr, flush=True)
+
+
+def cores() -> int:
+    """CPUs this process may run on (what a user's `-t` / `-j` would be)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM the process group started with the process, SIGKILL what is left after `grace` seconds."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):  # children of a leader that already exited, too
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+# ------------------------------------------------------------------------------------ building llama-server
+
+
+def cpu_key() -> str:
+    """A short hash of what a GGML_NATIVE build depends on: the architecture and the CPU's feature flags."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):  # x86 / arm
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    return hashlib.sha256(f"{platform.machine()}|{flags or platform.processor()}".encode()).hexdigest()[:12]
+
+
+def llama_cpp_python_version() -> str:
+    try:
+        return metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:
+        return LLAMA_CPP_PYTHON
+
+
+def run_logged(cmd: list[str], logfile: Path, cwd: Path, env: dict[str, str] | None = None,
+               progress: re.Pattern | None = None) -> None:
+    """Run `cmd` in its own process group, its output appended to `logfile`; lines matching `progress`
+    go to stderr too. On failure the log's tail is shown; on Ctrl-C the whole group is killed."""
+    log("$ " + " ".join(cmd))
+    tail: deque[str] = deque(maxlen=40)
+    with logfile.open("a") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", start_new_session=True)
+        try:
+            for line in proc.stdout:
+                out.write(line)
+                tail.append(line)
+                if progress and progress.search(line):
+                    log(line.rstrip()[:160])
+            proc.wait()
+        finally:
+            kill_group(proc, grace=5)
+    if proc.returncode:
+        sys.stderr.writelines(tail)
+        raise SystemExit(f"{cmd[0]} failed (exit {proc.returncode}); full log: {logfile}")
+
+
+def build_llama_server(version: str, jobs: int) -> Path:
+    """The cached llama-server for this llama-cpp-python version and this CPU, built first if absent."""
+    root = cache_dir() / "llama-server"
+    binary = root / "bin" / f"llama-server-{version}-{cpu_key()}"
+    if binary.is_file() and os.access(binary, os.X_OK):
+        log(f"using cached {binary}")
+        return binary
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"building llama-server needs `{tool}` on PATH (or pass --llama-server PATH)")
+    sdist_dir = root / "sdist"
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    sdist = sdist_dir / f"llama_cpp_python-{version}.tar.gz"
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    logfile = root / f"build-{version}-{cpu_key()}.log"
+    logfile.write_text("")
+    t0 = time.perf_counter()
+    if not sdist.is_file():
+        log(f"downloading the llama-cpp-python {version} source distribution into {sdist_dir}")
+        run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    f"llama-cpp-python=={version}", "-d", str(sdist_dir)], logfile, cwd=sdist_dir)
+        if not sdist.is_file():
+            raise SystemExit(f"pip download did not leave {sdist}; see {logfile}")
+    work = Path(tempfile.mkdtemp(prefix=f".build-{version}-", dir=root))
+    try:
+        log(f"unpacking {sdist.name} into {work}")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+        src = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+        if not (src / "CMakeLists.txt").is_file():
+            raise SystemExit(f"{sdist} has no vendor/llama.cpp/CMakeLists.txt")
+        # git must not describe an enclosing repository as llama.cpp's commit
+        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(work)}
+        log(f"configuring llama.cpp {llama_cpp_version(src)} (log: {logfile})")
+        run_logged(["cmake", "-B", "build", *CMAKE_FLAGS], logfile, cwd=src, env=env)
+        log(f"building llama-server with {jobs} jobs; this takes minutes, once per machine")
+        run_logged(["cmake", "--build", "build", "--target", "llama-server", "-j", str(jobs)], logfile, cwd=src,
+                   env=env, progress=re.compile(r"^\[\s*\d+%\] (Built target|Linking)"))
+        built = src / "build" / "bin" / "llama-server"
+        tmp = binary.with_name(f".{binary.name}.{os.getpid()}.tmp")
+        shutil.copy2(built, tmp)
+        os.chmod(tmp, 0o755)
+        seconds = time.perf_counter() - t0
+        meta = {"llama_cpp_python": version, "llama_cpp": llama_cpp_version(src), "cpu_key": cpu_key(),
+                "cmake_flags": CMAKE_FLAGS, "jobs": jobs, "build_seconds": round(seconds, 1), "built_at": time.time()}
+        binary.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+        os.replace(tmp, binary)  # last: a binary at the final path is always complete
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"built {binary} in {seconds:.0f} s")
+    return binary
+
+
+def llama_cpp_version(src: Path) -> str:
+    text = (src / "CMakeLists.txt").read_text()
+    parts = [re.search(rf"set\(LLAMA_VERSION_{p} (\d+)\)", text) for p in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else "unknown"
+
+
+# ------------------------------------------------------------------------------------------------ servers
+
+
+@dataclass
+class Server:
+    """A server process in its own process group; `start()` returns the seconds until it was ready."""
+
+    name: str
+    argv: list[str]
+    ready_path: str
+    port: int
+    logdir: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def logfile(self) -> Path:
+        return self.logdir / f"{self.name}.log"
+
+    def start(self) -> float:
+        log(f"starting {self.name}: {' '.join(self.argv)}")
+        out = self.logfile.open("w")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        out.close()
+        with httpx.Client(timeout=2) as c:
+            while time.perf_counter() - t0 < READY_TIMEOUT:
+                if self.proc.poll() is not None:
+                    self.fail(f"exited with {self.proc.returncode} while starting")
+                with contextlib.suppress(httpx.TransportError):
+                    if c.get(self.url + self.ready_path).status_code == 200:
+                        ready = time.perf_counter() - t0
+                        log(f"{self.name} ready in {ready:.1f} s")
+                        return ready
+                time.sleep(0.05)
+        self.fail(f"was not ready after {READY_TIMEOUT:.0f} s")
+
+    def fail(self, why: str) -> None:
+        tail = self.logfile.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"{self.name} {why}; the end of its log:\n{tail}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            kill_group(self.proc)
+            log(f"{self.name} stopped")
+            self.proc = None
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def endpoint(server: Server) -> Endpoint:
+    """The served model id as the server spells it (llama-server names it after the file)."""
+    r = httpx.get(server.url + "/v1/models", timeout=30)
+    r.raise_for_status()
+    return Endpoint(server.url, model=r.json()["data"][0]["id"], timeout=1800)
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def prompts(n: int, max_tokens: int, offset: int = 0) -> list[Prompt]:
+    return [Prompt(messages=[{"role": "user", "content": PROMPTS[(offset + i) % len(PROMPTS)]}], max_tokens=max_tokens)
+            for i in range(n)]
+
+
+async def measure(ep: Endpoint, args: argparse.Namespace) -> dict:
+    """Single-stream and concurrent throughput (flagdeploy.bench's rounds: round 0 is the warm-up), and the
+    greedy answers with EOS honoured for the text comparison."""
+    out: dict = {}
+    for key, concurrency, n in (("single", 1, 1), ("concurrent", args.concurrency, args.concurrency)):
+        cfg = ServeConfig(concurrencies=[concurrency], rounds=args.rounds + 1, ignore_eos=True)
+        results = ServeResults()
+        for rnd in range(args.rounds + 1):
+            # a new prompt each single-stream round, so no round is served from a prefix cache of the last
+            batch = prompts(n, args.max_tokens, offset=rnd if key == "single" else 0)
+            stats = await run_round(ep, batch, concurrency, rnd, cfg, results)
+            log(f"  {key} round {rnd}{' (warm-up)' if rnd == 0 else ''}: {stats.output_tokens} tokens in "
+                f"{stats.duration_s:.2f} s = {stats.output_throughput:.1f} tok/s, {stats.errors} errors")
+        summary = results.summaries([concurrency])[0]
+        errors = [r.error for r in results.records if r.error]
+        counts = sorted({r.output_tokens for r in results.records if r.ok})
+        unreported = sum(not r.usage_reported for r in results.records if r.ok)
+        out[key] = {"tok_s": summary["output_throughput"], "spread": summary["throughput_spread"],
+                    "errors": errors, "token_counts": counts, "no_usage": unreported,
+                    "forced": not errors and counts == [args.max_tokens] and not unreported}
+    async with ep.async_client(1) as client:
+        texts: list[StreamResult] = []
+        for p in prompts(COMPARE_PROMPTS, args.max_tokens):
+            path, body = p.request(ep.model, ignore_eos=False)
+            texts.append(await stream_request(client, ep.api + path, body))
+    out["texts"] = [t.text for t in texts]
+    return out
+
+
+def llama_server_argv(binary: Path, gguf: Path, port: int, args: argparse.Namespace) -> list[str]:
+    return [str(binary), "-m", str(gguf), "-t", str(args.threads), "-np", str(args.concurrency),
+            "-c", str(args.concurrency * args.ctx_per_slot), "--host", "127.0.0.1", "--port", str(port)]
+
+
+def flagdeploy_argv(port: int, args: argparse.Namespace) -> list[str]:
+    model = ["--model", args.model] if args.model else []  # else its default: the same bundled GGUF
+    return [sys.executable, "-m", "flagdeploy", "serve", "--port", str(port), *model, *args.serve_arg]
+
+
+def bench(server: Server, args: argparse.Namespace) -> dict:
+    with server:
+        ready = server.start()
+        ep = endpoint(server)
+        log(f"{server.name} serves {ep.model!r}; measuring")
+        result = asyncio.run(measure(ep, args))
+    result["ready"] = ready
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def report(rows: dict[str, dict], args: argparse.Namespace) -> None:
+    conc = f"{args.concurrency}-concurrent tok/s"
+    print(f"{'':28} {'ready s':>9} {'1-stream tok/s':>15} {conc:>22} {'spread 1 / N':>13}")
+    for name, r in rows.items():
+        spread = "/".join(f"{r[k]['spread']:.2f}" if r[k]["spread"] else "-" for k in ("single", "concurrent"))
+        print(f"{name:28} {r['ready']:9.2f} {r['single']['tok_s']:15.1f} {r['concurrent']['tok_s']:22.1f} "
+              f"{spread:>13}")
+    if len(rows) == 2:
+        fd, ls = rows["flagdeploy serve"], rows["llama-server"]
+        print(f"{'flagdeploy / llama-server':28} {fd['ready'] / ls['ready']:8.2f}x "
+              f"{fd['single']['tok_s'] / ls['single']['tok_s']:14.2f}x "
+              f"{fd['concurrent']['tok_s'] / ls['concurrent']['tok_s']:21.2f}x")
+        print("(ratios: above 1 flagdeploy is faster in the tok/s columns, slower to get ready)")
+    for name, r in rows.items():
+        for key in ("single", "concurrent"):
+            m = r[key]
+            if not m["forced"]:
+                print(f"WARNING {name} {key}: not every request produced exactly {args.max_tokens} tokens (ignore_eos "
+                      f"not honoured?): token counts {m['token_counts']}, {len(m['errors'])} errors "
+                      f"{m['errors'][:2]}, {m['no_usage']} without usage")
+    if len(rows) == 2:
+        a, b = rows["flagdeploy serve"]["texts"], rows["llama-server"]["texts"]
+        same = sum(x.strip() == y.strip() for x, y in zip(a, b, strict=True))
+        print(f"greedy answers (EOS honoured, max {args.max_tokens} tokens), flagdeploy vs llama-server: {same}/{len(a)} "
+              f"identical (informational: different kernels may round differently)")
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x.strip() != y.strip():
+                common = len(os.path.commonprefix([x, y]))
+                print(f"  prompt {PROMPTS[i]!r}: first difference at character {common}\n"
+                      f"    flagdeploy:   {x[:200]!r}\n    llama-server: {y[:200]!r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=None, help="measured rounds after the warm-up (default 3; quick 1)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 128; quick 32)")
+    ap.add_argument("--concurrency", type=int, default=16, help="requests at once, and llama-server's -np (default 16)")
+    ap.add_argument("--quick", action="store_true", help="a smoke test: 32 tokens, 1 round; not a measurement")
+    ap.add_argument("--llama-server", type=Path, default=None, help="use this llama-server binary instead of building")
+    ap.add_argument("--llama-cpp-python", default=None, metavar="VERSION",
+                    help=f"source distribution to build from (default: the installed one, else {LLAMA_CPP_PYTHON})")
+    ap.add_argument("--build-only", action="store_true", help="find or build llama-server, print its path, exit")
+    ap.add_argument("--model", default=None, help="model source (default: the embedded SmolLM2-135M-Instruct GGUF)")
+    ap.add_argument("--threads", type=int, default=cores(), help="llama-server -t and the build's -j (default: the "
+                                                                 "CPUs this process may use)")
+    ap.add_argument("--ctx-per-slot", type=int, default=4096,
+                    help="llama-server context per parallel slot (default 4096, flagdeploy serve's --max-model-len)")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="extra flag for flagdeploy serve, repeatable (default none: its default flags)")
+    args = ap.parse_args()
+    args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    args.max_tokens = args.max_tokens if args.max_tokens is not None else (32 if args.quick else 128)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds the with-blocks: servers are stopped
+
+    if args.llama_server is not None:
+        binary = args.llama_server.expanduser().resolve()
+        if not (binary.is_file() and os.access(binary, os.X_OK)):
+            raise SystemExit(f"--llama-server {args.llama_server} is not an executable file")
+    else:
+        binary = build_llama_server(args.llama_cpp_python or llama_cpp_python_version(), args.threads)
+    if args.build_only:
+        print(binary)
+        return
+
+    src = resolve(args.model)
+    if src.format != "gguf":
+        raise SystemExit(f"{src.path} is not a GGUF file; llama-server needs one")
+    print(f"model {src.name} ({src.path}); llama-server {binary}; {args.max_tokens} tokens per request, "
+          f"{args.rounds} rounds after a warm-up, {args.concurrency} concurrent, {args.threads} llama-server threads, "
+          f"{platform.processor() or platform.machine()}, {cores()} CPUs{'; QUICK smoke run' if args.quick else ''}")
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="cpu_vs_llama_server-") as logdir:
+        port = free_port()
+        rows["llama-server"] = bench(Server("llama-server", llama_server_argv(binary, src.path, port, args), "/health",
+                                            port, Path(logdir)), args)
+        port = free_port()
+        rows["flagdeploy serve"] = bench(Server("flagdeploy serve", flagdeploy_argv(port, args), "/ready", port,
+                                                Path(logdir)), args)
+    report(rows, args)
+
+
+if __name__ == "__main__":
+    main()
