@@ -53,6 +53,7 @@ from collections import deque
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -116,6 +117,24 @@ def cpu_key() -> str:
     return hashlib.sha256(f"{platform.machine()}|{flags or platform.processor()}".encode()).hexdigest()[:12]
 
 
+def cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def llama_server_version(binary: Path) -> str:
+    """`llama-server --version`'s first line (the commit it names is the source tree's, where it had one)."""
+    try:
+        r = subprocess.run([str(binary), "--version"], check=False, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("version")]
+    return lines[0] if lines else "unknown"
+
+
 def llama_cpp_python_version() -> str:
     try:
         return metadata.version("llama_cpp_python")
@@ -177,7 +196,8 @@ def build_llama_server(version: str, jobs: int) -> Path:
         src = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
         if not (src / "CMakeLists.txt").is_file():
             raise SystemExit(f"{sdist} has no vendor/llama.cpp/CMakeLists.txt")
-        # git must not describe an enclosing repository as llama.cpp's commit
+        # build-info asks git for a commit: stop it at the unpacked tree (the sdist ships llama-cpp-python's own
+        # .git, so the commit llama-server reports is that repository's, not llama.cpp's)
         env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(work)}
         log(f"configuring llama.cpp {llama_cpp_version(src)} (log: {logfile})")
         run_logged(["cmake", "-B", "build", *CMAKE_FLAGS], logfile, cwd=src, env=env)
@@ -191,7 +211,7 @@ def build_llama_server(version: str, jobs: int) -> Path:
         seconds = time.perf_counter() - t0
         meta = {"llama_cpp_python": version, "llama_cpp": llama_cpp_version(src), "cpu_key": cpu_key(),
                 "cmake_flags": CMAKE_FLAGS, "jobs": jobs, "build_seconds": round(seconds, 1), "built_at": time.time()}
-        binary.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+        binary.with_name(binary.name + ".json").write_text(json.dumps(meta, indent=1) + "\n")
         os.replace(tmp, binary)  # last: a binary at the final path is always complete
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -256,7 +276,7 @@ class Server:
             log(f"{self.name} stopped")
             self.proc = None
 
-    def __enter__(self) -> Server:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -378,7 +398,7 @@ def main() -> None:
     ap.add_argument("--ctx-per-slot", type=int, default=4096,
                     help="llama-server context per parallel slot (default 4096, flagdeploy serve's --max-model-len)")
     ap.add_argument("--serve-arg", action="append", default=[],
-                    help="extra flag for flagdeploy serve, repeatable (default none: its default flags)")
+                    help="extra flag for flagdeploy serve, repeatable, as --serve-arg=--compile (default none: its default flags)")
     args = ap.parse_args()
     args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     args.max_tokens = args.max_tokens if args.max_tokens is not None else (32 if args.quick else 128)
@@ -397,9 +417,9 @@ def main() -> None:
     src = resolve(args.model)
     if src.format != "gguf":
         raise SystemExit(f"{src.path} is not a GGUF file; llama-server needs one")
-    print(f"model {src.name} ({src.path}); llama-server {binary}; {args.max_tokens} tokens per request, "
-          f"{args.rounds} rounds after a warm-up, {args.concurrency} concurrent, {args.threads} llama-server threads, "
-          f"{platform.processor() or platform.machine()}, {cores()} CPUs{'; QUICK smoke run' if args.quick else ''}")
+    print(f"model {src.name} ({src.path})\nllama-server {binary} ({llama_server_version(binary)})\n"
+          f"{args.max_tokens} tokens per request, {args.rounds} round(s) after a warm-up, {args.concurrency} concurrent, "
+          f"llama-server -t {args.threads}; {cpu_name()}, {cores()} CPUs{'; QUICK smoke run, not a measurement' if args.quick else ''}")
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="cpu_vs_llama_server-") as logdir:
         port = free_port()
@@ -412,4 +432,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the with-blocks have stopped the servers by now
+        log("interrupted")
+        sys.exit(130)
