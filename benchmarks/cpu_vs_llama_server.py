@@ -57,6 +57,8 @@ from typing import Self
 
 import httpx
 
+from cpu_serving import PROMPTS  # the in-process benchmark's prompts (this script runs from benchmarks/)
+
 from flagdeploy.bench.client import Endpoint, StreamResult, stream_request
 from flagdeploy.bench.loadgen import Prompt, ServeConfig, ServeResults, run_round
 from flagdeploy.loaders.source import cache_dir, resolve
@@ -67,14 +69,6 @@ CMAKE_FLAGS = ["-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"
                "-DBUILD_SHARED_LIBS=OFF"]  # static: the cached binary must not need the build tree's .so files
 READY_TIMEOUT = 1800.0  # seconds; flagdeploy's own --startup-timeout default
 COMPARE_PROMPTS = 4  # greedy answers compared between the servers (EOS honoured)
-
-PROMPTS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
-    "Name three prime numbers.", "Tell me a fact about cats.", "Translate 'good morning' to Spanish.",
-    "What is 12 times 7?", "Describe a rainbow.", "Why is the sky blue?", "Give me a synonym for happy.",
-    "What is the boiling point of water?", "Who wrote Hamlet?", "Say hello in French.", "What is a noun?",
-    "Name a planet.", "How many legs does a spider have?",
-]
 
 
 def log(msg: str) -> None:
