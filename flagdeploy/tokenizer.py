@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,35 @@ class Tokenizer:
                 tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             else:
                 tok = AutoTokenizer.from_pretrained(str(path))
+                tok.chat_template = _processor_chat_template(path) or getattr(tok, "chat_template", None)
         except Exception as exc:
             raise ModelLoadError(
                 f"The tokenizer of {path} could not be loaded ({exc}). A GGUF file must carry its "
                 f"tokenizer; a safetensors directory needs tokenizer.json / tokenizer_config.json."
             ) from exc
         return cls(tok, extra_eos_ids)
+
+    @cached_property
+    def content_format(self) -> str:
+        """How the chat template reads a message's content: "openai" when it loops over it as a list of
+        typed parts (multimodal templates: `{% for part in message['content'] %}`), "string" otherwise.
+        `apply_chat_template` hands it text in that form (vLLM's `--chat-template-content-format auto`)."""
+        template = getattr(self.hf, "chat_template", None)
+        if not isinstance(template, str):
+            return "string"
+        import jinja2
+        from jinja2 import nodes
+
+        try:
+            tree = jinja2.Environment().parse(template)
+        except jinja2.TemplateSyntaxError:
+            return "string"
+        for loop in tree.find_all(nodes.For):
+            it = loop.iter
+            if (isinstance(it, nodes.Getattr) and it.attr == "content") or (
+                    isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content"):
+                return "openai"
+        return "string"
 
     @cached_property
     def max_token_chars(self) -> int:
@@ -52,9 +76,23 @@ class Tokenizer:
     ) -> str:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("This model has no chat template; use /v1/completions with a plain prompt.")
+        if self.content_format == "openai":
+            messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+                        else m for m in messages]
         return self.hf.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
+
+
+def _processor_chat_template(path: Path) -> str | None:
+    """A multimodal checkpoint's processor chat template (chat_template.json, as SmolVLM ships it), or None.
+    It wins over the tokenizer's: it is the one that writes the media placeholders (transformers'
+    `processor.apply_chat_template` uses it too)."""
+    file = path / "chat_template.json"
+    if not file.is_file():
+        return None
+    template = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
+    return template if isinstance(template, str) else None
 
 
 class IncrementalDetokenizer:

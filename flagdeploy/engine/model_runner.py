@@ -48,6 +48,8 @@ class PagedStep:
     ctx_lens: list[int]
     logits_rows: list[int]
     verify: bool = False  # some sequence has several decode rows (its last token and its drafts)
+    # media features replacing token embeddings: (packed row indices, rows), encoded on rank 0 when it plans
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -61,6 +63,13 @@ class StateStep:
     chains: dict[int, list[int]] | None = None
     # media features replacing token embeddings: (packed row indices, rows), encoded on rank 0 when it plans
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _encoder_cache(model, device: str) -> EncoderCache | None:
+    """For a model with a vision encoder: its features by content, `ENCODER_CACHE_ROWS` rows at most."""
+    if "image" not in getattr(model, "input_modalities", ()):
+        return None
+    return EncoderCache(model.encode_media, ENCODER_CACHE_ROWS, device)
 
 
 def _weight_only(model) -> bool:
@@ -117,6 +126,7 @@ class PagedRunner(_Runner):
         self.compiled = (CompiledDecode(self._decode, device, block_size, num_blocks, max_seqs=max_seqs,
                                         weight_only=_weight_only(model))
                          if compile and not graphs else None)
+        self.encoder = _encoder_cache(model, device)
 
     def _decode(self, d: DecodeInputs) -> torch.Tensor:
         """The pure-decode step on `DecodeInputs` (what the CUDA graphs capture and torch.compile traces)."""
@@ -149,9 +159,12 @@ class PagedRunner(_Runner):
         step = PagedStep([], [], [], 0, [0], [0], [], [], [], [])
         need_cache_read = False
         sampled: list[int] = []
+        media = []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start, end = seq.num_computed, seq.num_computed + n
+            if seq.media and not drafts[i]:
+                media.append((len(step.ids), seq.media, start, end))
             # a verify step's rows: the last real token, then the drafts (not in token_ids until accepted)
             step.ids.extend([seq.token_ids[start], *drafts[i]] if drafts[i] else seq.token_ids[start:end])
             step.positions.extend(range(start, end))
@@ -178,11 +191,13 @@ class PagedRunner(_Runner):
                 sampled.append(i)
         if not need_cache_read:
             step.kv_slots = None
+        if media:
+            step.embeds = step_embeds(self.encoder, media)
         return step, sampled
 
     def execute(self, step: PagedStep) -> torch.Tensor:
         """Logits of the step's `logits_rows`."""
-        if not step.num_prefill:
+        if not step.num_prefill and step.embeds is None:
             n = len(step.ids)
             # a verify step through a compiled step or graph: its attention has one fixed form for every row
             # already; the opaque weight-only linears still read the mark (backends/cpu/ops.py)
@@ -211,7 +226,9 @@ class PagedRunner(_Runner):
         )
         mode = ops.prefill_step() if step.num_prefill else ops.verify_step() if step.verify else contextlib.nullcontext()
         with mode:
-            return self.model(t(step.ids), meta, self.kv_caches)
+            if step.embeds is None:
+                return self.model(t(step.ids), meta, self.kv_caches)
+            return self.model(t(step.ids), meta, self.kv_caches, embeds=step.embeds)
 
 
 class SequenceStateRunner(_Runner):
@@ -258,9 +275,7 @@ class SequenceStateRunner(_Runner):
             if spec_tokens:
                 self.verify_graphs = DecodeGraphs(self._verify, device, max_seqs, width, block_size, num_blocks, rows,
                                                   depth=self.group)
-        # a model with a vision encoder: its features by content, `ENCODER_CACHE_ROWS` rows at most
-        self.encoder = (EncoderCache(model.encode_media, ENCODER_CACHE_ROWS, device)
-                        if "image" in getattr(model, "input_modalities", ()) else None)
+        self.encoder = _encoder_cache(model, device)
         self.compiled = None
         if compile and self.batched_decode and not self.graphs:
             self.compiled = CompiledDecode(self._decode, device, block_size, num_blocks, scratch_state=rows,

@@ -23,6 +23,17 @@ def raw_config(path: Path) -> dict:
         raise ModelLoadError(f"{path / 'config.json'} could not be read ({exc}); the directory needs the model's config.json.") from exc
 
 
+def optional_json(path: Path) -> dict | None:
+    """A checkpoint's optional JSON file (a processor's settings), None where it is absent; a file that is
+    there but cannot be read is an error naming it."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}; restore the checkpoint's copy of it.") from None
+
+
 def read_config(path: Path):
     """The model's config (its family's dataclass), validated before any weight is read."""
     return config_from_hf(raw_config(path))

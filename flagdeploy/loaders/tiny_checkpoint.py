@@ -260,10 +260,15 @@ def _write_shards(root: Path, groups: Iterator[list[tuple[str, torch.Tensor]]], 
 # ---- tokenizer ------------------------------------------------------------------------------------------
 
 
-def write_word_tokenizer(root: Path, vocab_size: int, eos: str = "w1", specials: dict[int, str] | None = None) -> None:
+_WORD_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w2 {% endif %}"
+
+
+def write_word_tokenizer(root: Path, vocab_size: int, eos: str = "w1", specials: dict[int, str] | None = None,
+                         template: str | None = _WORD_TEMPLATE) -> None:
     """A word-level tokenizer ("w0".."wN", split on whitespace) with a plain chat template, so that a
     directory of random weights is a servable model. specials: ids whose word is instead a special
-    token matched anywhere in the text (a multimodal model's `<|image|>` and its brackets)."""
+    token matched anywhere in the text (a multimodal model's `<|image|>` and its brackets). template:
+    None leaves the chat template out of the tokenizer's files (a processor file carries it)."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
     words = {i: f"w{i}" for i in range(vocab_size)} | (specials or {})
@@ -273,7 +278,6 @@ def write_word_tokenizer(root: Path, vocab_size: int, eos: str = "w1", specials:
     tok.add_special_tokens([AddedToken(t, single_word=True, special=True) for t in ("w0", eos)])
     tok.add_special_tokens([AddedToken(t, special=True) for t in (specials or {}).values()])
     tok.save(str(root / "tokenizer.json"))
-    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w2 {% endif %}"
     (root / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": "w0",
-         "chat_template": template}))
+         **({"chat_template": template} if template is not None else {})}))

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import glm5_next
+from . import glm5_next, idefics3
 from .config import ModelConfig, from_hf_config
 from .llama import LlamaForCausalLM
 from .llama import load_hf_weights as _llama_weights
@@ -24,11 +24,13 @@ from .llama import load_hf_weights as _llama_weights
 FAMILIES = {
     "llama": (LlamaForCausalLM, _llama_weights),
     "glm5_next": (glm5_next.Glm5NextForCausalLM, glm5_next.load_hf_weights),
+    "idefics3": (idefics3.Idefics3ForCausalLM, idefics3.load_hf_weights),
 }
 
 # HF model_type → config parser; everything else is tried as the llama family (which names what it
 # does not support).
-_CONFIG_PARSERS = {"glm5_next": glm5_next.from_hf_config, "glm5_next_text": glm5_next.from_hf_config}
+_CONFIG_PARSERS = {"glm5_next": glm5_next.from_hf_config, "glm5_next_text": glm5_next.from_hf_config,
+                   "idefics3": idefics3.from_hf_config}
 
 
 def config_from_hf(cfg: dict[str, Any]):
@@ -54,7 +56,19 @@ def has_sequence_state(model) -> bool:
 
 # family → its media processor (images and video → the encoder's pixels and the prompt's placeholder
 # text), "module:class" imported only when a model with an encoder is served (it needs transformers)
-MEDIA_PROCESSORS = {"glm5_next": "flagdeploy.models.glm5_next.processor:Glm5MediaProcessor"}
+MEDIA_PROCESSORS = {"glm5_next": "flagdeploy.models.glm5_next.processor:Glm5MediaProcessor",
+                    "idefics3": "flagdeploy.models.idefics3.processor:Idefics3MediaProcessor"}
+
+
+# HF model_type → its vision encoder's activation peak from config.json (the planner's ledger line)
+_ENCODER_PEAKS = {"glm5_next": lambda cfg: glm5_next.model.encoder_activation_bytes(cfg["vision_config"]),
+                  "idefics3": lambda cfg: idefics3.model.encoder_activation_bytes(cfg)}
+
+
+def encoder_activation_bytes(hf_config: dict[str, Any]) -> int:
+    """What a multimodal checkpoint's vision encoder needs for activations at its peak; 0 for text only."""
+    peak = _ENCODER_PEAKS.get(hf_config.get("model_type", ""))
+    return peak(hf_config) if peak is not None and hf_config.get("vision_config") else 0
 
 
 def media_processor(model, path: Path, hf_config: dict[str, Any]):
@@ -65,5 +79,5 @@ def media_processor(model, path: Path, hf_config: dict[str, Any]):
     return getattr(importlib.import_module(module), name).from_checkpoint(path, hf_config)
 
 
-__all__ = ["FAMILIES", "ModelConfig", "build_model", "config_from_hf", "has_sequence_state", "load_weights",
-           "media_processor"]
+__all__ = ["FAMILIES", "ModelConfig", "build_model", "config_from_hf", "encoder_activation_bytes", "has_sequence_state",
+           "load_weights", "media_processor"]

@@ -128,14 +128,20 @@ class LlamaForCausalLM(nn.Module):
         )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> torch.Tensor:
-        """Logits for the rows in meta.logits_indices, as float32."""
-        return self.forward_step(input_ids, meta, kv_caches)
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits for the rows in meta.logits_indices, as float32. embeds: (row indices, rows) that replace
+        those rows' token embeddings (an image encoder's features, engine/multimodal.py)."""
+        return self.forward_step(input_ids, meta, kv_caches, embeds)
 
-    def forward_step(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> torch.Tensor:
+    def forward_step(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list,
+                     embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`forward` for a caller already in inference mode: what torch.compile traces (dynamo cannot trace
         the grad-mode switch of the decorator around the in-place cache writes)."""
         x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.cfg.vocab_size)
+        if embeds is not None:
+            index, rows = embeds
+            x[index.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)
         cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
@@ -145,8 +151,9 @@ class LlamaForCausalLM(nn.Module):
         h, _ = ops.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(h)[..., : self.cfg.vocab_size].float()
 
-    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [T, vocab] at every position of one sequence, through a scratch cache (evaluation)."""
+    def score(self, input_ids: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [T, vocab] at every position of one sequence, through a scratch cache (evaluation);
+        `embeds` as for `forward`."""
         t, dev = input_ids.shape[0], input_ids.device
         cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
         pos = torch.arange(t, device=dev)
@@ -154,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
                                  prefill_kv_slots=None, block_tables=None, context_lens=None, logits_indices=pos)
         caches = [[torch.zeros(s, dtype=self.kv_cache_dtype, device=dev) for s in self.kv_cache_shape(t, 1)]
                   for _ in self.layers]
-        return self(input_ids, meta, caches)
+        return self(input_ids, meta, caches, embeds)
 
 
 def load_hf_weights(model: LlamaForCausalLM, tensors, quantize_head: bool = False, keep_fp8: bool = False,

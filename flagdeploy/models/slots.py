@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from flagdeploy.parallel import Shard
@@ -24,3 +26,9 @@ def copy_param(name: str, dst: torch.Tensor, t, shard: Shard | None) -> None:
     if tuple(dst.shape) != tuple(t.shape):
         raise ValueError(f"weight {name} has shape {tuple(t.shape)}, the config implies {tuple(full)}")
     dst.copy_(t)
+
+
+def linear_slots(prefix: str, m, parts: Iterable[str] | None = None) -> dict[str, tuple]:
+    """`weight_slots` entries of a Linear's parts (all of them, or `parts` in that order), bias included."""
+    return {f"{prefix}{name}.{kind}": (m, name, kind)
+            for name in (m.parts if parts is None else parts) for kind in (("weight", "bias") if m.has_bias else ("weight",))}

@@ -69,7 +69,7 @@ def text_config(config: dict) -> dict:
 # (family, how a layout divides it), first match wins; "ep" means split by EP when expert parallel is on,
 # by TP otherwise. The MLA down-projections and the DSA indexer are small and replicated, as engines do.
 _FAMILIES = [
-    (r"^model\.visual\.", "vision", "replicated"),
+    (r"^model\.(visual|vision_model|connector)\.", "vision", "replicated"),
     (r"(embed_tokens|wte)\.weight$", "embedding", "tp"),
     (r"^lm_head\.", "lm_head", "tp"),
     (r"(norm\d?|layernorm)\.(weight|bias)$|\.(enorm|hnorm)\.", "norm", "replicated"),
@@ -177,7 +177,7 @@ def _weight_groups(config: dict, policy, include_mtp: bool) -> list[WeightGroup]
         if policy is not None:
             dtype = _policy_dtype(name, shape, dtype, policy)
         family, split = family_of(name)
-        m = _LAYER.search(name)
+        m = _LAYER.search(name) if family != "vision" else None  # (an encoder's layers are not decoder layers)
         key = (family, dtype, split, int(m.group(1)) if m else None)
         sums[key][0] += numel
         sums[key][1] += _nbytes(dtype, shape, numel, block)

@@ -93,11 +93,9 @@ def model_facts(config: dict, groups: list[WeightGroup]) -> ModelFacts:
     else:
         attn_dim = heads * (t.get("head_dim") or t["hidden_size"] // heads)
         linear_heads = 0
-    encoder = 0
-    if config.get("model_type") == "glm5_next" and config.get("vision_config"):
-        from flagdeploy.models.glm5_next.model import encoder_activation_bytes
+    from flagdeploy.models import encoder_activation_bytes
 
-        encoder = encoder_activation_bytes(config["vision_config"])
+    encoder = encoder_activation_bytes(config)
     return ModelFacts(t["hidden_size"], t["vocab_size"], layers, heads, t.get("num_key_value_heads") or heads,
                       linear_heads, experts, t.get("num_experts_per_tok") or 0, moe_layers, attn_dim, encoder)
 

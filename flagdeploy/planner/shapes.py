@@ -7,6 +7,7 @@ dict only (no weights, no network, no transformers model): `(name, shape)` in th
 The dense and MoE llama-like families are written out as formulas. `glm5_next` (GLM-5.3-Flash) takes its
 text part from flagdeploy's own model built on the meta device, as the tiny-checkpoint writer does, so the
 two cannot drift apart; its vision tower is written out from transformers' `Glm5NextVision*` classes.
+`idefics3` (SmolVLM) is the llama formulas under its text prefix plus its SigLIP encoder.
 
 Fields a config leaves out take transformers' default for that model type where it changes a shape (see
 `_DEFAULTS`); the sizes every config.json carries (vocab/hidden/intermediate size, layer and head counts)
@@ -53,6 +54,8 @@ def checkpoint_tensors(config: dict, *, include_mtp: bool = False) -> list[tuple
         return list(_llama_like({**config, "model_type": "generic"}))
     if model_type == "glm5_next":
         return list(_glm5_next(config, include_mtp))
+    if model_type == "idefics3":
+        return list(_idefics3(config))
     c = {**_DEFAULTS[model_type], **{k: v for k, v in config.items() if v is not None}}
     return list(builder(c))
 
@@ -213,4 +216,39 @@ def _glm5_vision(v: dict) -> Shapes:
     yield p + "post_layernorm.weight", (h,)
 
 
-_BUILDERS: dict[str, Callable] = {**{mt: _llama_like for mt in _DEFAULTS}, "glm5_next": _glm5_next}
+# ---- idefics3 (SmolVLM) ----------------------------------------------------------------------------------
+
+# transformers' Idefics3VisionConfig defaults (5.23)
+_SIGLIP_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, num_channels=3, image_size=224,
+                        patch_size=32)
+
+
+def _idefics3(config: dict) -> Shapes:
+    """transformers' Idefics3ForConditionalGeneration: the llama text model under `model.text_model.` (the
+    head stays `lm_head`), the SigLIP encoder (conv patch embed, learned positions, LayerNorm ViT layers
+    with biases everywhere, post-LayerNorm) and the connector's one projection."""
+    text = {**_DEFAULTS["llama"], "tie_word_embeddings": config.get("tie_word_embeddings", False),
+            **{k: v for k, v in (config.get("text_config") or {}).items() if v is not None}, "model_type": "llama"}
+    for name, shape in _llama_like(text):
+        yield (name if name.startswith("lm_head") else "model.text_model." + name.removeprefix("model.")), shape
+    v = {**_SIGLIP_DEFAULTS, **{k: x for k, x in (config.get("vision_config") or {}).items() if x is not None}}
+    h, p = v["hidden_size"], "model.vision_model."
+    yield p + "embeddings.patch_embedding.weight", (h, v["num_channels"], v["patch_size"], v["patch_size"])
+    yield p + "embeddings.patch_embedding.bias", (h,)
+    yield p + "embeddings.position_embedding.weight", ((v["image_size"] // v["patch_size"]) ** 2, h)
+    for i in range(v["num_hidden_layers"]):
+        q = f"{p}encoder.layers.{i}."
+        for norm in ("layer_norm1", "layer_norm2"):
+            yield q + norm + ".weight", (h,)
+            yield q + norm + ".bias", (h,)
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            yield from _linear(q + "self_attn." + proj, h, h, True)
+        yield from _linear(q + "mlp.fc1", v["intermediate_size"], h, True)
+        yield from _linear(q + "mlp.fc2", h, v["intermediate_size"], True)
+    yield p + "post_layernorm.weight", (h,)
+    yield p + "post_layernorm.bias", (h,)
+    yield "model.connector.modality_projection.proj.weight", (text["hidden_size"], h * config.get("scale_factor", 2) ** 2)
+
+
+_BUILDERS: dict[str, Callable] = {**{mt: _llama_like for mt in _DEFAULTS}, "glm5_next": _glm5_next,
+                                   "idefics3": _idefics3}

@@ -104,25 +104,28 @@ async def prepare(engine: "AsyncEngine", messages: list[dict[str, Any]],
         return messages, None
     settings.checked_policy().check({"messages": messages})  # hosts and counts, before any fetch
     processor = engine.media_processor
+    as_parts = engine.tokenizer.content_format == "openai"
     flat, refs = [], []
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
-            message = {**message, "content": _flatten(content, processor, refs)}
+            message = {**message, "content": _flatten(content, processor, refs, as_parts)}
         flat.append(message)
     loaded = await asyncio.to_thread(_load_all, processor, refs, settings)
     return flat, MediaPrompt(loaded)
 
 
-def _flatten(content: list[Any], processor, refs: list[tuple[str, str]]) -> str:
+def _flatten(content: list[Any], processor, refs: list[tuple[str, str]], as_parts: bool = False) -> str | list:
     """Text parts joined by newlines (as a text-only message's are), each image / video part its
-    placeholder where it stands; (medium, URL) of those parts appended to `refs` in order."""
-    out: list[str] = []
+    placeholder where it stands; (medium, URL) of those parts appended to `refs` in order. `as_parts`: for a
+    template that reads content as typed parts (it writes the placeholders itself), the text parts as they
+    are and each medium a bare `{"type": "image"}` / `{"type": "video"}` part."""
+    out: list[Any] = []
     prev_text = False
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            out.append(("\n" if prev_text else "") + part["text"])
+            out.append({"type": "text", "text": part["text"]} if as_parts else ("\n" if prev_text else "") + part["text"])
             prev_text = True
         elif kind in _PARTS:
             ref = part.get(kind)
@@ -131,9 +134,9 @@ def _flatten(content: list[Any], processor, refs: list[tuple[str, str]]) -> str:
                 raise APIError(400, f"An {kind} part needs a URL (`{kind}: {{\"url\": ...}}`, a data: URL or an "
                                     f"http(s) URL), but it has {ref!r:.80}.", param="messages", code="invalid_media")
             refs.append((_PARTS[kind], url))
-            out.append(processor.placeholder(_PARTS[kind]))
+            out.append({"type": _PARTS[kind]} if as_parts else processor.placeholder(_PARTS[kind]))
             prev_text = False
-    return "".join(out)
+    return out if as_parts else "".join(out)
 
 
 def _load_all(processor, refs: list[tuple[str, str]], settings: MediaSettings) -> list[_Loaded]:

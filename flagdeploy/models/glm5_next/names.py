@@ -14,6 +14,7 @@ import torch
 from flagdeploy.parallel import Shard
 
 from ..linear import Linear
+from ..slots import linear_slots
 from .moe import ExpertBank, MoE
 
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.", "language_model.")
@@ -51,12 +52,6 @@ def _slot_shard(slot: tuple) -> Shard | None:
     if kind == "bias" and shard is not None and shard.dim != 0:
         return None  # a row-parallel layer's bias is whole (added once, after the sum)
     return shard
-
-
-def linear_slots(prefix: str, m: Linear, parts: Iterable[str] | None = None) -> dict[str, tuple]:
-    """`weight_slots` entries of a Linear's parts (all of them, or `parts` in that order), bias included."""
-    return {f"{prefix}{name}.{kind}": (m, name, kind)
-            for name in (m.parts if parts is None else parts) for kind in (("weight", "bias") if m.has_bias else ("weight",))}
 
 
 def mla_slots(sa: str, a) -> dict[str, tuple]:

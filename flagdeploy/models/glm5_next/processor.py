@@ -14,7 +14,6 @@ transformers' video processor needs torchvision, which cannot be installed besid
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, fields
@@ -28,6 +27,7 @@ from transformers import Glm5NextImageProcessorPil
 from transformers.models.glm5_next.image_processing_pil_glm5_next import smart_resize
 
 from flagdeploy.errors import ModelLoadError
+from flagdeploy.loaders.safetensors_reader import optional_json
 
 from .config import MM_TOKEN_IDS
 from .vision import Glm5VisionConfig
@@ -120,10 +120,10 @@ class Glm5MediaProcessor:
         when video_preprocessor_config.json is absent; transformers' defaults when none is there), token
         ids from the top level of its config.json (`hf_config`)."""
         path = Path(path)
-        nested = _read_json(path / "processor_config.json") or {}
-        legacy = _read_json(path / "preprocessor_config.json")
+        nested = optional_json(path / "processor_config.json") or {}
+        legacy = optional_json(path / "preprocessor_config.json")
         image_cfg = nested["image_processor"] if "image_processor" in nested else legacy
-        own = _read_json(path / "video_preprocessor_config.json")
+        own = optional_json(path / "video_preprocessor_config.json")
         video_cfg = nested["video_processor"] if "video_processor" in nested else own if own is not None else legacy
         image_processor = Glm5NextImageProcessorPil.from_dict(image_cfg or {})
         video = Glm5VideoSettings.from_dict(video_cfg or {})
@@ -258,11 +258,3 @@ class Glm5MediaProcessor:
         image_groups, video_groups = iter(image_pos.split(images)), iter(spans)
         return [next(image_groups).tolist() if x.kind == "image" else next(video_groups) for x, _ in items]
 
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}; restore the checkpoint's copy of it.") from None

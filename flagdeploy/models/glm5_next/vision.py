@@ -30,7 +30,7 @@ from flagdeploy.errors import ModelLoadError
 
 from ..linear import Linear
 from .common import _lin, _param
-from .names import linear_slots
+from ..slots import linear_slots
 
 log = logging.getLogger(__name__)
 
