@@ -114,6 +114,28 @@ def media_options(command):
              "--limit-mm-data-per-request; engines without an equivalent get a warning.")(command)
 
 
+def node_options(command):
+    """serve's flags for one replica across machines (flagdeploy/engine/nodes.py)."""
+    for option in reversed([
+        click.option("--nnodes", default=1, show_default=True, type=click.IntRange(min=1),
+                     help="Machines the replica's --tp x --ep ranks spread over, evenly in rank order (TP fills a "
+                          "node first). Run the same command on each with its --node-rank."),
+        click.option("--node-rank", default=0, show_default=True, type=click.IntRange(min=0),
+                     help="This machine's place among --nnodes: 0 serves HTTP and the store the others join; "
+                          "the others run their ranks headless."),
+        click.option("--master-addr", default="127.0.0.1", show_default=True,
+                     help="Node 0's address as the other nodes reach it (the network interface the collectives use "
+                          "is set with GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / HCCL_SOCKET_IFNAME)."),
+        click.option("--master-port", default=29500, show_default=True, type=click.IntRange(1, 65535),
+                     help="Node 0's rendezvous port (open it between the nodes)."),
+        click.option("--node-timeout", default=300.0, show_default=True, type=click.FloatRange(min=1),
+                     help="Seconds node 0 waits for every node to join, and the longest a joined node may stay "
+                          "silent: then it is named, /ready answers 503 and node 0 exits."),
+    ]):
+        command = option(command)
+    return command
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="flagdeploy")
 def main() -> None:
@@ -196,12 +218,14 @@ def main() -> None:
 @click.option("--startup-timeout", default=1800.0, show_default=True, type=click.FloatRange(min=1),
               help="Seconds a launched engine may take to become ready before it is marked failed.")
 @media_options
+@node_options
 @click.pass_context
 def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
           memory_utilization, weight_format, load_format, served_names, default_temperature, api_key, reasoning_parser,
           max_waiting, max_tokens_policy, tool_call_parser, request_timeout, profile_file, tp, ep, dp, compile_,
           speculative, num_speculative_tokens, speculative_config, log_level, engine, upstreams, config_file,
-          startup_timeout, limit_mm_per_prompt, allowed_media_domains) -> None:
+          startup_timeout, limit_mm_per_prompt, allowed_media_domains, nnodes, node_rank, master_addr, master_port,
+          node_timeout) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     With --engine (not builtin), --upstream or --config, the model runs on external engines behind this
@@ -232,6 +256,21 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
                                            served_names=served_names, tp=tp, ep=ep, dp=dp)
         if not spec.enabled and speculative is None and speculative_config is None:
             spec = profile_spec  # the plan's `--mtp`, unless the command line says otherwise
+    nodes = None
+    if nnodes > 1:
+        from flagdeploy.engine.nodes import NodeGroup
+
+        if not builtin or dp > 1:
+            _fail("--nnodes spreads one builtin-engine replica's --tp x --ep ranks over machines; it does not combine "
+                  "with --dp, --engine, --upstream or --config (for external engines across nodes: `flagdeploy plan "
+                  "--nodes N --emit ENGINE`)")
+        nodes = NodeGroup(nnodes, node_rank, master_addr, master_port, node_timeout)
+        try:
+            nodes.check(tp * ep)
+        except ValueError as exc:
+            _fail(str(exc))
+    elif node_rank:
+        _fail(f"--node-rank {node_rank} needs --nnodes above it (the number of machines the replica spans)")
     # ---- --dp: data-parallel replicas of the builtin engine behind the gateway (flagdeploy/gateway/replicas.py)
     if dp > 1:
         if not builtin:
@@ -282,7 +321,8 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     from flagdeploy.server import create_app, make_server
     from flagdeploy.server.media import MediaSettings
 
-    _check_port(host, port)
+    if nodes is None or nodes.node_rank == 0:
+        _check_port(host, port)
     from flagdeploy.server.reasoning import get_style
 
     try:
@@ -302,7 +342,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         check_source(src.path, src.format, weights)  # a bad file fails here, before the server starts
     except FlagdeployError as exc:
         _fail(str(exc))
-    if not profile_file:
+    if not profile_file and (nodes is None or nodes.node_rank == 0):
         _print_plan(src, chip, max_model_len, max_num_seqs, _parse_bytes(kv_cache_memory), tp, ep, memory_utilization)
     config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -313,12 +353,21 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
             check_split(src.path, src.format, config)  # before the server starts, not in its loader
         except FlagdeployError as exc:
             _fail(str(exc))
+    if nodes is not None and nodes.node_rank > 0:  # a headless node: its ranks, no HTTP
+        from flagdeploy.engine.nodes import run_headless
+
+        click.echo(f"flagdeploy: node {nodes.node_rank} of {nodes.nnodes}: joining {master_addr}:{master_port} ...",
+                   err=True)
+        try:
+            sys.exit(run_headless(src.path, src.format, config, chip, nodes))
+        except FlagdeployError as exc:
+            _fail(str(exc))
     names = list(served_names) or [src.name]
     failure: list[BaseException] = []
 
     def load() -> AsyncEngine:
         try:
-            llm = build_llm_engine(src.path, src.format, config, chip=chip, progress=True)
+            llm = build_llm_engine(src.path, src.format, config, chip=chip, progress=True, nodes=nodes)
             engine = AsyncEngine(llm)
         except BaseException as exc:
             failure.append(exc)
@@ -333,6 +382,10 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
                      tool_call_parser=tool_call_parser, request_timeout=request_timeout,
                      max_tokens_policy=max_tokens_policy, media=MediaSettings(media))
     server = make_server(app, host, port, log_level)
+    if nodes is not None:  # another node failed: not ready, with the reason, until node 0 exits
+        from flagdeploy.engine.nodes import on_node_failure
+
+        on_node_failure(app.state.engine_slot.fail)
     click.echo(f"flagdeploy: loading {src.path} ... (/ready answers 503 until done)", err=True)
     server.run()
     if failure:
@@ -428,10 +481,13 @@ def _from_profile(ctx, path: str, **given):
         backend = get_chip(prof.chip).backend
     except (FlagdeployError, ValueError, TypeError) as exc:
         _fail(f"{path}: {exc}")
-    if prof.pp * prof.nodes > 1:
-        _fail(f"{path} splits the model over pipeline stages or nodes (pp={prof.pp}, nodes={prof.nodes}); the builtin "
-              f"engine runs one node without pipeline stages. Launch an external engine with `flagdeploy plan ... "
+    if prof.pp > 1:
+        _fail(f"{path} splits the model over {prof.pp} pipeline stages (pp={prof.pp}); the builtin engine has none "
+              f"(it spreads --tp x --ep over nodes instead). Launch an external engine with `flagdeploy plan ... "
               f"--emit vllm|sglang|...`.")
+    if prof.nodes != ctx.params.get("nnodes", 1):
+        _fail(f"{path} spans {prof.nodes} node(s): run `flagdeploy serve --profile {path} --nnodes {prof.nodes} "
+              f"--node-rank R --master-addr NODE0_ADDRESS` on each node (R = 0 on the node that serves HTTP).")
     explicit = lambda name: ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE  # noqa: E731
     pick = lambda name, value: given[name] if explicit(name) else value  # noqa: E731
     names = given["served_names"] if explicit("served_names") else ((prof.served_model_name,) if prof.served_model_name else ())
@@ -595,10 +651,18 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 @click.option("--layout", default=None, help="Evaluate exactly this layout, e.g. tp=4,ep=4,dp=1.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: chosen, alternatives, rejected.")
 @click.option("--emit", default=None, type=click.Choice(["profile", "vllm", "vllm-ascend", "sglang", "mindie"]),
-              help="Print the profile YAML, or the launch command of that engine, for the chosen layout.")
+              help="Print the profile YAML, or the launch command of that engine, for the chosen layout "
+                   "(with --nodes N: each node's command, under a `# node R of N` heading).")
+@click.option("--master-addr", "head_addr", default="$HEAD_IP", show_default=True,
+              help="With --nodes and --emit: node 0's address as the other nodes reach it (default: a shell variable).")
+@click.option("--nic", default="$NIC", show_default=True,
+              help="With --nodes and --emit: the network interface between the nodes (GLOO/NCCL/HCCL_SOCKET_IFNAME).")
+@click.option("--npu-direct-roce", is_flag=True,
+              help="With --nodes on Ascend: the NPUs' own RoCE ports are the inter-node network; leaves HCCL_IF_IP "
+                   "out, which breaks HCCL init there (vllm-ascend #16754).")
 def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, objective, mtp, num_speculative_tokens,
          acceptance_length, policy, kv_cache_dtype, memory_utilization, limit_mm_per_prompt, allowed_media_domains,
-         layout, as_json, emit) -> None:
+         layout, as_json, emit, head_addr, nic, npu_direct_roce) -> None:
     """Will it fit, and how to split it: TP x DP x EP x PP layouts for a model on a chip."""
     import dataclasses
     import json
@@ -617,9 +681,15 @@ def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, 
         result = make_plan(req)
         if emit and result.chosen:
             from flagdeploy.planner.emit import emit as emit_engine
+            from flagdeploy.planner.emit import emit_nodes
 
             profile = dataclasses.replace(result.profile(), limit_mm_per_prompt=limit_mm_per_prompt,
                                           allowed_media_domains=allowed_media_domains)
+            if emit != "profile" and profile.nodes > 1:
+                launches = emit_nodes(profile, emit, head_addr=head_addr, nic=nic, npu_direct_roce=npu_direct_roce)
+                click.echo("\n".join(f"# node {rank} of {len(launches)}\n{launch.shell()}"
+                                     for rank, launch in enumerate(launches)), nl=False)
+                return
             click.echo(profile.to_yaml() if emit == "profile" else emit_engine(profile, emit).shell())
             return
     except (FlagdeployError, ValueError) as exc:
@@ -789,9 +859,23 @@ def install(chip, engine, dry_run, yes, download_only, offline, index_url, env_f
 @click.option("--model", default=None, help="Also check that this model fits and that its weights fit on disk.")
 @click.option("--devices", default=None, type=int, help="Devices to plan the model on (default: a node's).")
 @click.option("--max-model-len", default=32768, show_default=True, type=int)
+@click.option("--nodes", default=None, metavar="HOST[:PORT],...",
+              help="Multi-node preflight: every node of the deployment, this one included, in rank order. Run "
+                   "doctor with the same list on every node at about the same time.")
+@click.option("--node-rank", default=None, type=int,
+              help="This node's position in --nodes (default: the entry that is one of this host's addresses).")
+@click.option("--nic", default=None, metavar="IFNAME",
+              help="Interface for the inter-node traffic (default: the one that routes to the first node).")
+@click.option("--port", default=29500, show_default=True, type=int,
+              help="Rendezvous port for --nodes entries without one; each doctor listens on its own entry's.")
+@click.option("--timeout", "node_timeout", default=60.0, show_default=True, type=float,
+              help="Seconds to wait for every peer of --nodes.")
 @click.option("--root", default="/", hidden=True)
-def doctor(chip, model, devices, max_model_len, root) -> None:
-    """Every install check plus the usual traps, each with why it matters and the fix."""
+def doctor(chip, model, devices, max_model_len, nodes, node_rank, nic, port, node_timeout, root) -> None:
+    """Every install check plus the usual traps, each with why it matters and the fix.
+
+    With --nodes, also what would hang a multi-node start: this node's interface and the interface
+    variables, the NPUs' RoCE links (hccn_tool), every peer reached on its port, and versions that differ."""
     from pathlib import Path
 
     from flagdeploy.installer import doctor as doc
@@ -800,7 +884,14 @@ def doctor(chip, model, devices, max_model_len, root) -> None:
     try:
         info = detect(Path(root))
         chip_id = pick_chip(info, _chip_text(chip), present_required=False)
-        findings = doc.run(info, chip_id, model, devices, max_model_len)
+        peer_options = {}
+        if nodes:
+            from flagdeploy.installer.peers import parse_nodes
+
+            parse_nodes(nodes, port)  # a malformed list is refused before any waiting
+            peer_options = dict(node_rank=node_rank, nic=nic, port=port, timeout=node_timeout, root=Path(root))
+            click.echo(f"waiting up to {node_timeout:g} s for the other nodes of {nodes} ...", err=True)
+        findings = doc.run(info, chip_id, model, devices, max_model_len, nodes=nodes, **peer_options)
     except FlagdeployError as exc:
         _fail(str(exc))
     click.echo(f"found: {info.describe()}")
@@ -811,29 +902,60 @@ def doctor(chip, model, devices, max_model_len, root) -> None:
 
 @main.command()
 @click.argument("kind", type=click.Choice(["docker", "compose", "k8s"]))
-@click.option("--chip", required=True, type=ChipParam(need_chip=True), metavar="CHIP",
-              help="Chip catalog id, e.g. ascend910c, h200, h20-141g.")
-@click.option("--model", required=True, help="Model to serve (path, hub id or preset); the planner picks the layout.")
-@click.option("--devices", default=None, type=int, help="Devices to use (default: a node's).")
+@click.option("--chip", default=None, type=ChipParam(need_chip=True), metavar="CHIP",
+              help="Chip catalog id, e.g. ascend910c, h200, h20-141g (with --model; or give --profile).")
+@click.option("--model", default=None, help="Model to serve (path, hub id or preset); the planner picks the layout.")
+@click.option("--profile", "profile_file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Deploy this profile (`flagdeploy plan --emit profile`) instead of planning from --chip/--model.")
+@click.option("--devices", default=None, type=int, help="Devices per node (default: a node's).")
+@click.option("--nodes", default=None, type=click.IntRange(min=1),
+              help="Nodes to spread the model over (default 1, or the profile's): compose writes one file per host, "
+                   "k8s a LeaderWorkerSet.")
+@click.option("--layout", default=None, help="Deploy exactly this layout, e.g. tp=8,dp=2,ep=16 (as `plan --layout`).")
+@click.option("--nic", default=None, metavar="IFACE",
+              help="With several nodes: the network interface the nodes talk over (GLOO_SOCKET_IFNAME and "
+                   "HCCL_SOCKET_IFNAME / NCCL_SOCKET_IFNAME); unset without it.")
+@click.option("--master-addr", default=None, metavar="ADDR",
+              help="compose with several nodes: the address of the host that runs node 0, as the others reach it.")
 @click.option("--max-model-len", default=32768, show_default=True, type=int)
 @memory_utilization_option
 @click.option("--image", default=None, help="Container image (default: a digest placeholder to pin).")
 @click.option("-o", "--output", default=".", show_default=True, help="Directory to write the files into.")
 @click.option("--overwrite", is_flag=True)
-def deploy(kind, chip, model, devices, max_model_len, memory_utilization, image, output, overwrite) -> None:
+def deploy(kind, chip, model, profile_file, devices, nodes, layout, nic, master_addr, max_model_len, memory_utilization,
+           image, output, overwrite) -> None:
     """Container and Kubernetes artefacts that run `flagdeploy serve` with the planner's profile."""
-    from flagdeploy.installer.deploy import write
-    from flagdeploy.planner import PlanRequest, make_plan
+    from flagdeploy.installer.deploy import notes, write
+    from flagdeploy.planner import PlanRequest, Profile, make_plan
+    from flagdeploy.planner.report import parse_layout
 
+    if profile_file and (chip or model or devices or layout):
+        raise click.UsageError("--profile already names the chip, model, devices and layout: drop "
+                               "--chip/--model/--devices/--layout, or drop --profile to plan here")
+    if not profile_file and not (chip and model):
+        raise click.UsageError("give --chip and --model (the planner picks the layout), or --profile FILE")
     try:
-        spec = chip.chip
-        plan = make_plan(PlanRequest(model, spec.id, devices or spec.devices_per_node, max_model_len=max_model_len,
-                                     memory_utilization=memory_utilization))
-        paths = write(kind, plan.profile(), output, image=image, overwrite=overwrite)
+        if profile_file:
+            profile = Profile.load(profile_file)
+            if nodes is not None and nodes != profile.nodes:
+                _fail(f"{profile_file} is laid out for {profile.nodes} node(s), not --nodes {nodes}: plan it again "
+                      f"(`flagdeploy plan --nodes {nodes} --emit profile`) or drop --nodes")
+        else:
+            spec = chip.chip
+            plan = make_plan(PlanRequest(model, spec.id, devices or spec.devices_per_node, nodes=nodes or 1,
+                                         max_model_len=max_model_len, memory_utilization=memory_utilization,
+                                         layout=parse_layout(layout) if layout else None))
+            if layout and plan.chosen is None and plan.rejected:
+                _fail(f"--layout {layout}: {plan.rejected[0].reason}")
+            profile = plan.profile()
+        paths = write(kind, profile, output, image=image, overwrite=overwrite, nic=nic, master_addr=master_addr)
+        warnings = notes(kind, profile, nic=nic)
     except (FlagdeployError, ValueError, FileExistsError) as exc:
         _fail(str(exc))
     for p in paths:
         click.echo(f"wrote {p}")
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
 
 
 @main.command()

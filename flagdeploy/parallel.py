@@ -68,20 +68,22 @@ class _Layout:
 _layout: _Layout | None = None
 
 
-def init(rank: int, world_size: int, init_method: str, timeout_s: float = 600.0) -> str:
-    """Join the group with the active backend's collective library; returns the library's name."""
+def init(rank: int, world_size: int, init_method: str | None = None, timeout_s: float = 600.0, store=None) -> str:
+    """Join the group with the active backend's collective library, meeting through `init_method` (a URL)
+    or `store` (a torch.distributed Store); returns the library's name."""
     library = ops.active_backend().collective
-    dist.init_process_group(library, init_method=init_method, rank=rank, world_size=world_size,
+    dist.init_process_group(library, init_method=init_method, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     return library
 
 
-def init_model_parallel(config: ParallelConfig, rank: int, init_method: str, timeout_s: float = 600.0) -> None:
+def init_model_parallel(config: ParallelConfig, rank: int, init_method: str | None = None, timeout_s: float = 600.0,
+                        store=None) -> None:
     """Join the replica's process group and build its TP, EP and control groups (every rank must call
     this with the same config: group creation is collective)."""
     global _layout
     n = config.world_size
-    init(rank, n, init_method, timeout_s)
+    init(rank, n, init_method, timeout_s, store)
     tp_groups = [dist.new_group(list(range(e * config.tp, (e + 1) * config.tp))) for e in range(config.ep)]
     ep_groups = [dist.new_group(list(range(t, n, config.tp))) for t in range(config.tp)]
     control = dist.new_group(list(range(n)), backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD

@@ -4,6 +4,11 @@ The per-vendor needs (Ascend device nodes and driver mounts, NVIDIA GPU requests
 containers.yaml next to this file, so the three renderers share one source of truth and a new driver path is a
 data change. Every renderer ships the profile itself (a bind-mounted file, or a ConfigMap on Kubernetes) and runs
 `flagdeploy serve --profile`, so the container serves exactly what the planner chose.
+
+A profile over several nodes (`nodes: N`) runs one `flagdeploy serve --nnodes N --node-rank R --master-addr ADDR`
+per host, on the host's network: compose writes one file per host (node 0 serves HTTP, the others join headless),
+Kubernetes gets a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) of N pods that is recreated as a group when one
+fails, and a Service on the leader. docker (one `docker run` on one host) refuses such a profile.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import yaml
 from flagdeploy.chips import get_chip
 from flagdeploy.planner.profile import Profile
 
-__all__ = ["KINDS", "PLACEHOLDER_IMAGE", "STARTUP_BUDGET_S", "ContainerNeeds", "container_needs", "render", "write"]
+__all__ = ["KINDS", "PLACEHOLDER_IMAGE", "STARTUP_BUDGET_S", "ContainerNeeds", "container_needs", "notes", "render",
+           "write"]
 
 KINDS = ("docker", "compose", "k8s")
 # A tag can move under a running deployment; a digest cannot. The placeholder fails loudly until replaced.
@@ -32,6 +38,18 @@ PLACEHOLDER_IMAGE = "REPLACE-ME@sha256:<digest>"
 STARTUP_BUDGET_S = 45 * 60
 _PROBE_PERIOD_S = 10
 DATA = Path(__file__).with_name("containers.yaml")
+# LeaderWorkerSet (kubernetes-sigs/lws): its API, the labels it puts on every pod and the variables it injects
+# into every container (api/leaderworkerset/v1/leaderworkerset_types.go).
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+# LWS creates a headless Service named after the set (the pods' DNS subdomain, LWS_LEADER_ADDRESS resolves
+# through it) and names a worker StatefulSet `<name>-<group>`, whose pods carry a `<statefulset>-<hash>` label of
+# at most 63 characters: the set's name is kept short, and the HTTP Service gets a name of its own.
+_LWS_NAME_MAX = 45
+_NETWORKS = ("host", "rdma")
+# A network interface name (or NCCL/HCCL's list syntax: eth0,eth1 / ^docker / =eth0) and a host name or address.
+_NIC_RE = re.compile(r"[A-Za-z0-9_.:@=^,-]+")
+_ADDR_RE = re.compile(r"[A-Za-z0-9_.:\[\]-]+")
 
 
 class _Dumper(yaml.SafeDumper):
@@ -63,24 +81,44 @@ class ContainerNeeds:
     env: dict[str, str] = field(default_factory=dict)
     gpus: int = 0  # NVIDIA: docker --gpus / compose device reservation
     k8s_resource: str | None = None  # device-plugin resource name
+    # Several nodes (the fields below matter only when nodes > 1); `count` and the rest are per node.
+    nodes: int = 1
+    ifname_env: list[str] = field(default_factory=list)  # variables set to `--nic` on every node
+    network: str = "host"  # host: host network; rdma: the vendor's rdma block (device plugin, annotations)
+    rdma: dict[str, Any] = field(default_factory=dict)  # that block when network == "rdma"
 
 
 def container_needs(profile: Profile) -> ContainerNeeds:
-    """The vendor recipe from containers.yaml, instantiated for the devices this profile uses."""
-    if profile.nodes > 1:
-        raise ValueError(f"profile spans {profile.nodes} nodes; multi-node deployments (host network, HCCL/NCCL "
-                         "rank wiring) are not rendered yet: deploy one node at a time")
+    """The vendor recipe from containers.yaml, instantiated for the devices this profile uses on each node."""
+    nodes = profile.nodes
+    if nodes < 1:
+        raise ValueError(f"profile has nodes={nodes}; a deployment needs at least one node")
     chip = get_chip(profile.chip)
     vendors = _data()["vendors"]
     if chip.vendor not in vendors:
         raise ValueError(f"no container recipe for {chip.id} (vendor {chip.vendor}) in {DATA.name}; "
                          f"known vendors: {sorted(vendors)}")
     v = vendors[chip.vendor]
+    mn = v.get("multinode") or {}
+    network = (mn.get("network_by_chip") or {}).get(chip.id, mn.get("network", "host"))
+    if network not in _NETWORKS:
+        raise ValueError(f"{DATA.name}: vendor {chip.vendor} has multinode network {network!r}; "
+                         f"use one of {', '.join(_NETWORKS)}")
+    rdma = dict(mn.get("rdma") or {}) if network == "rdma" else {}
+    if network == "rdma" and not rdma:
+        raise ValueError(f"{DATA.name}: vendor {chip.vendor} asks for the rdma network but has no `rdma` block "
+                         "(device-plugin resources, network annotations, capabilities)")
+    multi = dict(nodes=nodes, ifname_env=[*_data()["common"]["ifname_env"], *mn.get("ifname_env", [])],
+                 network=network, rdma=rdma)
     if not (v["devices_per_index"] or v.get("gpus")):  # CPU: nothing to pass through
-        return ContainerNeeds(count=0)
-    n = profile.tp * profile.dp * profile.pp
+        return ContainerNeeds(count=0, **multi)
+    total = profile.tp * profile.dp * profile.pp
+    if total % nodes:
+        raise ValueError(f"profile uses {total} devices (tp*dp*pp), which do not split evenly over {nodes} nodes")
+    n = total // nodes
     if n > chip.devices_per_node:
-        raise ValueError(f"profile uses {n} devices (tp*dp*pp) but a {chip.id} node has {chip.devices_per_node}")
+        per = " per node (tp*dp*pp / nodes)" if nodes > 1 else ""
+        raise ValueError(f"profile uses {n} devices (tp*dp*pp){per} but a {chip.id} node has {chip.devices_per_node}")
     env = {v["visible_devices_env"]: ",".join(map(str, range(n)))} if v["visible_devices_env"] else {}
     return ContainerNeeds(
         count=n,
@@ -89,6 +127,7 @@ def container_needs(profile: Profile) -> ContainerNeeds:
         env=env,
         gpus=n if v.get("gpus") else 0,
         k8s_resource=v["k8s_resource_by_chip"].get(chip.id, v["k8s_resource"]),
+        **multi,
     )
 
 
@@ -102,16 +141,102 @@ def _env(needs: ContainerNeeds) -> dict[str, str]:
     return {"FLAGDEPLOY_CACHE": _data()["common"]["container_cache"], **needs.env}
 
 
-def render(kind: str, profile: Profile, *, image: str | None = None,
-           cache_dir: str = "/root/.cache/flagdeploy") -> dict[str, str]:
+def _check_multinode(kind: str, profile: Profile, nic: str | None, master_addr: str | None) -> None:
+    """The node options against the profile and the kind, each refusal saying what to run instead."""
+    if nic is not None and not _NIC_RE.fullmatch(nic):
+        raise ValueError(f"--nic {nic!r} is not a network interface name (e.g. eth0, bond0, enp65s0f0)")
+    if master_addr is not None and not _ADDR_RE.fullmatch(master_addr):
+        raise ValueError(f"--master-addr {master_addr!r} is not a host name or IP address")
+    n = profile.nodes
+    if n <= 1:
+        if nic or master_addr:
+            raise ValueError("--nic and --master-addr are for a deployment over several nodes (--nodes N, or a "
+                             "profile with nodes: N); this one runs on one node")
+        return
+    if kind == "docker":
+        raise ValueError(f"the profile spans {n} nodes and `deploy docker` writes one host's `docker run`: use "
+                         f"`flagdeploy deploy compose --nodes {n} --master-addr NODE0_IP` (one compose file per host) "
+                         f"or `flagdeploy deploy k8s --nodes {n}` (a LeaderWorkerSet)")
+    if why := _not_builtin_across_nodes(profile):
+        total = profile.tp * profile.dp * profile.pp
+        raise ValueError(
+            f"the profile's layout tp={profile.tp},dp={profile.dp},ep={profile.ep},pp={profile.pp} has {why}; the "
+            "builtin engine these files run spreads one replica's tp x ep ranks over the nodes, without pipeline "
+            "stages or separate data-parallel replicas. "
+            f"Pick a layout it runs: for a MoE model experts over every device, e.g. `--layout tp={profile.tp},"
+            f"dp={total // profile.tp},ep={total}` (`flagdeploy plan --layout ...` says whether it fits); a dense "
+            "model would need TP across nodes: serve it with an external engine (`flagdeploy plan --nodes "
+            f"{n} --emit vllm|vllm-ascend|sglang`)")
+    if kind == "compose" and not master_addr:
+        raise ValueError(f"a compose deployment over {n} nodes needs --master-addr: the address of the host that "
+                         "will run node 0 (it serves HTTP and hosts the rendezvous), as the other hosts reach it, "
+                         "e.g. --master-addr 10.0.0.11")
+    if kind == "k8s" and master_addr:
+        raise ValueError("--master-addr is for compose: on Kubernetes every pod gets its leader's address from the "
+                         "LeaderWorkerSet (LWS_LEADER_ADDRESS); drop the option")
+
+
+def _not_builtin_across_nodes(profile: Profile) -> str | None:
+    """What in a profile over several nodes `flagdeploy serve` refuses, or None. serve's own checks decide
+    (flagdeploy/cli.py: _from_profile and the --nnodes refusal); this mirrors them so that deploy refuses before
+    writing pods that could only crash: no pipeline stages, and no data-parallel replicas besides the planner's
+    expert-parallel form (ep = tp x dp), which the builtin engine runs as one replica of tp x dp ranks."""
+    if profile.pp > 1:
+        return f"{profile.pp} pipeline stages"
+    if profile.dp > 1 and profile.ep != profile.tp * profile.dp:
+        return f"{profile.dp} data-parallel replicas"
+    return None
+
+
+def notes(kind: str, profile: Profile, *, nic: str | None = None) -> list[str]:
+    """Warnings about what was rendered, for the command to print (they are also comments in the files)."""
+    if profile.nodes <= 1 or kind == "docker" or nic:
+        return []
+    names = ", ".join(container_needs(profile).ifname_env)
+    return [f"no --nic given: {names} are left unset, so each process picks a network interface itself; on hosts "
+            "with several NICs it may take one the other nodes cannot reach (gloo 'connectFullMesh failed', a "
+            "collective init timeout). Re-render with --nic IFACE: the interface that carries the nodes' traffic "
+            "(the same name on every node)."]
+
+
+def render(kind: str, profile: Profile, *, image: str | None = None, cache_dir: str = "/root/.cache/flagdeploy",
+           nic: str | None = None, master_addr: str | None = None) -> dict[str, str]:
     """File name -> content for `kind`; `cache_dir` is the host directory holding downloaded models, shared
-    across restarts so a redeploy does not download the checkpoint again. Always includes profile.yaml."""
+    across restarts so a redeploy does not download the checkpoint again. Always includes profile.yaml.
+
+    A profile with nodes > 1: `nic` names the interface the nodes talk over (GLOO_SOCKET_IFNAME and the vendor's
+    HCCL/NCCL variable; unset without it), `master_addr` is node 0's address (compose only)."""
     if kind not in KINDS:
         raise ValueError(f"unknown deployment kind {kind!r}; choose one of {', '.join(KINDS)}")
+    _check_multinode(kind, profile, nic, master_addr)
     needs = container_needs(profile)
     files = {"profile.yaml": profile.to_yaml()}
-    files.update(_RENDERERS[kind](profile, needs, image or PLACEHOLDER_IMAGE, cache_dir))
+    image = image or PLACEHOLDER_IMAGE
+    if needs.nodes > 1:
+        files.update(_compose_nodes(profile, needs, image, cache_dir, nic, master_addr) if kind == "compose"
+                     else _lws(profile, needs, image, cache_dir, nic))
+    else:
+        files.update(_RENDERERS[kind](profile, needs, image, cache_dir))
     return files
+
+
+def _node_args(needs: ContainerNeeds, rank: str, master_addr: str) -> list[str]:
+    """serve's multi-node flags for one node."""
+    return ["--nnodes", str(needs.nodes), "--node-rank", rank, "--master-addr", master_addr,
+            "--master-port", str(_data()["common"]["master_port"])]
+
+
+def _nic_env(needs: ContainerNeeds, nic: str | None) -> dict[str, str]:
+    return {k: nic for k in needs.ifname_env} if nic else {}
+
+
+def _comment(lines: list[str]) -> str:
+    return "".join(f"# {line}\n" if line else "#\n" for line in lines)
+
+
+def _layout(profile: Profile) -> str:
+    return (f"{profile.model} on {profile.nodes} x {profile.chip}: tp={profile.tp} dp={profile.dp} ep={profile.ep} "
+            f"pp={profile.pp}")
 
 
 def _docker(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str) -> dict[str, str]:
@@ -137,7 +262,7 @@ def _docker(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str)
     return {"run.sh": script}
 
 
-def _compose(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str) -> dict[str, str]:
+def _compose_service(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str) -> dict[str, Any]:
     c = _data()["common"]
     svc: dict[str, Any] = {
         "image": image,
@@ -153,16 +278,48 @@ def _compose(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str
     if needs.gpus:
         svc["deploy"] = {"resources": {"reservations": {"devices": [
             {"driver": "nvidia", "count": needs.gpus, "capabilities": ["gpu"]}]}}}
-    doc = {"services": {_name(profile): svc}}
+    return svc
+
+
+def _compose(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str) -> dict[str, str]:
+    doc = {"services": {_name(profile): _compose_service(profile, needs, image, cache_dir)}}
     return {"compose.yaml": _dump([doc])}
 
 
-def _k8s(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str) -> dict[str, str]:
-    """ConfigMap (the profile), Deployment and Service. On Kubernetes the device plugin picks the dies and
-    passes their nodes in, so only the driver files are hostPath mounts and no visible-devices variable is set."""
+def _compose_nodes(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str, nic: str | None,
+                   master_addr: str) -> dict[str, str]:
+    """One compose file per host, all on the host network: node 0 serves HTTP on the host's port (a `ports`
+    mapping has no meaning with network_mode host, and Compose refuses or drops it) and hosts the rendezvous;
+    the other nodes join it headless."""
+    port, rdv = profile.port, _data()["common"]["master_port"]
+    files = {}
+    for rank in range(needs.nodes):
+        svc = _compose_service(profile, needs, image, cache_dir)
+        del svc["ports"]
+        svc["network_mode"] = "host"
+        svc["command"] = svc["command"] + _node_args(needs, str(rank), master_addr)
+        svc["environment"].update(_nic_env(needs, nic))
+        if needs.rdma:
+            devices = [f"{d}:{d}" for d in needs.rdma.get("devices", [])]
+            svc["devices"] = svc.get("devices", []) + devices
+            if needs.rdma.get("capabilities"):
+                svc["cap_add"] = list(needs.rdma["capabilities"])
+        role = (f"node 0 serves http://{master_addr}:{port}/v1 (/ready answers once every node has loaded)" if rank == 0
+                else f"node {rank} joins node 0 ({master_addr}:{rdv}) headless: no HTTP port")
+        head = [f"Node {rank} of {needs.nodes}: {_layout(profile)}, {needs.count or 'no'} device(s) per node.",
+                f"On host {rank}: put this file and profile.yaml in one directory, then "
+                f"`docker compose -f compose.node{rank}.yaml up -d`.",
+                f"Host network: {role}; port {rdv} on {master_addr} must be reachable from every node."]
+        head += [f"WARNING: {n}" for n in notes("compose", profile, nic=nic)]
+        doc = {"services": {f"{_name(profile)}-node{rank}": svc}}
+        files[f"compose.node{rank}.yaml"] = _comment(head) + _dump([doc])
+    return files
+
+
+def _k8s_volumes(name: str, needs: ContainerNeeds, cache_dir: str) -> tuple[list[dict], list[dict]]:
+    """A pod's volumes and the server container's mounts: the profile's ConfigMap, the model cache, /dev/shm
+    and the driver files."""
     c = _data()["common"]
-    name, labels = _name(profile), {"app": _name(profile)}
-    http = {"port": "http"}
     volumes = [{"name": "profile", "configMap": {"name": f"{name}-profile"}},
                {"name": "cache", "hostPath": {"path": cache_dir, "type": "DirectoryOrCreate"}},
                # docker's --shm-size has no pod field: a memory-backed emptyDir on /dev/shm is the equivalent.
@@ -173,20 +330,42 @@ def _k8s(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str) ->
     for i, m in enumerate(needs.mounts):
         volumes.append({"name": f"driver-{i}", "hostPath": {"path": m}})
         mounts.append({"name": f"driver-{i}", "mountPath": m, "readOnly": True})
-    container: dict[str, Any] = {
-        "name": "server",
-        "image": image,
-        "command": list(c["serve"]),
-        "ports": [{"name": "http", "containerPort": profile.port}],
-        "env": [{"name": "FLAGDEPLOY_CACHE", "value": c["container_cache"]}],
-        # Loading may take many minutes: /ready gates traffic and startup; the liveness probe only asks whether
-        # the process answers (/health), so a pod that is still loading is never killed for it.
+    return volumes, mounts
+
+
+def _k8s_probes() -> dict[str, Any]:
+    """Loading may take many minutes: /ready gates traffic and startup; the liveness probe only asks whether
+    the process answers (/health), so a pod that is still loading is never killed for it."""
+    http = {"port": "http"}
+    return {
         "startupProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": _PROBE_PERIOD_S,
                          "failureThreshold": STARTUP_BUDGET_S // _PROBE_PERIOD_S},
         "readinessProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": _PROBE_PERIOD_S,
                            "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", **http}, "initialDelaySeconds": 60, "periodSeconds": 20,
                           "timeoutSeconds": 5, "failureThreshold": 6},
+    }
+
+
+def _k8s_profile(name: str, labels: dict[str, str], profile: Profile) -> dict[str, Any]:
+    c = _data()["common"]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-profile", "labels": labels},
+            "data": {os.path.basename(c["profile_path"]): profile.to_yaml()}}
+
+
+def _k8s(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str) -> dict[str, str]:
+    """ConfigMap (the profile), Deployment and Service. On Kubernetes the device plugin picks the dies and
+    passes their nodes in, so only the driver files are hostPath mounts and no visible-devices variable is set."""
+    c = _data()["common"]
+    name, labels = _name(profile), {"app": _name(profile)}
+    volumes, mounts = _k8s_volumes(name, needs, cache_dir)
+    container: dict[str, Any] = {
+        "name": "server",
+        "image": image,
+        "command": list(c["serve"]),
+        "ports": [{"name": "http", "containerPort": profile.port}],
+        "env": [{"name": "FLAGDEPLOY_CACHE", "value": c["container_cache"]}],
+        **_k8s_probes(),
         "volumeMounts": mounts,
     }
     if needs.k8s_resource:
@@ -201,11 +380,87 @@ def _k8s(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str) ->
             "template": {"metadata": {"labels": labels}, "spec": {"containers": [container], "volumes": volumes}},
         },
     }
-    config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-profile", "labels": labels},
-              "data": {os.path.basename(c["profile_path"]): profile.to_yaml()}}
+    config = _k8s_profile(name, labels, profile)
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
                "spec": {"selector": labels, "ports": [{"name": "http", "port": profile.port, "targetPort": "http"}]}}
     return {"deployment.yaml": _dump([config, deployment, service])}
+
+
+def _lws(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str, nic: str | None) -> dict[str, str]:
+    """ConfigMap (the profile), LeaderWorkerSet and a Service on the leader, for a profile over several nodes.
+
+    One group of `nodes` pods: the leader (LWS worker index 0) is node 0, serves HTTP and carries the probes;
+    the workers join it headless. Each pod asks the device plugin for its node's share of the devices. LWS
+    injects LWS_LEADER_ADDRESS (the leader's DNS name under the set's headless Service) and LWS_WORKER_INDEX
+    into every container, and Kubernetes expands $(VAR) in the command from the container's environment."""
+    c = _data()["common"]
+    name = _name(profile)[:_LWS_NAME_MAX].rstrip("-")
+    labels = {"app": name}
+    volumes, mounts = _k8s_volumes(name, needs, cache_dir)
+    env = [{"name": "FLAGDEPLOY_CACHE", "value": c["container_cache"]}]
+    env += [{"name": k, "value": v} for k, v in _nic_env(needs, nic).items()]
+    # Quantities as strings, the form the API server returns them in (an integer is accepted too).
+    limits = {needs.k8s_resource: str(needs.count)} if needs.k8s_resource else {}
+    limits.update({k: str(v) for k, v in needs.rdma.get("k8s_resources", {}).items()})
+    # One pod per host: with the host's network two pods of the set on one node would share its ports.
+    spread = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+        "labelSelector": {"matchExpressions": [{"key": LWS_NAME_LABEL, "operator": "In", "values": [name]}]},
+        "topologyKey": "kubernetes.io/hostname"}]}}
+
+    def template(role: str, rank: str) -> dict[str, Any]:
+        container: dict[str, Any] = {
+            "name": "server" if role == "leader" else "worker",
+            "image": image,
+            "command": [*c["serve"], *_node_args(needs, rank, "$(LWS_LEADER_ADDRESS)")],
+            "env": env,
+        }
+        if role == "leader":
+            container["ports"] = [{"name": "http", "containerPort": profile.port},
+                                  {"name": "rendezvous", "containerPort": c["master_port"]}]
+            container.update(_k8s_probes())
+        container["volumeMounts"] = mounts
+        if limits:
+            container["resources"] = {"limits": limits}
+        if needs.rdma.get("capabilities"):
+            container["securityContext"] = {"capabilities": {"add": list(needs.rdma["capabilities"])}}
+        spec: dict[str, Any] = {"containers": [container], "volumes": volumes, "affinity": spread}
+        if needs.network == "host":
+            # The host's interfaces (the NIC that --nic names); the pod still resolves cluster names such as
+            # LWS_LEADER_ADDRESS only with this DNS policy.
+            spec["hostNetwork"] = True
+            spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+        meta: dict[str, Any] = {"labels": {**labels, "role": role}}
+        if needs.rdma.get("k8s_annotations"):
+            meta["annotations"] = {k: str(v) for k, v in needs.rdma["k8s_annotations"].items()}
+        return {"metadata": meta, "spec": spec}
+
+    lws = {
+        "apiVersion": LWS_API_VERSION, "kind": "LeaderWorkerSet", "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "replicas": 1,
+            # Workers start with the leader, not once it is ready: it becomes ready only after they joined.
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": needs.nodes,
+                # A rank that dies leaves the others blocked in a collective: restart the whole group.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": template("leader", "0"),
+                "workerTemplate": template("worker", "$(LWS_WORKER_INDEX)"),
+            },
+        },
+    }
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{name}-leader", "labels": labels},
+               "spec": {"selector": {LWS_NAME_LABEL: name, "role": "leader"},
+                        "ports": [{"name": "http", "port": profile.port, "targetPort": "http"}]}}
+    net = ("host network (hostNetwork, one pod per node)" if needs.network == "host"
+           else f"the rdma network of {DATA.name} (device-plugin resources and annotations)")
+    head = [f"{_layout(profile)}: a LeaderWorkerSet of {needs.nodes} pods, {needs.count or 'no'} device(s) each, "
+            f"on the {net}.",
+            f"Needs the LeaderWorkerSet controller (kubernetes-sigs/lws) in the cluster. The leader serves HTTP behind "
+            f"Service {name}-leader, port {profile.port}; the workers join it headless.",
+            "Apply with: kubectl apply -f leaderworkerset.yaml"]
+    head += [f"WARNING: {n}" for n in notes("k8s", profile, nic=nic)]
+    return {"leaderworkerset.yaml": _comment(head) + _dump([_k8s_profile(name, labels, profile), lws, service])}
 
 
 _RENDERERS = {"docker": _docker, "compose": _compose, "k8s": _k8s}

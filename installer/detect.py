@@ -128,9 +128,11 @@ def _kv(text: str | None, *keys: str) -> str | None:
     return next((found[k.lower()] for k in keys if found.get(k.lower())), None)
 
 
-def command_output(root: Path, argv: list[str], record: str) -> str | None:
-    """A vendor tool's stdout: run it on the live host (10 s, never raises), else the recorded
-    `root/.commands/<record>` file. None when the tool is absent or fails."""
+def command_output(root: Path, argv: list[str], record: str, *, timeout: float = 10,
+                   any_returncode: bool = False) -> str | None:
+    """A vendor tool's stdout: run it on the live host (`timeout` s, never raises), else the recorded
+    `root/.commands/<record>` file. None when the tool is absent or fails; with `any_returncode` a tool that
+    exits non-zero still gives its stdout and stderr (a failed ping's report is the answer)."""
     if not _is_live(root):
         return _read(Path(root) / ".commands" / record)
     exe = shutil.which(argv[0]) or next(
@@ -138,9 +140,11 @@ def command_output(root: Path, argv: list[str], record: str) -> str | None:
     if not exe:
         return None
     try:
-        done = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, timeout=10)
+        done = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.SubprocessError):
         return None
+    if any_returncode:
+        return done.stdout + done.stderr
     return done.stdout if done.returncode == 0 else None
 
 

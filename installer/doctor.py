@@ -22,7 +22,7 @@ class Finding:
     fix: str = ""
 
 
-def _ascend(info: SystemInfo, chip) -> list[Finding]:
+def _ascend(info: SystemInfo, chip, multi_node: bool = False) -> list[Finding]:
     out = []
     if info.in_container and not any("davinci" in d for d in info.device_nodes):
         out.append(Finding("fail", "no Ascend device nodes inside this container",
@@ -45,7 +45,8 @@ def _ascend(info: SystemInfo, chip) -> list[Finding]:
     if not info.nnal:
         out.append(Finding("warn", "NNAL (libatb) not installed", "torch_npu's _npu_* ATB ops and vLLM-Ascend need it",
                            "install Ascend-cann-nnal and `source /usr/local/Ascend/nnal/atb/set_env.sh`"))
-    if not os.environ.get("HCCL_SOCKET_IFNAME") and not os.environ.get("HCCL_IF_IP"):
+    # with --nodes the multi-node preflight checks these against the interface it finds (installer/peers.py)
+    if not multi_node and not os.environ.get("HCCL_SOCKET_IFNAME") and not os.environ.get("HCCL_IF_IP"):
         out.append(Finding("warn", "HCCL_SOCKET_IFNAME / HCCL_IF_IP not set",
                            "multi-node HCCL picks the first interface, often not the RoCE one, and hangs at init",
                            "for multi-node serving export HCCL_SOCKET_IFNAME=<the RoCE NIC> (and GLOO_SOCKET_IFNAME)"))
@@ -71,11 +72,14 @@ def _driver_pairing(cann: str, driver: str) -> Finding:
 
 
 def run(info: SystemInfo, chip_id: str, model: str | None = None, devices: int | None = None,
-        max_model_len: int = 32768, cache_dir: Path | None = None) -> list[Finding]:
+        max_model_len: int = 32768, cache_dir: Path | None = None, nodes: str | None = None,
+        **node_options) -> list[Finding]:
+    """The findings for this host; with `nodes` ('HOST[:PORT],...') also the multi-node preflight, which
+    takes node_options (node_rank, nic, port, timeout, root, env, bind_host: see installer/peers.py)."""
     chip = get_chip(chip_id)
     out: list[Finding] = []
     if chip.backend == "ascend":
-        out += _ascend(info, chip)
+        out += _ascend(info, chip, multi_node=bool(nodes))
     elif chip.backend == "cuda" and not info.nvidia_driver:
         out.append(Finding("fail", "no NVIDIA driver found", "CUDA cannot see a GPU", "install the NVIDIA driver; check `nvidia-smi`"))
     from .install import make_plan
@@ -86,9 +90,19 @@ def run(info: SystemInfo, chip_id: str, model: str | None = None, devices: int |
                            "the matrix row pins what is known to work together", f"flagdeploy install --chip {chip.id}"))
     if model:
         out += _model(chip, model, devices or chip.devices_per_node, max_model_len, cache_dir)
+    if nodes:
+        out += run_nodes(info, chip.id, nodes, **node_options)
     if not any(f.level != "ok" for f in out):
-        out.append(Finding("ok", f"no problem found for {chip.id}"))
+        out.append(Finding("ok", f"no problem found for {chip.id}" + (" on these nodes" if nodes else "")))
     return out
+
+
+def run_nodes(info: SystemInfo, chip_id: str, nodes: str, **options) -> list[Finding]:
+    """The multi-node preflight alone (`doctor --nodes`): this node's interface, the interface variables,
+    the NPUs' RoCE ports, then every peer reached on its port with the versions compared."""
+    from .peers import preflight
+
+    return preflight(info, chip_id, nodes, **options)
 
 
 def _model(chip, model: str, devices: int, max_model_len: int, cache_dir: Path | None) -> list[Finding]:

@@ -9,37 +9,29 @@ from pathlib import Path
 from flagdeploy import ops, parallel
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.loaders import safetensors_reader
-from flagdeploy.models import build_model, media_processor
+from flagdeploy.models import media_processor
 
 from . import lockstep
 from .llm_engine import EngineConfig, LLMEngine
 from .model_loading import (
     check_source,
+    check_split,
     init_dummy_weights,
     load_model,
     read_model_config,
 )
+from .nodes import NodeGroup
 
 __all__ = ["build_llm_engine", "check_source", "check_split", "init_dummy_weights", "load_model", "read_model_config"]
 
 log = logging.getLogger(__name__)
 
 
-def check_split(path: Path, fmt: str, config: EngineConfig) -> None:
-    """Refuse a tp / ep split the model cannot take before any worker starts: build the last rank's
-    shard on the meta device (no memory, same constructor checks as the real ranks)."""
-    cfg = read_model_config(path, fmt)
-    with parallel.simulated(parallel.ParallelConfig(config.tp, config.ep)):
-        try:
-            build_model(cfg, config.dtype, "meta")
-        except ValueError as exc:
-            raise ModelLoadError(f"{path.name} cannot be split with --tp {config.tp} --ep {config.ep}: {exc}") from None
-
-
 def build_llm_engine(path: Path, fmt: str, config: EngineConfig | None = None, chip: str | None = None,
-                     progress: bool = True) -> LLMEngine:
+                     progress: bool = True, nodes: NodeGroup | None = None) -> LLMEngine:
     """The engine of one replica; with config.tp * config.ep > 1 this process becomes rank 0 of it and
-    starts the other ranks (flagdeploy/engine/lockstep.py)."""
+    starts the other ranks of its node (flagdeploy/engine/lockstep.py); `nodes`: the machines the ranks
+    spread over, when more than this one (flagdeploy/engine/nodes.py)."""
     config = config or EngineConfig()
     backend = ops.use_backend(chip)
     config.device = backend.device_type
@@ -50,7 +42,7 @@ def build_llm_engine(path: Path, fmt: str, config: EngineConfig | None = None, c
     workers = None
     if config.tp * config.ep > 1:
         check_split(path, fmt, config)
-        workers = lockstep.start(path, fmt, config, chip)
+        workers = lockstep.start(path, fmt, config, chip, nodes)
     try:
         model, tokenizer = load_model(path, fmt, config.dtype, config.device, progress, config.weight_format,
                                       config.load_format, mtp)

@@ -9,7 +9,8 @@ rank executes it; the collectives inside the model (row-parallel sums, vocabular
 all-to-all) keep the ranks in lock-step. Only rank 0 samples; it already holds the full logits.
 
 A worker that fails while loading reports its error before rank 0 waits on it, so `serve` fails
-with the worker's message instead of hanging.
+with the worker's message instead of hanging. The ranks meet through a store rank 0 serves
+(engine/nodes.py): on loopback for one host, on --master-addr when the replica spans nodes.
 """
 
 from __future__ import annotations
@@ -17,15 +18,20 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from flagdeploy import ops, parallel
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.net import free_port
+
+from .nodes import NodeGroup, NodeMonitor, connect, join
 
 log = logging.getLogger(__name__)
 
@@ -40,22 +46,24 @@ class ReplicaSpec:
     fmt: str
     config: object  # EngineConfig
     chip: str | None
-    init_method: str
+    nodes: NodeGroup
 
 
 class Workers:
-    """Rank 0's handle on ranks 1..n-1: started with the replica, stopped with the engine."""
+    """A process's handle on the ranks it started (rank 0's: the other ranks of its node; a headless
+    node's: all of its own): started with the replica, stopped with the engine."""
 
-    def __init__(self, spec: ReplicaSpec):
-        self.spec = spec
-        n = spec.config.tp * spec.config.ep
+    def __init__(self, path: Path, fmt: str, config, chip: str | None, nodes: NodeGroup, ranks: list[int]):
+        self.spec = ReplicaSpec(path, fmt, config, chip, nodes)
         ctx = mp.get_context("spawn")  # never fork a process that may hold an accelerator context
         self.reports = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker_main, args=(rank, spec, self.reports), daemon=True,
-                                  name=f"flagdeploy-rank{rank}") for rank in range(1, n)]
+        self.procs = [ctx.Process(target=_worker_main, args=(rank, self.spec, self.reports), daemon=True,
+                                  name=f"flagdeploy-rank{rank}") for rank in ranks]
         for proc in self.procs:
             proc.start()
         self.closed = False
+        self.store = None  # rank 0's: the store it serves lives as long as the replica
+        self.monitor: NodeMonitor | None = None  # rank 0 of a replica across nodes: watching the others
 
     def wait(self, stage: str) -> None:
         """Block until every worker reports `stage`; a worker's failure is raised here, with its message."""
@@ -82,6 +90,8 @@ class Workers:
         if self.closed:
             return
         self.closed = True
+        if self.monitor is not None:
+            self.monitor.stop()
         for proc in self.procs:
             proc.join(timeout=0 if force else 10)
             if proc.is_alive():
@@ -148,12 +158,16 @@ def _worker_main(rank: int, spec: ReplicaSpec, reports) -> None:
     from .model_loading import load_model
     from .model_runner import build_runner
 
+    _exit_with_parent()
     try:
-        config = spec.config
+        config, nodes = spec.config, spec.nodes
+        world = config.tp * config.ep
         backend = ops.use_backend(spec.chip)
-        _bind_device(backend.device_type, rank, config.tp * config.ep)
+        _bind_device(backend.device_type, rank - nodes.ranks(world).start, nodes.per_node(world))
         reports.put((rank, "started", ""))
-        parallel.init_model_parallel(parallel.ParallelConfig(config.tp, config.ep), rank, spec.init_method)
+        store = connect(nodes)
+        join(store, rank, world, nodes)
+        parallel.init_model_parallel(parallel.ParallelConfig(config.tp, config.ep), rank, store=_group_store(store))
         with torch.inference_mode():
             model, _ = load_model(spec.path, spec.fmt, config.dtype, config.device, progress=False,
                                   weight_format=config.weight_format, load_format=config.load_format)
@@ -171,19 +185,51 @@ def _worker_main(rank: int, spec: ReplicaSpec, reports) -> None:
         parallel.shutdown()
 
 
-def _bind_device(device_type: str, rank: int, world: int) -> None:
-    """Rank r drives device r of the replica (the server restricts which devices a replica sees); on the
-    CPU the ranks share the cores instead of each taking all of them."""
+def _bind_device(device_type: str, local_rank: int, local_ranks: int) -> None:
+    """The node's r-th rank drives its device r (the server restricts which devices a replica sees); on
+    the CPU the node's ranks share its cores instead of each taking all of them."""
     if device_type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     else:
-        torch.accelerator.set_device_index(rank)
+        torch.accelerator.set_device_index(local_rank)
 
 
-def start(path: Path, fmt: str, config, chip: str | None) -> Workers:
-    """Start ranks 1..n-1 (config.device already names the backend's device) and join the group as rank 0."""
-    workers = Workers(ReplicaSpec(path, fmt, config, chip, f"tcp://127.0.0.1:{free_port()}"))
-    workers.wait("started")
-    _bind_device(config.device, 0, config.tp * config.ep)
-    parallel.init_model_parallel(parallel.ParallelConfig(config.tp, config.ep), 0, workers.spec.init_method)
+def _group_store(store):
+    """The process group's keys, apart from flagdeploy's own (joined ranks, heartbeats) in the same store."""
+    return dist.PrefixStore("flagdeploy/pg/", store)
+
+
+def _exit_with_parent() -> None:
+    """A rank whose launching process is gone (killed outright) stops too, rather than hold its device
+    and wait on collectives with nobody to step it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="flagdeploy-parent-watch", daemon=True).start()
+
+
+def start(path: Path, fmt: str, config, chip: str | None, nodes: NodeGroup | None = None) -> Workers:
+    """As rank 0 (config.device already names the backend's device): serve the replica's store, start
+    this node's other ranks, wait until every rank of every node has joined, and join the group. With
+    several nodes, a monitor then watches the others (engine/nodes.py)."""
+    world = config.tp * config.ep
+    nodes = nodes or NodeGroup(master_port=free_port())
+    nodes.check(world)
+    store = connect(nodes, serve=True)
+    workers = Workers(path, fmt, config, chip, nodes, list(nodes.ranks(world, 0))[1:])
+    workers.store = store
+    try:
+        workers.wait("started")
+        _bind_device(config.device, 0, nodes.per_node(world))
+        join(store, 0, world, nodes)
+    except BaseException:
+        workers.close(force=True)
+        raise
+    if nodes.nnodes > 1:
+        workers.monitor = NodeMonitor(nodes, world)
+    parallel.init_model_parallel(parallel.ParallelConfig(config.tp, config.ep), 0, store=_group_store(store))
     return workers

@@ -114,3 +114,14 @@ def init_dummy_weights(model, seed: int = 0) -> None:
                 m.init_random(gen, device=device)
     if getattr(model.cfg, "tie_word_embeddings", False):
         model.lm_head.weight = model.embed_tokens
+
+
+def check_split(path: Path, fmt: str, config) -> None:
+    """Refuse the tp / ep split of `config` (an EngineConfig) the model cannot take before any worker
+    starts: build the last rank's shard on the meta device (no memory, same constructor checks as the real ranks)."""
+    cfg = read_model_config(path, fmt)
+    with parallel.simulated(parallel.ParallelConfig(config.tp, config.ep)):
+        try:
+            build_model(cfg, config.dtype, "meta")
+        except ValueError as exc:
+            raise ModelLoadError(f"{path.name} cannot be split with --tp {config.tp} --ep {config.ep}: {exc}") from None

@@ -6,6 +6,12 @@ is a YAML edit that a reviewer can check against the cited document, not a new i
 
     launch = emit(profile, "vllm-ascend")
     print(launch.shell())          # copy-pasteable: files, setup lines, then ENV=... argv
+
+A profile over several nodes has one launch per node (node 0, the head that serves the API, first); the
+multi-node flags and the per-node network environment are rules in engines.yaml too:
+
+    for rank, launch in enumerate(emit_nodes(profile, "vllm-ascend", head_addr="10.0.0.1", nic="eth0")):
+        print(f"# node {rank} of {profile.nodes}", launch.shell(), sep="\n")
 """
 
 from __future__ import annotations
@@ -27,12 +33,22 @@ from flagdeploy.errors import FlagdeployError
 from flagdeploy.planner.profile import Profile
 from flagdeploy.profiles import PROFILES_DIR
 
-__all__ = ["ENGINES", "EmitError", "Launch", "emit"]
+__all__ = ["ENGINES", "EmitError", "Launch", "emit", "emit_nodes"]
 
 ENGINES_FILE = PROFILES_DIR / "engines.yaml"
 # Names usable in `when` and templates besides the Profile fields (see the engines.yaml header).
 DERIVED = ("engine", "backend", "vendor", "tp_dp", "dp_attention", "served_name", "visible_devices", "device_ids",
-           "num_verify_tokens")
+           "num_verify_tokens", "replica_devices", "replica_in_node", "dp_local", "dp_start_rank",
+           # per node (emit_nodes); one node: rank 0, the addresses None
+           "node_rank", "node_ip", "head_addr", "nic", "npu_direct_roce")
+_ONE_NODE: dict[str, Any] = {"node_rank": 0, "node_ip": None, "head_addr": None, "nic": None, "npu_direct_roce": False}
+# The shell variables a node's script reads unless emit_nodes is given the values; the script stops with this
+# text when one is unset (no apostrophes: the text sits inside double quotes).
+SHELL_VARIABLES = {
+    "HEAD_IP": "the address of node 0 (the head), reachable from every node",
+    "NODE_IP": "the address of this node, on the interface NIC",
+    "NIC": "the network interface that carries the traffic between the nodes (ip -o -4 addr)",
+}
 # Fields that describe where/what runs rather than how: never reported as "not mapped".
 _CONTEXT_ONLY = {"model", "chip", "model_type", "devices", "nodes"}
 _OPS = {"gt": lambda a, b: a is not None and a > b, "ge": lambda a, b: a is not None and a >= b,
@@ -40,6 +56,8 @@ _OPS = {"gt": lambda a, b: a is not None and a > b, "ge": lambda a, b: a is not 
         "in": lambda a, b: a in b, "not_in": lambda a, b: a not in b}
 _RULE_ACTIONS = {"reject", "set", "flags", "drop", "env", "warn"}
 _SOLE_PLACEHOLDER = re.compile(r"^\{(\w+)\}$")
+_SHELL_REF = re.compile(r"\$\{?([A-Za-z_]\w*)\}?")
+_EXPANDABLE = re.compile(r"^[\w$.:,/@%+={}-]*$")  # shell variables and characters safe inside double quotes
 
 
 class EmitError(FlagdeployError, ValueError):
@@ -51,7 +69,8 @@ class Launch:
     """One engine launch: what to write, what to set, what to run, and what the user should know.
 
     `setup` holds shell lines to run before the command (sourcing CANN scripts, cd into an install dir);
-    they are kept apart from `argv` so that argv stays an exact exec() vector.
+    they are kept apart from `argv` so that argv stays an exact exec() vector. A value that refers to a shell
+    variable (`$HEAD_IP` in a node's launch from emit_nodes) is double-quoted in `shell()`, so the shell fills it.
     """
 
     engine: str
@@ -67,9 +86,16 @@ class Launch:
         for path, content in self.files.items():
             lines += [f"cat > {shlex.quote(path)} <<'EOF'", content.rstrip("\n"), "EOF"]
         lines += self.setup
-        lines.append(" ".join([f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
-                              + [shlex.quote(a) for a in self.argv]))
+        lines.append(" ".join([f"{k}={_shell_word(v)}" for k, v in self.env.items()]
+                              + [_shell_word(a) for a in self.argv]))
         return "\n".join(lines) + "\n"
+
+
+def _shell_word(text: str) -> str:
+    """shlex.quote, except that a word made of shell variables and safe characters is double-quoted ("$NIC")."""
+    if _SHELL_REF.search(text) and _EXPANDABLE.match(text):
+        return f'"{text}"'
+    return shlex.quote(text)
 
 
 def _as_list(x: Any) -> list:
@@ -107,11 +133,60 @@ ENGINES: tuple[str, ...] = tuple(_spec()["engines"])
 
 
 def emit(profile: Profile, engine: str) -> Launch:
-    """The launch for `engine` (one of ENGINES); raises EmitError when the engine or a rule refuses it."""
-    spec = _spec()
-    if engine not in spec["engines"]:
+    """The launch for `engine` (one of ENGINES) on one node; raises EmitError when the engine or a rule refuses
+    it, or when the profile spans several nodes (each has its own launch: emit_nodes)."""
+    _check_engine(engine)
+    if profile.nodes > 1:
+        raise EmitError(f"this profile spans {profile.nodes} nodes, and each node has its own launch: use emit_nodes() "
+                        f"(`flagdeploy plan --nodes {profile.nodes} --emit {engine}` prints them) and start each "
+                        f"node's command on that node")
+    return _emit(profile, engine, _ONE_NODE)
+
+
+def emit_nodes(profile: Profile, engine: str, head_addr: str = "$HEAD_IP", nic: str = "$NIC",
+               npu_direct_roce: bool = False) -> list[Launch]:
+    """One launch per node of `profile` (profile.nodes of them), node 0 first: the head, which serves the API.
+
+    `head_addr` is node 0's address as the other nodes reach it and `nic` the interface between the nodes;
+    each node's own address is the shell variable `$NODE_IP`. Left as shell variables (the defaults), they are
+    filled by the shell that runs the script, which stops with a message when one is unset.
+    `npu_direct_roce`: on Ascend, the NPUs' own RoCE ports are the inter-node network; HCCL_IF_IP is then left
+    out (engines.yaml rule multinode-ascend-direct-roce). With one node this is [emit(profile, engine)].
+    """
+    _check_engine(engine)
+    if profile.nodes <= 1:
+        return [emit(profile, engine)]
+    for name, value in (("head_addr", head_addr), ("nic", nic)):
+        if not value or any(c.isspace() for c in value):
+            raise EmitError(f"{name} must be an address or interface name (or a shell variable such as $HEAD_IP), "
+                            f"not {value!r}")
+    used, total = profile.tp * profile.dp * profile.pp, profile.devices * profile.nodes
+    if used != total:
+        raise EmitError(f"the layout tp x dp x pp = {profile.tp} x {profile.dp} x {profile.pp} = {used} devices does "
+                        f"not fill {profile.nodes} nodes x {profile.devices} devices = {total}; every node's engine "
+                        f"expects its share of one layout over all of them (plan again with --nodes {profile.nodes})")
+    launches = []
+    for rank in range(profile.nodes):
+        node = {"node_rank": rank, "node_ip": "$NODE_IP", "head_addr": head_addr, "nic": nic,
+                "npu_direct_roce": npu_direct_roce}
+        launch = _emit(profile, engine, node)
+        words = [w for w in (*launch.env.values(), *launch.argv) if _shell_word(w).startswith('"')]  # expanded
+        names = dict.fromkeys(m.group(1) for w in words for m in _SHELL_REF.finditer(w))
+        launch.setup = [f': "${{{n}:?set {n} to {SHELL_VARIABLES.get(n, "its value on this node")}}}"'
+                        for n in names] + launch.setup
+        launches.append(launch)
+    return launches
+
+
+def _check_engine(engine: str) -> None:
+    if engine not in _spec()["engines"]:
         raise EmitError(f"Unknown engine {engine!r}. Known engines: {', '.join(ENGINES)} "
                         f"(or `profile` for the flagdeploy profile YAML).")
+
+
+def _emit(profile: Profile, engine: str, node: dict[str, Any]) -> Launch:
+    """The launch of one node: the rules run with `node`'s names (node_rank, the addresses) in their context."""
+    spec = _spec()
     eng = spec["engines"][engine]
     chip = get_chip(profile.chip)  # an unknown chip raises UnknownChipError listing the known ones
     prof = dataclasses.replace(profile)
@@ -120,7 +195,7 @@ def emit(profile: Profile, engine: str) -> Launch:
     env_extra: dict[str, str] = {}
 
     for rule in spec["rules"]:
-        ctx = _context(prof, engine, chip)
+        ctx = _context(prof, engine, chip, node)
         if not all(_match(ctx.get(k), cond) for k, cond in rule["when"].items()):
             continue
         src = f"[{rule['id']}; {rule['source']}]"
@@ -132,11 +207,11 @@ def emit(profile: Profile, engine: str) -> Launch:
                 warnings.append(f"{name} changed from {old!r} to {value!r} for {engine} {src}")
             prof = dataclasses.replace(prof, **{name: value})
         flag_ops += [(f, v) for f, v in (rule.get("flags") or {}).items()] + [(f, None) for f in rule.get("drop", [])]
-        env_extra.update({k: str(v) for k, v in (rule.get("env") or {}).items()})
+        env_extra.update({k: str(_render(v, ctx, None)) for k, v in (rule.get("env") or {}).items()})
         if "warn" in rule:
             warnings.append(f"{_render(rule['warn'], ctx, None)} {src}")
 
-    ctx = _context(prof, engine, chip)
+    ctx = _context(prof, engine, chip, node)
     flags: dict[str, str | list[str] | None] = {}  # ordered: flag -> value (None: bare switch; a list: nargs)
     config = copy.deepcopy(eng.get("config", {}).get("base", {}))
     for name, fspec in eng["flags"].items():
@@ -249,9 +324,13 @@ def _match(actual: Any, cond: Any) -> bool:
     return actual == cond
 
 
-def _context(prof: Profile, engine: str, chip: Any) -> dict[str, Any]:
+def _context(prof: Profile, engine: str, chip: Any, node: dict[str, Any]) -> dict[str, Any]:
     devices = max(prof.devices, 1)
-    return dataclasses.asdict(prof) | {
+    replica = prof.tp * prof.pp  # the devices of one DP replica
+    dp_local = prof.dp // prof.nodes if prof.nodes >= 1 and prof.dp % prof.nodes == 0 else None
+    return dataclasses.asdict(prof) | node | {
+        "replica_devices": replica, "replica_in_node": replica <= devices and devices % replica == 0,
+        "dp_local": dp_local, "dp_start_rank": None if dp_local is None else node["node_rank"] * dp_local,
         "engine": engine, "backend": chip.backend, "vendor": chip.vendor, "tp_dp": prof.tp * prof.dp,
         "dp_attention": prof.dp > 1 and prof.ep > 1,
         "served_name": prof.served_model_name or Path(prof.model).name or prof.model,

@@ -40,6 +40,12 @@ class EngineSlot:
         self.engine = engine
         log.info("model loaded in %.1f s", time.monotonic() - started)
 
+    def fail(self, message: str) -> None:
+        """The engine can no longer answer (a machine of its replica is gone): /ready and the inference
+        routes answer 503 with `message` from now on."""
+        self.error = message
+        self.engine = None
+
     def get(self) -> "AsyncEngine":
         if self.engine is not None:
             return self.engine
