@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import shutil
+import tempfile
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from flagdeploy.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -24,7 +31,7 @@ class Tokenizer:
 
         try:
             if fmt == "gguf":
-                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                tok = _gguf_tokenizer(path)
             else:
                 tok = AutoTokenizer.from_pretrained(str(path))
                 tok.chat_template = _processor_chat_template(path) or getattr(tok, "chat_template", None)
@@ -82,6 +89,39 @@ class Tokenizer:
         return self.hf.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
+
+
+def _gguf_tokenizer(path: Path):
+    """A GGUF's tokenizer, converted by transformers once and then read back from its saved form: the
+    conversion parses the file's whole vocabulary and merges from the GGUF metadata (seconds of a server's
+    start on a small CPU), the saved tokenizer.json loads in a fraction of that. Kept under the cache
+    directory by file, size, modification time and transformers version; a cache that cannot be written
+    or read is skipped, never an error."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from flagdeploy.loaders.source import cache_dir
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode())
+    saved = cache_dir() / "tokenizers" / key.hexdigest()[:16]
+    if saved.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(saved))
+        except Exception as exc:  # noqa: BLE001 (a damaged cache entry: convert again)
+            log.warning("the cached tokenizer %s could not be read (%s); converting the GGUF's again", saved, exc)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=saved.parent, prefix=f".{saved.name}-"))
+        tok.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, saved)  # whole or not at all; another process may have just written the same
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        log.info("not caching the converted tokenizer (%s)", exc)
+    return tok
 
 
 def _processor_chat_template(path: Path) -> str | None:

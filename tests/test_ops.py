@@ -301,7 +301,7 @@ def test_cpu_int4_kernel_rounds_no_worse_than_its_bf16_output(n, k):
 
 def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
     """CPUs without AVX-512 get the same kernels built for AVX2 (two 8-row halves per tile, vpmaddubsw for
-    vpdpbusd; portable C++ for the FP8 conversions): built here without AVX-512, under another op
+    vpdpbusd; portable C++ for the FP8 conversions, norms and rope): built here without AVX-512, under another op
     namespace, they give the default build's outputs bit for bit."""
     from flagdeploy.ops.weights import fp8_block_quantize
 
@@ -324,6 +324,16 @@ def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         torch.testing.assert_close(a[2], b[2], rtol=1e-5, atol=0)
     assert torch.equal(avx2.fp8_to_bf16(u8, s, 128, 128)[0], default.fp8_to_bf16(u8, s, 128, 128)[0])
+    for dtype in (torch.float32, torch.bfloat16):  # the portable norm and rope loops
+        x, r, w = (torch.randn(*shape, generator=g).to(dtype) for shape in ((3, 576), (3, 576), (576,)))
+        assert torch.equal(avx2.rms_norm(x, w, 1e-5), default.rms_norm(x, w, 1e-5))
+        assert all(torch.equal(a, b) for a, b in zip(avx2.add_rms_norm(x, r, w, 1e-5), default.add_rms_norm(x, r, w, 1e-5)))
+        q, k, v = (torch.randn(3, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
+        cos, sin = torch.rand(3, 32, generator=g), torch.rand(3, 32, generator=g)
+        caches = [[torch.zeros(2, 4, 3, 64, dtype=dtype) for _ in range(2)] for _ in range(2)]
+        slots = torch.tensor([5, 0, 2])
+        got = [ns.rope_write_kv(q, k, v, cos, sin, *c, slots) for ns, c in ((avx2, caches[0]), (default, caches[1]))]
+        assert all(torch.equal(a, b) for a, b in zip(got[0], got[1])) and torch.equal(caches[0][0], caches[1][0])
 
 
 def test_cpu_int4_weights_no_packed_kernel_can_tile_run_the_reference():

@@ -18,6 +18,7 @@ backend = Backend(
         "add_rms_norm": ops.add_rms_norm,
         "rope": ops.rope,
         "write_kv_cache": ops.write_kv_cache,
+        "rope_write_kv": ops.rope_write_kv,
         "attention_prefill": ops.attention_prefill,
         "paged_attention_decode": ops.paged_attention_decode,
         "linear_w4a16": ops.linear_w4a16,

@@ -18,10 +18,40 @@ from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight, stripped
 from . import native
 
 from flagdeploy.ops.fused import (  # noqa: F401  (torch's fused kernels, shared with other backends)
-    add_rms_norm, attention_prefill, rms_norm, rope, write_kv_cache,
+    attention_prefill, rope, write_kv_cache,
 )
 
 TUNE = yaml.safe_load((Path(__file__).with_name("tune.yaml")).read_text())
+
+
+def rms_norm(x, weight, eps):
+    """Eagerly, the backend's one-pass kernel (native.rms_norm: ~7 us a decode row where torch's composite
+    norm costs 40-70 us, ~60 times a token for a small llama); inside a compiled step torch's, which
+    inductor fuses with its neighbours."""
+    if not torch.compiler.is_compiling() and native.normalizes(x, weight):
+        return native.rms_norm(x, weight, eps)
+    return fused.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """As `rms_norm`; a 16-bit sublayer output added to a float32 residual stream (a weight-only quantized
+    model's) is added by torch first, as the fused override adds it."""
+    if torch.compiler.is_compiling():
+        return fused.add_rms_norm(x, residual, weight, eps)
+    if residual.dtype == x.dtype and native.normalizes(x, weight):
+        return native.add_rms_norm(x, residual, weight, eps)
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
+def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    """Eagerly, the backend's one-pass kernel (native.rope_write_kv: a few us a decode layer where torch's
+    rope and two index_copy_ cost ~100 us); inside a compiled step torch's ops, which inductor fuses."""
+    if not torch.compiler.is_compiling() and native.rotates(q, k, v, k_cache, v_cache):
+        return native.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    q, k = rope(q, k, cos, sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from pathlib import Path
@@ -35,13 +36,23 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def open_gguf(path: Path) -> GGUFReader:
+    """The file's reader, parsed once per process while the file stays the same: parsing walks every
+    metadata entry (a 49k-token vocabulary and its merges are ~300k strings, seconds on a small CPU), and
+    a start reads the header three times (the source check, the config, the weights)."""
+    path = Path(path)
     try:
-        return GGUFReader(path)
+        st = path.stat()
+        return _open(path.resolve(), st.st_size, st.st_mtime_ns)
     except Exception as exc:
         raise ModelLoadError(
             f"{path} could not be read as a GGUF file ({exc}). It may be truncated or corrupt: delete it "
             f"and run `flagdeploy pull` again, or pass another --model."
         ) from exc
+
+
+@functools.lru_cache(maxsize=4)
+def _open(path: Path, size: int, mtime_ns: int) -> GGUFReader:
+    return GGUFReader(path)
 
 
 def _field(reader: GGUFReader, key: str, default=None):
