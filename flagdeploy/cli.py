@@ -491,7 +491,7 @@ def _from_profile(ctx, path: str, **given):
     explicit = lambda name: ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE  # noqa: E731
     pick = lambda name, value: given[name] if explicit(name) else value  # noqa: E731
     names = given["served_names"] if explicit("served_names") else ((prof.served_model_name,) if prof.served_model_name else ())
-    tp, ep, dp = _engine_layout(prof.tp, prof.ep, prof.dp)
+    tp, ep, dp = prof.builtin_layout()
     from flagdeploy.engine.speculative import SpeculativeConfig
 
     spec = SpeculativeConfig(method="mtp" if prof.mtp else "off", num_speculative_tokens=prof.num_speculative_tokens)
@@ -500,21 +500,11 @@ def _from_profile(ctx, path: str, **given):
             pick("block_size", prof.block_size), names, pick("tp", tp), pick("ep", ep), pick("dp", dp), spec)
 
 
-def _engine_layout(tp: int, ep: int, dp: int) -> tuple[int, int, int]:
-    """The planner's layout in the builtin engine's terms. The planner counts expert parallelism as vLLM
-    does (ep = tp x dp: the experts spread over every device of the dp replicas); the builtin engine
-    gets the same devices and the same expert split as one replica of tp x dp ranks with ep = dp
-    (docs/parallel.md). ep = 1 keeps dp separate replicas."""
-    if ep > 1 and ep == tp * dp:
-        return tp, dp, 1
-    return tp, 1, dp
-
-
 def _print_plan(src, chip: str | None, max_model_len: int, max_num_seqs: int, kv_cache_memory: int, tp: int = 1,
                 ep: int = 1, memory_utilization: float = 0.9) -> None:
     """The planner's line for what is about to load: the replica's tp x ep devices of the chip (the one named
     by --chip, else the first catalog chip of the backend), in the planner's terms (the inverse of
-    `_engine_layout`). The weights are reported after loading (`_print_held`): what the backend holds
+    `Profile.builtin_layout`). The weights are reported after loading (`_print_held`): what the backend holds
     depends on its kernels, not only on the checkpoint."""
     import json
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -128,10 +127,9 @@ def _processor_chat_template(path: Path) -> str | None:
     """A multimodal checkpoint's processor chat template (chat_template.json, as SmolVLM ships it), or None.
     It wins over the tokenizer's: it is the one that writes the media placeholders (transformers'
     `processor.apply_chat_template` uses it too)."""
-    file = path / "chat_template.json"
-    if not file.is_file():
-        return None
-    template = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
+    from flagdeploy.loaders.safetensors_reader import optional_json
+
+    template = (optional_json(path / "chat_template.json") or {}).get("chat_template")
     return template if isinstance(template, str) else None
 
 

@@ -177,14 +177,14 @@ def _check_multinode(kind: str, profile: Profile, nic: str | None, master_addr: 
 
 
 def _not_builtin_across_nodes(profile: Profile) -> str | None:
-    """What in a profile over several nodes `flagdeploy serve` refuses, or None. serve's own checks decide
-    (flagdeploy/cli.py: _from_profile and the --nnodes refusal); this mirrors them so that deploy refuses before
-    writing pods that could only crash: no pipeline stages, and no data-parallel replicas besides the planner's
-    expert-parallel form (ep = tp x dp), which the builtin engine runs as one replica of tp x dp ranks."""
+    """What in a profile over several nodes `flagdeploy serve` refuses, or None, so that deploy refuses before
+    writing pods that could only crash: pipeline stages (serve's _from_profile), and data-parallel replicas in
+    the builtin engine's layout (`Profile.builtin_layout`, which serve runs; --nnodes refuses --dp)."""
     if profile.pp > 1:
         return f"{profile.pp} pipeline stages"
-    if profile.dp > 1 and profile.ep != profile.tp * profile.dp:
-        return f"{profile.dp} data-parallel replicas"
+    _, _, dp = profile.builtin_layout()
+    if dp > 1:
+        return f"{dp} data-parallel replicas"
     return None
 
 

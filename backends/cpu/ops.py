@@ -35,10 +35,8 @@ def rms_norm(x, weight, eps):
 
 def add_rms_norm(x, residual, weight, eps):
     """As `rms_norm`; a 16-bit sublayer output added to a float32 residual stream (a weight-only quantized
-    model's) is added by torch first, as the fused override adds it."""
-    if torch.compiler.is_compiling():
-        return fused.add_rms_norm(x, residual, weight, eps)
-    if residual.dtype == x.dtype and native.normalizes(x, weight):
+    model's), and any sum inside a compiled step, is added by torch first, as the fused override adds it."""
+    if not torch.compiler.is_compiling() and residual.dtype == x.dtype and native.normalizes(x, weight):
         return native.add_rms_norm(x, residual, weight, eps)
     h = x + residual
     return rms_norm(h, weight, eps), h

@@ -18,8 +18,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import threading
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ import torch.distributed as dist
 
 from flagdeploy import ops, parallel
 from flagdeploy.errors import ModelLoadError
+from flagdeploy.lifetime import on_parent_exit
 from flagdeploy.net import free_port
 
 from .nodes import NodeGroup, NodeMonitor, connect, join
@@ -158,7 +157,9 @@ def _worker_main(rank: int, spec: ReplicaSpec, reports) -> None:
     from .model_loading import load_model
     from .model_runner import build_runner
 
-    _exit_with_parent()
+    # a rank whose launching process is gone stops too, rather than hold its device and wait on collectives
+    # with nobody to step it
+    on_parent_exit(os.getppid(), lambda: os._exit(1))
     try:
         config, nodes = spec.config, spec.nodes
         world = config.tp * config.ep
@@ -197,19 +198,6 @@ def _bind_device(device_type: str, local_rank: int, local_ranks: int) -> None:
 def _group_store(store):
     """The process group's keys, apart from flagdeploy's own (joined ranks, heartbeats) in the same store."""
     return dist.PrefixStore("flagdeploy/pg/", store)
-
-
-def _exit_with_parent() -> None:
-    """A rank whose launching process is gone (killed outright) stops too, rather than hold its device
-    and wait on collectives with nobody to step it."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="flagdeploy-parent-watch", daemon=True).start()
 
 
 def start(path: Path, fmt: str, config, chip: str | None, nodes: NodeGroup | None = None) -> Workers:

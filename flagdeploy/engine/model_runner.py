@@ -226,8 +226,6 @@ class PagedRunner(_Runner):
         )
         mode = ops.prefill_step() if step.num_prefill else ops.verify_step() if step.verify else contextlib.nullcontext()
         with mode:
-            if step.embeds is None:
-                return self.model(t(step.ids), meta, self.kv_caches)
             return self.model(t(step.ids), meta, self.kv_caches, embeds=step.embeds)
 
 

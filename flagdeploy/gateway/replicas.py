@@ -22,11 +22,10 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 from typing import Any, Callable, Mapping
 
 from flagdeploy.errors import FlagdeployError
+from flagdeploy.lifetime import on_parent_exit
 
 from .config import ConfigError, LaunchPlan, ModelConfig
 
@@ -125,13 +124,11 @@ def exit_with_parent(environ: Mapping[str, str] | None = None, interval: float =
         return
     parent = int(pid)
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval)
+    def stop() -> None:
         log.warning("the gateway (pid %d) is gone: stopping this replica", parent)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=watch, name="flagdeploy-parent-watch", daemon=True).start()
+    on_parent_exit(parent, stop, interval)
 
 
 def replica_env(backend: Any, replica: int, replicas: int, per_replica: int, *,

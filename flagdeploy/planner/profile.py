@@ -57,6 +57,15 @@ class Profile:
         except media.MediaPolicyError as exc:
             raise media.MediaPolicyError(f"allowed_media_domains: {exc}") from None
 
+    def builtin_layout(self) -> tuple[int, int, int]:
+        """(tp, ep, dp) for the builtin engine. The planner counts expert parallelism as vLLM does (ep = tp x dp:
+        the experts spread over every device of the dp replicas); the builtin engine gets the same devices and
+        the same expert split as one replica of tp x dp ranks with ep = dp (docs/parallel.md). ep = 1 keeps dp
+        separate replicas."""
+        if self.ep > 1 and self.ep == self.tp * self.dp:
+            return self.tp, self.dp, 1
+        return self.tp, 1, self.dp
+
     def to_yaml(self) -> str:
         return yaml.safe_dump({"profile": asdict(self)}, sort_keys=False)
 
