@@ -3,9 +3,10 @@
     python benchmarks/cpu_linear.py [--rows 1,2,4,8,16,64]
 
 Times one decode step's worth of SmolLM2-135M weight shapes (30 layers of qkv, o, gate_up, down, plus
-the LM head) for: float32 (the baseline), bf16 dense, bf16 laid out once for oneDNN, int4 packed
-(W4A16: the backend's own int4 x int8 kernel where it builds, with torch's int4 kernel beside it as
-"int4 torch") and int8 packed (W8A16); prints milliseconds per step and the ratio to float32.
+the LM head) for: float32 (the baseline), bf16 dense, the dense copy past `packed_max_m` rows (tune.yaml's
+dtype for this CPU: bf16 laid out once for oneDNN, or float32), int4 packed (W4A16: the backend's own
+int4 x int8 kernel where it builds, with torch's int4 kernel beside it as "int4 torch") and int8 packed
+(W8A16: likewise, "int8 torch" beside it); prints milliseconds per step and the ratio to float32.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main() -> None:
     kernels = {
         "float32": (torch.float32, [lambda x, w=w: torch.nn.functional.linear(x, w) for w in dense]),
         "bf16": (torch.bfloat16, [lambda x, w=w.bfloat16(): torch.nn.functional.linear(x, w) for w in dense]),
-        "bf16 onednn": (torch.bfloat16, [lambda x, w=cpu._dense_copy(Int8Weight.quantize(w)): cpu._dense_mm(x, w)
+        "dense copy": (torch.bfloat16, [lambda x, w=cpu._dense_copy(Int8Weight.quantize(w)): cpu._dense_mm(x, w)
                                          for w in dense]),
     }
     w4 = [cpu.prepare_w4a16(Int4Weight(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.01,
@@ -55,8 +56,10 @@ def main() -> None:
                    torch.rand(k // 32, n, 2).to(torch.bfloat16)) for n, k in shapes]
         kernels["int4 torch"] = (torch.bfloat16, [lambda x, p=p: torch._weight_int4pack_mm_for_cpu(x, p[0], 32, p[1])
                                                   for p in torch4])
-    kernels["int8 packed"] = (torch.bfloat16, [lambda x, w=w: torch._weight_int8pack_mm(
-        x, w.prepared["q"], w.prepared["scales"]) for w in w8])
+    kernels["int8 packed"] = (torch.bfloat16, [lambda x, w=w: cpu.packed_w8a16(x, w) for w in w8])
+    if "w8" in w8[0].prepared:  # the backend's own kernel is in use: torch's own int8 kernel beside it
+        torch8 = [(Int8Weight.quantize(w).q, torch.rand(w.shape[0]).to(torch.bfloat16)) for w in dense]
+        kernels["int8 torch"] = (torch.bfloat16, [lambda x, p=p: torch._weight_int8pack_mm(x, *p) for p in torch8])
     print(f"{'rows':>5} " + " ".join(f"{name:>18}" for name in kernels))
     for rows in map(int, args.rows.split(",")):
         times = {name: step_time(fns, shapes, rows, dt) for name, (dt, fns) in kernels.items()}

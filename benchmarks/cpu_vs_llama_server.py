@@ -19,6 +19,10 @@ What a CPU user would otherwise run is llama.cpp's server, so that is the baseli
    which both servers take; the completion tokens are counted from the streamed usage, and every request is
    checked to have produced exactly max_tokens):
    - ready s: process start -> readiness endpoint answers 200 (llama-server /health, flagdeploy /ready);
+   - first req tok/s: one request sent at once after ready (flagdeploy's default serve compiles its decode
+     step in the background then: this is what a client gets meanwhile);
+   - settled s: process start -> flagdeploy's `decode_step_compiling` gauge reads 0 (the compiled step in,
+     or given up); the throughput columns are measured after it;
    - 1-stream tok/s: output tokens / wall time of one request (prefill included), median of --rounds
      sequential requests after one warm-up request;
    - N-concurrent tok/s: output tokens of N requests sent at once / wall time until the last one ends,
@@ -331,13 +335,41 @@ def flagdeploy_argv(port: int, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "flagdeploy", "serve", "--port", str(port), *model, *args.serve_arg]
 
 
+async def first_request(ep: Endpoint, args: argparse.Namespace) -> float:
+    """Output tokens/s of one request sent as soon as the server is ready (flagdeploy: while its decode
+    step may still be compiling in the background)."""
+    cfg = ServeConfig(concurrencies=[1], rounds=1, ignore_eos=True)
+    stats = await run_round(ep, prompts(1, args.max_tokens, offset=7), 1, 0, cfg, ServeResults())
+    return stats.output_throughput
+
+
+def compiled_after(server: Server, t0: float) -> float | None:
+    """Seconds from the server's start until its decode step stopped compiling in the background (the
+    `flagdeploy:decode_step_compiling` gauge is 0); None where the server has no such gauge."""
+    with httpx.Client(timeout=10) as c:
+        while time.perf_counter() - t0 < READY_TIMEOUT:
+            text = c.get(server.url + "/metrics").text
+            m = re.search(r"^flagdeploy:decode_step_compiling (\S+)$", text, re.M)
+            if m is None:
+                return None
+            if float(m.group(1)) == 0:
+                return time.perf_counter() - t0
+            time.sleep(1)
+    server.fail(f"was still compiling after {READY_TIMEOUT:.0f} s")
+
+
 def bench(server: Server, args: argparse.Namespace) -> dict:
     with server:
+        t0 = time.perf_counter()
         ready = server.start()
         ep = endpoint(server)
+        first = asyncio.run(first_request(ep, args))
+        settled = compiled_after(server, t0)
+        if settled is not None:
+            log(f"{server.name}: first request {first:.1f} tok/s; decode step compiled {settled:.0f} s after start")
         log(f"{server.name} serves {ep.model!r}; measuring")
         result = asyncio.run(measure(ep, args))
-    result["ready"] = ready
+    result.update(ready=ready, first=first, settled=settled)
     return result
 
 
@@ -346,15 +378,17 @@ def bench(server: Server, args: argparse.Namespace) -> dict:
 
 def report(rows: dict[str, dict], args: argparse.Namespace) -> None:
     conc = f"{args.concurrency}-concurrent tok/s"
-    print(f"{'':28} {'ready s':>9} {'1-stream tok/s':>15} {conc:>22} {'spread 1 / N':>13}")
+    print(f"{'':28} {'ready s':>9} {'first req tok/s':>16} {'settled s':>10} {'1-stream tok/s':>15} {conc:>22} "
+          f"{'spread 1 / N':>13}")
     for name, r in rows.items():
         spread = "/".join(f"{r[k]['spread']:.2f}" if r[k]["spread"] else "-" for k in ("single", "concurrent"))
-        print(f"{name:28} {r['ready']:9.2f} {r['single']['tok_s']:15.1f} {r['concurrent']['tok_s']:22.1f} "
-              f"{spread:>13}")
+        settled = f"{r['settled']:.0f}" if r["settled"] is not None else "-"
+        print(f"{name:28} {r['ready']:9.2f} {r['first']:16.1f} {settled:>10} {r['single']['tok_s']:15.1f} "
+              f"{r['concurrent']['tok_s']:22.1f} {spread:>13}")
     if len(rows) == 2:
         fd, ls = rows["flagdeploy serve"], rows["llama-server"]
-        print(f"{'flagdeploy / llama-server':28} {fd['ready'] / ls['ready']:8.2f}x "
-              f"{fd['single']['tok_s'] / ls['single']['tok_s']:14.2f}x "
+        print(f"{'flagdeploy / llama-server':28} {fd['ready'] / ls['ready']:8.2f}x {fd['first'] / ls['first']:15.2f}x "
+              f"{'':>10} {fd['single']['tok_s'] / ls['single']['tok_s']:14.2f}x "
               f"{fd['concurrent']['tok_s'] / ls['concurrent']['tok_s']:21.2f}x")
         print("(ratios: above 1 flagdeploy is faster in the tok/s columns, slower to get ready)")
     for name, r in rows.items():

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 torch.set_num_threads(2)
+# `flagdeploy serve` compiles its decode step in the background by default: a minute of both cores in every
+# server a test starts. Tests of that compile ask for it (tests/test_compiled_llama.py).
+os.environ.setdefault("FLAGDEPLOY_COMPILE", "0")
 
 
 @pytest.fixture(scope="session")

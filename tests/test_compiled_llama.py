@@ -67,6 +67,72 @@ def test_compiled_decode_gives_transformers_tokens(llama_dir, graphs_serve_every
     assert {1, 3} <= set(sizes)  # both graphs ran
 
 
+def test_background_compile_serves_eagerly_then_swaps_the_graphs_in(llama_dir, graphs_serve_every_batch):
+    """`compile=None` (serve's default): the engine is returned before anything is compiled and serves with
+    its eager step while a thread compiles; once done the runner takes the graphs, and the tokens are
+    transformers' greedy ones before, during and after. While the compile holds torch's process-wide
+    `is_compiling()` flag, the serving thread's ops still see `ops.tracing()` False (their eager forms)."""
+    path, hf = llama_dir
+    engine = build_llm_engine(path, "safetensors", EngineConfig(**{**CONFIG, "compile": None}), chip="cpu",
+                              progress=False)
+    runner = engine.runner
+    assert runner.compiling is not None
+    assert engine.stats()["decode_step_compiled"] == 0  # /metrics: flagdeploy:decode_step_compiled
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    seen = []
+    while runner.compiling.is_alive() and len(seen) < 3:  # served eagerly while the graphs compile
+        seen.append((runner.compiled is None, torch.compiler.is_compiling(), ops.tracing()))
+        assert engine.generate(PROMPTS, params) == want
+    runner.compiling.join(timeout=600)
+    assert not runner.compiling.is_alive()
+    assert seen and seen[0][0], "the first steps ran before any graph was ready"
+    assert not any(traced for *_, traced in seen)
+    compiled = runner.compiled
+    assert compiled is not None and compiled.ready == {1, 2}
+    assert (engine.stats()["decode_step_compiled"], engine.stats()["decode_step_compiling"]) == (1, 0)
+    sizes = _counting(engine)
+    assert engine.generate(PROMPTS, params) == want
+    assert engine.generate(PROMPTS[1:2], params) == want[1:2]
+    assert {1, 3} <= set(sizes)
+
+
+def test_background_compile_that_fails_leaves_the_eager_step(llama_dir, monkeypatch, caplog):
+    """A compile that raises (or whose graphs lose to the eager step) leaves the runner eager, and says so."""
+    from flagdeploy.engine.compiled_step import CompiledDecode
+
+    def broken(self, background=False):
+        raise RuntimeError("inductor fell over")
+
+    monkeypatch.setattr(CompiledDecode, "warm_up", broken)
+    path, hf = llama_dir
+    engine = build_llm_engine(path, "safetensors", EngineConfig(**{**CONFIG, "compile": None}), chip="cpu",
+                              progress=False)
+    engine.runner.compiling.join(timeout=60)
+    assert engine.runner.compiled is None
+    assert "compiling the decode step failed; the eager step keeps serving" in caplog.text
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=5, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(PROMPTS[0]):].tolist()
+    assert engine.generate(PROMPTS[:1], params) == [want]
+
+
+def test_no_background_compile_by_default_where_the_frozen_copy_is_large(llama_dir, monkeypatch):
+    """A compiled step holds a second copy of dense float weights: past a fraction of the machine's memory
+    serve's default leaves the step eager (no compile thread); asking for it still compiles."""
+    from flagdeploy.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "BACKGROUND_COMPILE_MAX_FROZEN", 0.0)
+    path, _ = llama_dir
+    engine = build_llm_engine(path, "safetensors", EngineConfig(**{**CONFIG, "compile": None}), chip="cpu",
+                              progress=False)
+    assert engine.runner.compiling is None and engine.runner.compiled is None
+    assert engine.stats()["decode_step_compiling"] == 0
+
+
 def _int4(w: torch.Tensor, group: int = 32) -> Int4Weight:
     """Round-to-nearest asymmetric 4-bit groups (GGUF Q4_1's form)."""
     n, k = w.shape
@@ -79,11 +145,11 @@ def _int4(w: torch.Tensor, group: int = 32) -> Int4Weight:
 
 def test_compiled_decode_runs_packed_4bit_weights_like_the_eager_step(llama_dir, graphs_serve_every_batch, monkeypatch):
     """4-bit linears and an int8 head, as `--weight-format auto` serves a Q4 GGUF: inside the graph each
-    linear is one opaque op that picks the packed GEMV (few rows) or oneDNN's bf16 GEMM (more) at run
+    linear is one opaque op that picks the packed GEMV (few rows) or the dense copy's oneDNN GEMM (more) at run
     time, like the eager step; the logits match the eager step's within bf16 rounding on both."""
     from flagdeploy.backends.cpu import ops as cpu_ops
 
-    monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "packed_max_m", 4)  # so that 8 rows take oneDNN's GEMM
+    monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "packed_max_m", 4)  # so that 8 rows take the dense copy
     path, _ = llama_dir
     model, tokenizer = load_model(path, "safetensors", torch.float32, "cpu", progress=False)
     for m in model.modules():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -299,6 +301,92 @@ def test_cpu_int4_kernel_rounds_no_worse_than_its_bf16_output(n, k):
         assert err < 1.2 * rounding + 1e-4, f"{rows} rows: error {err:.2e} against the bf16 output's {rounding:.2e}"
 
 
+@pytest.mark.parametrize("n,k", [(8, 32), (48, 64), (960, 576), (49152, 576)])
+def test_cpu_int8_kernel_rounds_no_worse_than_its_bf16_output_and_rows_are_independent(n, k):
+    """The cpu backend's int8 kernel (a quantized model's LM head) carries the activations as ~15-bit
+    integers and sums exactly in int32 per block, so against float64 its error is its bf16 output's rounding
+    (torch's int8 GEMV, bf16 throughout, adds ~1.5x). A row's result is bitwise the same alone or beside
+    others, whichever group of rows the kernel tiles it in: a speculative verify row equals a plain one."""
+    native = _cpu_kernels_or_skip()
+    g = torch.Generator().manual_seed(n + k)
+    w = Int8Weight.quantize(torch.randn(n, k, generator=g) * 0.02)
+    prepared = ops.get_backend("cpu").prepare["linear_w8a16"](w)
+    assert "w8" in prepared.prepared
+    for rows in (1, 3, 6):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        want = x.double() @ w.dequantize(torch.float64).t()
+        got = native.q8_linear(x, prepared.prepared["w8"], prepared.prepared["d"])
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        err = (got.double() - want).norm() / want.norm()
+        rounding = (want.bfloat16().double() - want).norm() / want.norm()
+        assert err < 1.2 * rounding + 1e-4, f"{rows} rows: error {err:.2e} against the bf16 output's {rounding:.2e}"
+        alone = torch.cat([native.q8_linear(r, prepared.prepared["w8"], prepared.prepared["d"]) for r in x.split(1)])
+        assert torch.equal(alone, got)
+
+
+def test_cpu_int8_weights_the_kernel_cannot_take_keep_torchs():
+    """Per-group scales, widths off the 8-row tile, or a -128 (the kernel's int16 products assume
+    -127..127) leave torch's int8 GEMV or the dense copy, with the reference's results."""
+    _cpu_kernels_or_skip()
+    be = ops.get_backend("cpu")
+    g = torch.Generator().manual_seed(5)
+    odd = Int8Weight.quantize(torch.randn(12, 64, generator=g))
+    low = Int8Weight.quantize(torch.randn(16, 64, generator=g))
+    low.q[0, 0] = -128
+    for w in (odd, low):
+        prepared = be.prepare["linear_w8a16"](w)
+        assert "w8" not in prepared.prepared and "q" in prepared.prepared
+        x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+        tol = OPS["linear_w8a16"].tolerance[torch.bfloat16]
+        torch.testing.assert_close(be.overrides["linear_w8a16"](x, prepared).double(),
+                                   OPS["linear_w8a16"].reference(x.double(), w), atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_dense_copy_in_either_dtype_computes_the_reference(dtype, monkeypatch):
+    """Past `packed_max_m` rows and for prompt rows a weight-only linear multiplies its dense copy, in the
+    dtype tune.yaml gives this kind of CPU (float32 where bf16 is emulated); either way bf16 out, within
+    the op's tolerance."""
+    from flagdeploy.backends.cpu import ops as cpu_ops
+
+    monkeypatch.setitem(cpu_ops.TUNE["weight_only_dense"], "dtype", dtype)
+    monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "packed_max_m", 0)
+    monkeypatch.setitem(cpu_ops.TUNE["linear_w8a16"], "packed_max_m", 0)
+    be = ops.get_backend("cpu")
+    g = torch.Generator().manual_seed(3)
+    w4 = Int4Weight(torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8),
+                    torch.rand(48, 2, generator=g) * 0.02 + 1e-3, torch.randn(48, 2, generator=g) * 0.02, 32, 48, 64)
+    w8 = Int8Weight.quantize(torch.randn(48, 64, generator=g) * 0.02)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    for op, w in (("linear_w4a16", w4), ("linear_w8a16", w8)):
+        prepared = be.prepare[op](w)
+        got = be.overrides[op](x, prepared)
+        assert got.dtype == torch.bfloat16
+        tol = OPS[op].tolerance[torch.bfloat16]
+        torch.testing.assert_close(got.double(), OPS[op].reference(x.double(), w), atol=tol.atol, rtol=tol.rtol)
+
+
+def test_cpu_tune_table_is_chosen_by_the_cpus_flags(tmp_path):
+    """tune.yaml holds one table per kind of CPU; the first whose flags this CPU has applies, the shipped
+    file ends with one for any CPU, and every table has the same keys (the backend reads them all)."""
+    import yaml
+
+    from flagdeploy.backends.cpu import ops as cpu_ops
+
+    shipped = yaml.safe_load(Path(cpu_ops.__file__).with_name("tune.yaml").read_text())["machines"]
+    assert shipped[-1]["cpu_flags"] == []
+    keys = {m["name"]: set(m) - {"name", "cpu_flags"} for m in shipped}
+    assert len(set(map(frozenset, keys.values()))) == 1, keys
+    by_name = {m["name"]: m for m in shipped}
+    assert cpu_ops.tune_table(frozenset({"avx2", "avx512f", "avx512_bf16"}))["weight_only_dense"]["dtype"] == "bfloat16"
+    assert cpu_ops.tune_table(frozenset({"avx2", "fma"}))["weight_only_dense"]["dtype"] == "float32"
+    assert cpu_ops.tune_table(frozenset())["linear_w4a16"] == by_name[shipped[-1]["name"]]["linear_w4a16"]
+    bad = tmp_path / "tune.yaml"
+    bad.write_text(yaml.safe_dump({"machines": [{"name": "x", "cpu_flags": ["avx512f"], "linear": {}}]}))
+    with pytest.raises(RuntimeError, match="no entry for a CPU with flags avx2"):
+        cpu_ops.tune_table(frozenset({"avx2"}), bad)
+
+
 def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
     """CPUs without AVX-512 get the same kernels built for AVX2 (two 8-row halves per tile, vpmaddubsw for
     vpdpbusd; portable C++ for the FP8 conversions, norms and rope): built here without AVX-512, under another op
@@ -317,6 +405,8 @@ def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
         nib, dm = native.pack_q4(w)
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         assert torch.equal(avx2.q4_linear(x, nib, dm), default.q4_linear(x, nib, dm))
+        w8, d = native.pack_q8(Int8Weight.quantize(torch.randn(n, k, generator=g)))
+        assert torch.equal(avx2.q8_linear(x, w8, d), default.q8_linear(x, w8, d))
     w8, s = fp8_block_quantize(torch.randn(200, 160, generator=g) * 0.05, (128, 128))
     u8 = w8.view(torch.uint8)
     for group in (0, 32):
@@ -349,9 +439,13 @@ def test_cpu_int4_weights_no_packed_kernel_can_tile_run_the_reference():
     torch.testing.assert_close(be.overrides["linear_w4a16"](x, prepared), OPS["linear_w4a16"].reference(x, w))
 
 
-def test_cpu_prepared_dense_layouts_change_strides_not_results():
-    """The cpu backend stores wide dense weights column-major and expert banks so that its two all-expert
-    matmuls read them as views: every reader still sees the same [N, K] / [E, 2I, H] / [E, H, I] values."""
+def test_cpu_prepared_dense_layouts_change_strides_not_results(monkeypatch):
+    """The cpu backend stores wide dense weights column-major (where its tune table says so: here the AVX-512
+    table's rule) and expert banks so that its two all-expert matmuls read them as views: every reader still
+    sees the same [N, K] / [E, 2I, H] / [E, H, I] values."""
+    from flagdeploy.backends.cpu import ops as cpu_ops
+
+    monkeypatch.setitem(cpu_ops.TUNE, "linear", {"column_major_min_out": 256, "column_major_max_in": 512})
     g = torch.Generator().manual_seed(3)
     be = ops.get_backend("cpu")
     wide, narrow = torch.randn(512, 64, generator=g), torch.randn(8, 64, generator=g)
@@ -417,8 +511,10 @@ def test_ops_tune_writes_the_backends_table(tmp_path):
     r = CliRunner().invoke(main, ["ops", "tune", "--chip", "cpu", "-o", str(out)])
     assert r.exit_code == 0, r.output
     measured = yaml.safe_load(out.read_text())
-    shipped = yaml.safe_load((PROFILES_DIR.parent / "backends" / "cpu" / "tune.yaml").read_text())
+    shipped = yaml.safe_load((PROFILES_DIR.parent / "backends" / "cpu" / "tune.yaml").read_text())["machines"][-1]
+    del shipped["name"], shipped["cpu_flags"]
     assert {k: set(v) for k, v in measured.items()} == {k: set(v) for k, v in shipped.items()}
+    assert measured.pop("weight_only_dense")["dtype"] in ("float32", "bfloat16")
     layouts = measured["moe_experts"].pop("column_major_gate_up")  # dtypes, a switch, the rest sizes
     assert set(layouts) <= {"float32", "bfloat16"}
     assert set(measured["paged_attention_decode"].pop("matmul_dtypes")) <= {"float32", "bfloat16", "float16"}

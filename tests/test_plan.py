@@ -226,10 +226,19 @@ def test_serve_prints_the_plan_and_runs_a_profile(tmp_path, default_model):
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert "plan: smollm2-135m-instruct: 0.13B params" in err and "KiB/token" in err
-    # the weights as held, after loading: Q4 blocks, the bf16 copy for prompts, the int8 head; not "0.50 GiB (fp32)"
+    # the weights as held, after loading: Q4 blocks, the dense copy for prompts (bf16 or fp32 by the CPU's tune
+    # table), the int8 head; not "0.50 GiB (fp32)"
     plan_line = next(line for line in err.splitlines() if "plan: " in line)
     held = next(line for line in err.splitlines() if "weights held on cpu: " in line)
-    assert "fp32" not in plan_line and "q4 blocks" in held and "int8" in held and "bf16 copy (many-row steps)" in held
+    assert "fp32" not in plan_line and "q4 blocks" in held and "int8" in held
+    assert f"{_dense_copy_name()} copy (many-row steps)" in held
+
+
+def _dense_copy_name() -> str:
+    """What the held-weights line calls the cpu backend's dense copy on this CPU (its tune table's dtype)."""
+    from flagdeploy.backends.cpu import ops as cpu_ops
+
+    return {"bfloat16": "bf16", "float32": "fp32"}[cpu_ops.TUNE["weight_only_dense"]["dtype"]]
 
 
 def test_unknown_decoder_gets_a_generic_estimate(tmp_path):
@@ -306,8 +315,9 @@ def test_a_context_that_does_not_fit_says_the_largest_concurrency_and_the_shorte
 
 def test_serve_reports_the_weights_the_backend_holds(default_model):
     """The default model as the cpu backend holds it (weight format auto): its GGUF's Q4_1 blocks (20 bytes
-    per 32 weights, however the backend packs them), a bf16 copy of every quantized linear for prompt steps,
-    the head re-stored as int8 with a bf16 scale per row (and its bf16 copy), the fp32 embedding and norms.
+    per 32 weights, however the backend packs them), a dense copy of every quantized linear for prompt steps
+    (bf16, or fp32 where the CPU has no bf16 matmuls), the head re-stored as int8 with a scale per row (float32
+    for the backend's own int8 kernel, bf16 for torch's; and its dense copy), the fp32 embedding and norms.
     The line adds up to those bytes, not to the checkpoint's dequantised 0.50 GiB."""
     from conftest import make_engine
 
@@ -320,10 +330,12 @@ def test_serve_reports_the_weights_the_backend_holds(default_model):
     linear = layers * (h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size)
     held = held_weights(engine.model)
     assert held["q4 blocks"] == linear * 20 // 32
-    assert held["int8"] == v * h + v * 2
-    assert held["bf16 copy"] == pytest.approx((linear + v * h) * 2, rel=0.01)  # oneDNN's layout may pad
+    own_int8 = "w8" in engine.model.lm_head.qweight.prepared
+    assert held["int8"] == v * h + v * (4 if own_int8 else 2)
+    copy, copy_bytes = f"{_dense_copy_name()} copy", {"bf16": 2, "fp32": 4}[_dense_copy_name()]
+    assert held[copy] == pytest.approx((linear + v * h) * copy_bytes, rel=0.01)  # oneDNN's layout may pad
     assert held["fp32"] == (v * h + (2 * layers + 1) * h) * 4
-    assert set(held) == {"q4 blocks", "int8", "bf16 copy", "fp32"}
+    assert set(held) == {"q4 blocks", "int8", copy, "fp32"}
     line = held_line(held, "cpu")
     assert line.startswith(f"weights held on cpu: {sum(held.values()) / GIB:.2f} GiB = ") and "q4 blocks 0.06" in line
 

@@ -38,9 +38,9 @@ def engines(default_model, llm_engine):
     return llm_engine, make_engine(default_model, "auto")
 
 
-@pytest.mark.parametrize("prompt_through", ["bf16 copy", "few-row kernel"])
+@pytest.mark.parametrize("prompt_through", ["dense copy", "few-row kernel"])
 def test_packed_model_stays_close_to_dense(engines, prompt_through, monkeypatch):
-    """A prompt's rows normally go through the bf16 copy of the 4-bit weights; forced through the few-row
+    """A prompt's rows normally go through the dense copy of the 4-bit weights; forced through the few-row
     kernel (decode's: the cpu backend's int4 x int8 one where it builds), the model stays as close."""
     from flagdeploy.backends.cpu import ops as cpu_ops
 
@@ -69,7 +69,7 @@ def test_packed_model_answers(engines):
 
 def test_packed_prompt_computes_the_same_after_a_prefix_cache_hit(engines):
     """A cached prompt leaves only its last few tokens to compute, few enough rows for the packed int4
-    kernel; prompt tokens take the bf16 copy whatever their number, so the logprobs do not move."""
+    kernel; prompt tokens take the dense copy whatever their number, so the logprobs do not move."""
     _, packed = engines
     tok = packed.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe, please."}]))

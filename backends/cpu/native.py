@@ -4,6 +4,8 @@
   converts each nibble to bf16), and that kernel is what a 4-bit GGUF's decode step is made of. This
   one runs AVX-512 VNNI dot products over 16 output rows at a time, or on AVX2 the same arithmetic in
   two halves (csrc/q4_linear.cpp).
+- `q8_linear`: the same for int8 weights with per-channel scales (a quantized model's LM head), where torch's
+  int8 GEMV converts each weight to float: int16 dot products of 8 output rows at a time (csrc/q8_linear.cpp).
 - `paged_decode_attention`: decode attention over paged caches, each (row, key head) by the same loops
   whatever else is in the call (a row's result is bitwise the same alone, batched or as a speculative
   verify row), in one call where torch's SDPA costs ~200 us per call and a verify step needed one per
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from flagdeploy.ops.weights import Int4Weight
+from flagdeploy.ops.weights import Int4Weight, Int8Weight
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ def _cxx() -> str:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -86,7 +88,7 @@ def unsupported() -> str | None:
     AVX2, FMA and F16C, the int4 kernel's least (it uses AVX-512 VNNI where the CPU has it)."""
     if os.environ.get("FLAGDEPLOY_NATIVE_KERNELS", "1") == "0":
         return "switched off by FLAGDEPLOY_NATIVE_KERNELS=0"
-    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
     if platform.machine() not in ("x86_64", "AMD64") or missing:
         return f"this CPU lacks {', '.join(missing) or 'x86'}"
     return None
@@ -107,7 +109,7 @@ def available() -> bool:
     from flagdeploy.loaders.source import cache_dir
 
     code = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))  # the .cpp sources and their headers
-    key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(_cpu_flags())).encode())
+    key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode())
     so = cache_dir() / "kernels" / f"flagdeploy_cpu-{key.hexdigest()[:16]}.so"
     if not so.exists():
         log.warning("cpu backend: building its C++ kernels (once per machine, ~20 s) into %s", so)
@@ -118,12 +120,17 @@ def available() -> bool:
             return False
     torch.ops.load_library(str(so))
     torch.library.register_fake("flagdeploy_cpu::q4_linear")(_q4_linear_fake)
+    torch.library.register_fake("flagdeploy_cpu::q8_linear")(_q8_linear_fake)
     torch.library.register_fake("flagdeploy_cpu::paged_decode_attention")(lambda q, *_: torch.empty_like(q))
     return True
 
 
 def _q4_linear_fake(x, nib, dm):
     return x.new_empty(x.shape[0], nib.shape[0] * TILE, dtype=torch.bfloat16)
+
+
+def _q8_linear_fake(x, w8, d):
+    return x.new_empty(x.shape[0], d.shape[0], dtype=torch.bfloat16)
 
 
 def fits(w: Int4Weight) -> bool:
@@ -147,6 +154,28 @@ def pack_q4(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
 def q4_linear(x: torch.Tensor, nib: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """x [M, K] (float32 or bf16) times the packed weight: [M, N] bf16."""
     return torch.ops.flagdeploy_cpu.q4_linear(x, nib, dm)
+
+
+TILE8 = 8  # output rows per tile of the int8 kernel
+
+
+def fits_q8(w: Int8Weight) -> bool:
+    """Per-channel int8 in -127..127 (the kernel's int16 products need no -128), widths it tiles."""
+    return (not w.group_size and w.q.dim() == 2 and w.out_features % TILE8 == 0 and w.in_features % GROUP == 0
+            and int(w.q.min()) >= -127)
+
+
+def pack_q8(w: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w8, d) in the kernel's layout (csrc/q8_linear.cpp): tiles of 8 rows, and per tile and block of 32, the
+    rows' values two columns at a time (one int32 lane per row); the per-channel scales as float32."""
+    t, g = w.out_features // TILE8, w.in_features // GROUP
+    w8 = w.q.to(torch.int8).view(t, TILE8, g, GROUP // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return w8, w.scales.float().reshape(-1).contiguous()
+
+
+def q8_linear(x: torch.Tensor, w8: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (float32 or bf16) times the packed int8 weight: [M, N] bf16."""
+    return torch.ops.flagdeploy_cpu.q8_linear(x, w8, d)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:

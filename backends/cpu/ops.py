@@ -12,7 +12,7 @@ from torch import nn
 import yaml
 
 from flagdeploy.ops import fused, glm, reference
-from flagdeploy.ops.registry import OPS, in_prefill_step, in_verify_step
+from flagdeploy.ops.registry import OPS, in_prefill_step, in_verify_step, tracing
 from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight, stripped
 
 from . import native
@@ -21,14 +21,27 @@ from flagdeploy.ops.fused import (  # noqa: F401  (torch's fused kernels, shared
     attention_prefill, rope, write_kv_cache,
 )
 
-TUNE = yaml.safe_load((Path(__file__).with_name("tune.yaml")).read_text())
+
+def tune_table(flags: frozenset[str], path: Path = Path(__file__).with_name("tune.yaml")) -> dict:
+    """The first of tune.yaml's `machines` whose `cpu_flags` this CPU has. The crossovers move with the
+    instruction set, not only with the core count: without AVX-512 BF16 a bf16 matmul is emulated (~6x
+    slower than float32 on a 2-core AVX2 EPYC), so the few-row packed kernels win up to far more rows and
+    the dense copy is better kept in float32."""
+    for machine in yaml.safe_load(path.read_text())["machines"]:
+        if set(machine["cpu_flags"]) <= flags:
+            return {k: v for k, v in machine.items() if k not in ("name", "cpu_flags")}
+    raise RuntimeError(f"{path} has no entry for a CPU with flags {' '.join(sorted(flags)) or '(none)'}; its last "
+                       "entry should need no flags")
+
+
+TUNE = tune_table(native.cpu_flags())
 
 
 def rms_norm(x, weight, eps):
     """Eagerly, the backend's one-pass kernel (native.rms_norm: ~7 us a decode row where torch's composite
     norm costs 40-70 us, ~60 times a token for a small llama); inside a compiled step torch's, which
     inductor fuses with its neighbours."""
-    if not torch.compiler.is_compiling() and native.normalizes(x, weight):
+    if not tracing() and native.normalizes(x, weight):
         return native.rms_norm(x, weight, eps)
     return fused.rms_norm(x, weight, eps)
 
@@ -36,7 +49,7 @@ def rms_norm(x, weight, eps):
 def add_rms_norm(x, residual, weight, eps):
     """As `rms_norm`; a 16-bit sublayer output added to a float32 residual stream (a weight-only quantized
     model's), and any sum inside a compiled step, is added by torch first, as the fused override adds it."""
-    if not torch.compiler.is_compiling() and residual.dtype == x.dtype and native.normalizes(x, weight):
+    if not tracing() and residual.dtype == x.dtype and native.normalizes(x, weight):
         return native.add_rms_norm(x, residual, weight, eps)
     h = x + residual
     return rms_norm(h, weight, eps), h
@@ -45,7 +58,7 @@ def add_rms_norm(x, residual, weight, eps):
 def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
     """Eagerly, the backend's one-pass kernel (native.rope_write_kv: a few us a decode layer where torch's
     rope and two index_copy_ cost ~100 us); inside a compiled step torch's ops, which inductor fuses."""
-    if not torch.compiler.is_compiling() and native.rotates(q, k, v, k_cache, v_cache):
+    if not tracing() and native.rotates(q, k, v, k_cache, v_cache):
         return native.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     q, k = rope(q, k, cos, sin)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
@@ -64,7 +77,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     cost grows ~1 us per key and sequence, the matmuls' mostly fixed: at 16 sequences of ~100 keys, ~0.9 ms
     against ~0.35 ms per layer). float32 caches keep SDPA: the dense float32 mode answers a sequence the
     same alone and batched. Query heads are grouped under their key head, so nothing is repeated."""
-    if torch.compiler.is_compiling():
+    if tracing():
         k, v, live = _gathered(k_cache, v_cache, block_tables, context_lens)  # [B, L, KH, D] x2, [B, L]
         s = (_grouped(q, k.shape[2]).float().unsqueeze(1) * k.float().unsqueeze(3)).sum(-1) * scale  # [B, L, KH, G]
         p = s.masked_fill(~live[:, :, None, None], float("-inf")).softmax(1)
@@ -129,7 +142,7 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.view(b, kv_heads, h // kv_heads, d)
 
 
-# ---- weight-only quantized linears: packed kernels for few rows, a bf16 dense copy past that -------
+# ---- weight-only quantized linears: packed kernels for few rows, a dense copy past that ---------------
 
 # oneDNN can lay a bf16 weight out for its AMX kernels once, instead of on every call: 1.5-2x faster
 # at 16 rows (benchmarks/cpu_linear.py). The layout works for any row count; 16 is only a hint.
@@ -148,20 +161,27 @@ def _keyed(w):
 
 
 def _dense_copy(w) -> torch.Tensor:
-    dense = w.dequantize(torch.bfloat16)
-    return torch.ops.mkldnn._reorder_linear_weight(dense, 16) if ONEDNN_BF16 else dense
+    """The dense copy prompt rows and large batches multiply, in the tune table's dtype (bf16 where the CPU
+    has bf16 matmuls, else float32), laid out once for oneDNN. Its matmul is row-invariant: a row's result
+    does not depend on how many rows share the call (MKL's float32 GEMM takes another path below ~6 rows and
+    rounds differently), so a prompt's tail after a prefix-cache hit computes what the whole prompt did."""
+    dtype = getattr(torch, TUNE["weight_only_dense"]["dtype"])
+    dense = w.dequantize(dtype)
+    if torch.backends.mkldnn.is_available() and (dtype == torch.float32 or ONEDNN_BF16):
+        return torch.ops.mkldnn._reorder_linear_weight(dense, 16)
+    return dense
 
 
 def _dense_mm(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    x = x.to(torch.bfloat16)
-    if ONEDNN_BF16:
-        return torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], "")
-    return F.linear(x, dense)
+    """x @ dense.T as bf16, whichever dtype the copy is in."""
+    x = x.to(dense.dtype)
+    y = torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], "") if dense.is_mkldnn else F.linear(x, dense)
+    return y.to(torch.bfloat16)
 
 
 def prepare_w4a16(w: Int4Weight):
     """The packed layout of the kernel that multiplies few rows (the backend's own int4 x int8 kernel where
-    it builds, else torch's int4 GEMV) and a bf16 copy for more rows."""
+    it builds, else torch's int4 GEMV) and a dense copy for more rows."""
     if native.available() and native.fits(w):
         nib, dm = native.pack_q4(w)
         return _keyed(stripped(w, nib=nib, dm=dm, dense=_dense_copy(w)))
@@ -182,7 +202,7 @@ def packed_w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 
 
 def _w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """Decode rows up to `packed_max_m` take the packed kernel; prompt tokens always the bf16 copy, so that
+    """Decode rows up to `packed_max_m` take the packed kernel; prompt tokens always the dense copy, so that
     a prompt computes the same however much of it a prefix-cache hit skipped (the two kernels round
     differently: a cached prompt's first token drifted 0.16 in logprob when its last few tokens took the
     packed one)."""
@@ -202,22 +222,36 @@ def linear_w4a16(x, w: Int4Weight, bias=None):
 
 
 def prepare_w8a16(w: Int8Weight):
-    if w.group_size:  # the packed int8 kernel takes per-channel scales only
+    """Per-channel weights: the backend's own int8 kernel's layout where it builds, else torch's int8 GEMV's;
+    and a dense copy for more rows. Per-group scales: the dense copy only (neither packed kernel takes them)."""
+    if w.group_size:
         return _keyed(stripped(w, dense=_dense_copy(w)))
+    if native.available() and native.fits_q8(w):
+        w8, d = native.pack_q8(w)
+        return _keyed(stripped(w, w8=w8, d=d, dense=_dense_copy(w)))
     return _keyed(stripped(w, q=w.q, scales=w.scales.to(torch.bfloat16), dense=_dense_copy(w)))
+
+
+def packed_w8a16(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """The few-row kernel of a prepared per-channel bundle. The backend's own kernel carries the activations
+    as ~15-bit integers (csrc/q8_linear.cpp); torch's multiplies in bf16."""
+    p = w.prepared
+    if "w8" in p:
+        return native.q8_linear(x, p["w8"], p["d"])
+    return torch._weight_int8pack_mm(x.to(torch.bfloat16), p["q"], p["scales"])
 
 
 def _w8a16(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     p = w.prepared
     m = TUNE["linear_w8a16"]["packed_max_m"]
-    if "q" in p and x.shape[0] <= m:
-        return torch._weight_int8pack_mm(x.to(torch.bfloat16), p["q"], p["scales"])
-    if "q" in p and in_verify_step() and not in_prefill_step():
+    packed = "w8" in p or "q" in p
+    if packed and x.shape[0] <= m:
+        return packed_w8a16(x, w)
+    if packed and in_verify_step() and not in_prefill_step():
         # a speculative verify step (e.g. 1 + K rows through the int8 LM head): the packed kernel in chunks of
         # at most `packed_max_m` rows, as plain decode rows of a small batch take it; the kernel is row-invariant
         # (each row's result does not depend on the others), so verified tokens equal unspeculated ones
-        xb = x.to(torch.bfloat16)
-        return torch.cat([torch._weight_int8pack_mm(c, p["q"], p["scales"]) for c in xb.split(m)])
+        return torch.cat([packed_w8a16(c, w) for c in x.split(m)])
     return _dense_mm(x, p["dense"])
 
 
@@ -231,7 +265,7 @@ def _rows_unknown(x: torch.Tensor) -> bool:
     must be picked inside `prepared_linear`. The one-row graph (a lone sequence's) calls the packed kernel
     directly: the opaque op costs ~8 us a call. (A dynamic size is at least 2 to the tracer, so `!= 1`
     holds there without a guard.)"""
-    return torch.compiler.is_compiling() and x.shape[0] != 1
+    return tracing() and x.shape[0] != 1
 
 
 if hasattr(torch.ops.flagdeploy_cpu, "prepared_linear"):  # the op's weight table is this module's own

@@ -1,14 +1,17 @@
 """`flagdeploy ops tune --chip cpu`: measure this CPU and return the shape buckets of tune.yaml.
 
-Each tunable is a crossover: up to some row count the packed GEMV kernel beats the oneDNN bf16 copy;
-up to some tokens x experts the dense all-experts MoE beats the per-expert loop; up to some cache slots
-read, torch's fused SDPA beats the backend's two batched matmuls for decode attention; from some output
-width (and up to some input width) a column-major dense weight beats the row-major one; and whether a
-compiled step should freeze its weights for oneDNN's laid-out matmuls (and autotune them). They are
-measured at SmolLM2-135M's linear shapes and a small MoE's, and returned as data for `ops tune` to write.
+Each tunable is a crossover: which dtype the dense copy of a weight-only linear is in, and up to some row
+count the packed GEMV kernel beats that copy; up to some tokens x experts the dense all-experts MoE beats
+the per-expert loop; up to some cache slots read, torch's fused SDPA beats the backend's two batched
+matmuls for decode attention; from some output width (and up to some input width) a column-major dense
+weight beats the row-major one; and whether a compiled step should freeze its weights for oneDNN's
+laid-out matmuls (and autotune them). They are measured at SmolLM2-135M's linear shapes and a small MoE's,
+and returned as data for `ops tune` to write, as one table of tune.yaml's `machines`.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +23,7 @@ from flagdeploy.ops.weights import Int4Weight, Int8Weight
 
 from . import ops
 
-ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LINEAR_SHAPES = ((960, 576), (3072, 576), (576, 1536))
 WIDTHS = (16, 32, 64, 128, 256, 512, 1024, 4096)  # weight widths tried for the dense weights' layout
 
@@ -35,20 +38,33 @@ def _int4(w: torch.Tensor) -> Int4Weight:
                       torch.zeros(w.shape[0], groups), 32, *w.shape)
 
 
-def _packed_w8(x, w):
-    return torch._weight_int8pack_mm(x, w.prepared["q"], w.prepared["scales"])
-
-
 # op -> (make a canonical bundle, the backend's prepare, its packed kernel)
 _LINEARS = {"linear_w4a16": (_int4, ops.prepare_w4a16, ops.packed_w4a16),
-            "linear_w8a16": (Int8Weight.quantize, ops.prepare_w8a16, _packed_w8)}
+            "linear_w8a16": (Int8Weight.quantize, ops.prepare_w8a16, ops.packed_w8a16)}
 
 
-def _linear_crossover(op: str) -> int:
-    """The largest row count up to which the packed kernel is still faster, over one layer's shapes."""
+def _dense_dtype() -> str:
+    """The dtype of the dense copy: bf16 where oneDNN multiplies it faster than MKL does float32 at a
+    prompt's 128 rows over one layer's shapes (AVX-512 BF16, AMX), else float32 (bf16 emulated)."""
+    if not ops.ONEDNN_BF16:
+        return "float32"
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(n, k, generator=g) * 0.02 for n, k in LINEAR_SHAPES]
+    xs = [torch.randn(128, k, generator=g).to(torch.bfloat16) for _, k in LINEAR_SHAPES]
+    took = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        laid = [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 16) for w in ws]
+        took[dtype] = _best(lambda: [ops._dense_mm(x, w) for x, w in zip(xs, laid)])
+    return "bfloat16" if took[torch.bfloat16] < took[torch.float32] else "float32"
+
+
+def _linear_crossover(op: str, dense_dtype: str) -> int:
+    """The largest row count up to which the packed kernel is still faster than the dense copy in
+    `dense_dtype`, over one layer's shapes."""
     make, prepare, packed = _LINEARS[op]
     g = torch.Generator().manual_seed(0)
-    ws = [prepare(make(torch.randn(n, k, generator=g) * 0.02)) for n, k in LINEAR_SHAPES]
+    with _dense_copies(dense_dtype):
+        ws = [prepare(make(torch.randn(n, k, generator=g) * 0.02)) for n, k in LINEAR_SHAPES]
     last = 0
     for m in ROWS:
         xs = [torch.randn(m, k).to(torch.bfloat16) for _, k in LINEAR_SHAPES]
@@ -57,6 +73,17 @@ def _linear_crossover(op: str) -> int:
         if t_packed <= t_dense:
             last = m
     return last
+
+
+@contextlib.contextmanager
+def _dense_copies(dtype: str):
+    """`prepare_*` makes its dense copies in `dtype` meanwhile."""
+    table = ops.TUNE["weight_only_dense"]
+    before, table["dtype"] = table["dtype"], dtype
+    try:
+        yield
+    finally:
+        table["dtype"] = before
 
 
 def _column_major_wins(n: int, k: int, g: torch.Generator, rows=(1, 4, 8), dtype=torch.float32) -> bool:
@@ -172,9 +199,11 @@ def _freezing_wins() -> bool:
 
 def measure() -> dict:
     """The tune table's values as measured on this machine (the keys of tune.yaml)."""
+    dense = _dense_dtype()
     return {"linear": _layout_crossovers(),
-            "linear_w4a16": {"packed_max_m": _linear_crossover("linear_w4a16")},
-            "linear_w8a16": {"packed_max_m": _linear_crossover("linear_w8a16")},
+            "weight_only_dense": {"dtype": dense},
+            "linear_w4a16": {"packed_max_m": _linear_crossover("linear_w4a16", dense)},
+            "linear_w8a16": {"packed_max_m": _linear_crossover("linear_w8a16", dense)},
             "moe_experts": {"dense_max_token_experts": _moe_crossover(), "column_major_gate_up": _column_major_gate_up()},
             # float32 caches stay on SDPA by choice, not measurement: the dense float32 mode is batch-invariant
             "paged_attention_decode": {"native_max_keys": _native_attention_max_keys(),

@@ -16,6 +16,11 @@ of its own, so once it is compiled the per-call guard checks (a tenth of the ste
 skipped: `skip_guard_eval_unsafe` keeps only the guards that choose between a code object's graphs, and
 each has one.
 
+By default (`serve` without --compile/--no-compile) this happens on a thread of its own while the engine
+serves with its eager step, and the runner takes the graphs once they are compiled and measured faster:
+ready at once, fast a minute or two later (`warm_up_in_background`). The ops ask `ops.tracing()`, not
+torch's process-wide `is_compiling()` flag, which the compile would hold for the serving thread too.
+
 The graphs are used only for batch sizes where they beat the eager step: after compiling, the warm-up
 times both on padding rows at 1 row (the one-row graph) and at 2, 4, 8, ... rows and keeps the batched
 graph up to the largest size where it won (`max_batch`); other steps run eagerly. (In the batched graph
@@ -28,8 +33,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 import time
 import types
+from collections.abc import Callable
 
 import torch
 import torch._inductor.config  # noqa: F401  (patched below)
@@ -44,6 +52,7 @@ from .cuda_graphs import DecodeInputs, Step
 log = logging.getLogger(__name__)
 
 QUIET_AUTOTUNE = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+BACKGROUND_SWITCH_S = 2e-5  # the interpreter's GIL switch interval while the step compiles in the background
 MIN_DIM = 2  # the smallest batch and table width the graph is run at (see the module docstring)
 
 
@@ -84,11 +93,42 @@ class CompiledDecode:
         self.max_batch = 0  # the largest batch the graphs serve (set by `warm_up`); larger ones run eagerly
         self.one_row = False  # whether a lone sequence runs through the one-row graph (set by `warm_up`)
 
-    def warm_up(self) -> bool:
+    def warm_up_in_background(self, install: Callable[["CompiledDecode"], None]) -> threading.Thread:
+        """`warm_up` on a daemon thread, then `install(self)` if the graphs are worth using. The compile and
+        its timings touch only the padding block and state row, which no sequence owns, so the engine keeps
+        stepping its eager step meanwhile (both share the cores: steps are slower while it compiles).
+
+        The compile is Python holding the GIL for long stretches: each time the serving thread releases
+        it (once per kernel, a few hundred times a step) the compile thread would keep it for the whole
+        switch interval (5 ms), a step ~1 s. Meanwhile the interval is BACKGROUND_SWITCH_S, so a step
+        waits at most that per release."""
+
+        def work() -> None:
+            before = sys.getswitchinterval()
+            sys.setswitchinterval(BACKGROUND_SWITCH_S)
+            try:
+                if self.warm_up(background=True):
+                    install(self)
+                    log.warning("the compiled decode step now serves %s", self.serving())
+            except Exception:  # noqa: BLE001  (the eager step keeps serving; say why it stays)
+                log.warning("compiling the decode step failed; the eager step keeps serving", exc_info=True)
+            finally:
+                sys.setswitchinterval(before)
+
+        thread = threading.Thread(target=work, name="flagdeploy-compile", daemon=True)
+        thread.start()
+        return thread
+
+    def serving(self) -> str:
+        """Which steps the graphs serve, in words."""
+        return ", ".join(["one sequence"] * self.one_row + [f"2 to {self.max_batch} sequences"] * (self.max_batch >= MIN_DIM))
+
+    def warm_up(self, background: bool = False) -> bool:
         """Compile now (on padding rows only), not inside the first request. False where the step does
         not trace to one graph for every batch and width (then the caller runs it eagerly)."""
         t = time.perf_counter()
-        log.warning("compiling the decode step (once; a minute or more on a small CPU, less once cached)")
+        log.warning("compiling the decode step%s (once; a minute or more on a small CPU, less once cached)",
+                    " in the background, serving with the eager step meanwhile" if background else "")
         try:
             self._call(MIN_DIM, [], [], [], [], [], [])
         except ConstraintViolationError as exc:
@@ -116,8 +156,7 @@ class CompiledDecode:
         if not self.one_row and self.max_batch < MIN_DIM:
             log.warning("the compiled decode step is slower than the eager one on this backend; running it eagerly.")
             return False
-        log.info("compiled decode step used for %s", ", ".join(
-            ["one sequence"] * self.one_row + [f"2 to {self.max_batch} sequences"] * (self.max_batch >= MIN_DIM)))
+        log.info("compiled decode step used for %s", self.serving())
         return True
 
     def serves(self, n: int) -> bool:

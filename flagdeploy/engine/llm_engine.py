@@ -41,7 +41,9 @@ class EngineConfig:
     load_format: str = "auto"  # or "dummy": random weights from the config (benchmarks without a checkpoint)
     device: str = "cpu"
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs where the device is a GPU (paged models)
-    compile: bool = False  # run decode steps through torch.compile where no graph replays them (engine/compiled_step.py)
+    # run decode steps through torch.compile where no graph replays them (engine/compiled_step.py): True compiles
+    # before the engine is returned, None on a thread while it serves eagerly (serve's default)
+    compile: bool | None = False
     tp: int = 1  # tensor-parallel ranks of this replica (flagdeploy.parallel)
     ep: int = 1  # expert-parallel ranks of this replica
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off unless asked (--speculative)
@@ -404,7 +406,16 @@ class LLMEngine:
             "spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
             **self._encoder_stats(),
+            **self._compile_stats(),
         }
+
+    def _compile_stats(self) -> dict[str, int]:
+        """Whether decode steps run through the compiled step yet, and whether it is still being compiled."""
+        if not hasattr(self.runner, "compiled"):
+            return {}
+        compiling = self.runner.compiling
+        return {"decode_step_compiled": int(self.runner.compiled is not None),
+                "decode_step_compiling": int(compiling is not None and compiling.is_alive())}
 
     def _encoder_stats(self) -> dict[str, int]:
         encoder = getattr(self.runner, "encoder", None)

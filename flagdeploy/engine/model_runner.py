@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +74,23 @@ def _encoder_cache(model, device: str) -> EncoderCache | None:
     return EncoderCache(model.encode_media, ENCODER_CACHE_ROWS, device)
 
 
+BACKGROUND_COMPILE_MAX_FROZEN = 0.1  # of the machine's memory: dense weights a default compile may copy
+
+
+def _background_compile_fits(model) -> bool:
+    """Whether serve's default compiles the decode step (in the background): a compiled step freezes dense
+    float weights into itself, a second copy, so a model whose dense linears exceed a tenth of the machine's
+    memory is not compiled unless asked (`--compile`); a weight-only quantized one (a GGUF) copies none."""
+    dense = sum(m.weight.nbytes for m in model.modules()
+                if isinstance(m, Linear) and m.qweight is None and isinstance(m.weight, torch.Tensor))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if dense <= BACKGROUND_COMPILE_MAX_FROZEN * memory:
+        return True
+    log.info("not compiling the decode step: its frozen copy of %.1f GiB of dense weights would not fit beside "
+             "them comfortably; --compile compiles it anyway", dense / 2**30)
+    return False
+
+
 def _weight_only(model) -> bool:
     """Whether every linear of `model` runs a weight-only quantized kernel (4- or 8-bit weights, 16-bit
     activations): a GGUF served with `--weight-format auto`."""
@@ -84,6 +103,7 @@ class _Runner:
 
     model: object
     device: str
+    compiling: threading.Thread | None = None  # the decode step compiling in the background (engine/compiled_step.py)
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Forward one step. Returns logits for the sequences that reach their end, and their indices."""
@@ -465,17 +485,21 @@ def build_runner(model, config) -> tuple[_Runner, int, int]:
     graphs = None
     if config.cuda_graphs and config.device == "cuda" and config.tp * config.ep == 1:
         graphs = {"max_batch": config.max_num_seqs, "max_model_len": config.max_model_len}
+    compile = config.compile if config.compile is not None else _background_compile_fits(model)
+    compile = compile and config.tp * config.ep == 1
     if cls is SequenceStateRunner:
         runner = SequenceStateRunner(model, num_blocks, config.block_size, config.device, config.max_num_seqs, graphs,
-                                     config.compile and config.tp * config.ep == 1, spec_tokens)
+                                     compile, spec_tokens)
     else:
-        runner = PagedRunner(model, num_blocks, config.block_size, config.device, graphs,
-                             config.compile and config.tp * config.ep == 1, config.max_num_seqs)
+        runner = PagedRunner(model, num_blocks, config.block_size, config.device, graphs, compile, config.max_num_seqs)
     if spec_tokens and not getattr(runner, "batched_decode", True):
         raise ValueError(f"--speculative {spec.method} needs the batched decode step, which this checkpoint's MLA "
                          "kv_b weights do not allow (they cannot be absorbed); serve it with --speculative off.")
     compiled = getattr(runner, "compiled", None)
-    if compiled is not None:
+    if compiled is not None and config.compile is None:  # eager now, the graphs once compiled and faster
+        runner.compiled = None
+        runner.compiling = compiled.warm_up_in_background(lambda c: setattr(runner, "compiled", c))
+    elif compiled is not None:
         if not compiled.warm_up():
             runner.compiled = None
     elif config.compile:

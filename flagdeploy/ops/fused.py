@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .registry import tracing
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
@@ -64,7 +66,7 @@ def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
 def _recorded(x: torch.Tensor) -> bool:
     """Whether this call is being recorded for replay (a CUDA graph capture or a torch.compile trace),
     where a host read of a tensor's value has no place."""
-    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    return tracing() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):

@@ -217,6 +217,17 @@ def dispatch(name: str) -> Callable:
 
 # ---- what kind of step the ops run in -------------------------------------------------------------------
 
+
+@torch._dynamo.assume_constant_result
+def tracing() -> bool:
+    """Whether this call is being traced by torch.compile in this thread. Not `torch.compiler.is_compiling()`:
+    that is one process-wide flag, held for a whole compile session, so while the decode step compiles in a
+    background thread (`serve`'s default on the CPU) the serving thread's eager ops would take the traced
+    forms. Dynamo runs this at trace time and bakes the answer in; run eagerly it asks the thread's own
+    tracing context."""
+    return torch._guards.TracingContext.try_get() is not None
+
+
 _PREFILL = contextvars.ContextVar("flagdeploy_prefill_step", default=False)
 
 
@@ -233,6 +244,9 @@ def prefill_step():
         _PREFILL.reset(token)
 
 
+# Dynamo cannot trace a ContextVar read: a compiled step reads the flag once, at trace time (its graphs are
+# decode steps, traced outside any prefill or verify step), and keeps the answer.
+@torch._dynamo.assume_constant_result
 def in_prefill_step() -> bool:
     return _PREFILL.get()
 
@@ -254,5 +268,6 @@ def verify_step():
         _VERIFY.reset(token)
 
 
+@torch._dynamo.assume_constant_result
 def in_verify_step() -> bool:
     return _VERIFY.get()

@@ -1,7 +1,7 @@
 """What a loaded model really holds for its weights, by format, measured from its tensors.
 
 The planner's ledger (ledger.py) counts a checkpoint as stored; the builtin engine does not always hold
-that: a GGUF's 4-bit linears stay packed Q4 blocks, the backend may keep a bf16 copy of them for steps of
+that: a GGUF's 4-bit linears stay packed Q4 blocks, the backend may keep a dense copy of them for steps of
 many rows (prompts), the LM head may be re-stored as int8, FP8 may stay FP8 or be dequantised. Which of
 these happen depends on the backend and the machine (native kernels built or not), so `flagdeploy serve`
 reports the bytes after loading, from the tensors themselves, rather than predicting them.

@@ -65,6 +65,8 @@ _ENGINE_GAUGES = {
     "waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
     "kv_blocks_free": ("kv_cache_blocks_free", "Free KV-cache blocks."),
     "kv_blocks_total": ("kv_cache_blocks_total", "KV-cache blocks in all."),
+    "decode_step_compiled": ("decode_step_compiled", "1 while decode steps run through the compiled step, else 0."),
+    "decode_step_compiling": ("decode_step_compiling", "1 while the decode step compiles in the background, else 0."),
 }
 
 
