@@ -270,6 +270,15 @@ def test_cpu_groupwise_w8a16_matches_reference(rows):
     torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
 
 
+def _assert_rounds_as_its_bf16_output(got: torch.Tensor, x: torch.Tensor, w) -> None:
+    """A bf16 [rows, N] kernel output of x @ w.T whose error against float64 is the bf16 rounding's alone."""
+    want = x.double() @ w.dequantize(torch.float64).t()
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    err = (got.double() - want).norm() / want.norm()
+    rounding = (want.bfloat16().double() - want).norm() / want.norm()
+    assert err < 1.2 * rounding + 1e-4, f"{len(x)} rows: error {err:.2e} against the bf16 output's {rounding:.2e}"
+
+
 def _cpu_kernels_or_skip():
     from flagdeploy.backends.cpu import native
 
@@ -293,12 +302,8 @@ def test_cpu_int4_kernel_rounds_no_worse_than_its_bf16_output(n, k):
     assert "nib" in prepared.prepared
     for rows in (1, 2, 3, 7):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        want = x.double() @ w.dequantize(torch.float64).t()
         got = native.q4_linear(x, prepared.prepared["nib"], prepared.prepared["dm"])
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-        err = (got.double() - want).norm() / want.norm()
-        rounding = (want.bfloat16().double() - want).norm() / want.norm()
-        assert err < 1.2 * rounding + 1e-4, f"{rows} rows: error {err:.2e} against the bf16 output's {rounding:.2e}"
+        _assert_rounds_as_its_bf16_output(got, x, w)
 
 
 @pytest.mark.parametrize("n,k", [(8, 32), (48, 64), (960, 576), (49152, 576)])
@@ -314,12 +319,8 @@ def test_cpu_int8_kernel_rounds_no_worse_than_its_bf16_output_and_rows_are_indep
     assert "w8" in prepared.prepared
     for rows in (1, 3, 6):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        want = x.double() @ w.dequantize(torch.float64).t()
         got = native.q8_linear(x, prepared.prepared["w8"], prepared.prepared["d"])
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-        err = (got.double() - want).norm() / want.norm()
-        rounding = (want.bfloat16().double() - want).norm() / want.norm()
-        assert err < 1.2 * rounding + 1e-4, f"{rows} rows: error {err:.2e} against the bf16 output's {rounding:.2e}"
+        _assert_rounds_as_its_bf16_output(got, x, w)
         alone = torch.cat([native.q8_linear(r, prepared.prepared["w8"], prepared.prepared["d"]) for r in x.split(1)])
         assert torch.equal(alone, got)
 

@@ -1,6 +1,7 @@
 // The activations of an int-weight x int8 kernel (q4_linear.cpp, q8_linear.cpp), quantised once per call.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -105,5 +106,13 @@ Activations quantize(const T* x, int64_t rows, int64_t k) {
 }
 
 #endif
+
+// The activations of x [rows, K], float32 or bf16 (any other dtype is converted to float32 first).
+inline Activations quantize(const at::Tensor& x) {
+  at::Tensor xc = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+  return xc.scalar_type() == at::kBFloat16
+      ? quantize(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), xc.size(0), xc.size(1))
+      : quantize(xc.data_ptr<float>(), xc.size(0), xc.size(1));
+}
 
 }  // namespace

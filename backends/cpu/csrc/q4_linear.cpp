@@ -152,10 +152,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
               "q4_linear: x's width does not match the packed weight's (K a multiple of 32)");
   TORCH_CHECK(nib.scalar_type() == at::kByte && dm.scalar_type() == at::kHalf && nib.is_contiguous() && dm.is_contiguous(),
               "q4_linear: nib must be contiguous uint8, dm contiguous float16");
-  at::Tensor xc = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
-  Activations a = xc.scalar_type() == at::kBFloat16
-      ? quantize(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), rows_n, k)
-      : quantize(xc.data_ptr<float>(), rows_n, k);
+  Activations a = quantize(x);
   at::Tensor y = at::empty({rows_n, n_out}, x.options().dtype(at::kBFloat16));
   const uint8_t* w = nib.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());

@@ -79,10 +79,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor
               "q8_linear: x's width or the scales' count does not match the packed weight's (K a multiple of 32)");
   TORCH_CHECK(w8.scalar_type() == at::kChar && d.scalar_type() == at::kFloat && w8.is_contiguous() && d.is_contiguous(),
               "q8_linear: w8 must be contiguous int8, d contiguous float32");
-  at::Tensor xc = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
-  Activations a = xc.scalar_type() == at::kBFloat16
-      ? quantize(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), rows_n, k)
-      : quantize(xc.data_ptr<float>(), rows_n, k);
+  Activations a = quantize(x);
   std::vector<int16_t> x16(rows_n * k);
   for (int64_t i = 0; i < rows_n * k; ++i) x16[i] = static_cast<int16_t>(a.hi[i] * 256 + a.lo[i]);
   at::Tensor y = at::empty({rows_n, n_out}, x.options().dtype(at::kBFloat16));
