@@ -28,6 +28,14 @@ What a CPU user would otherwise run is llama.cpp's server, so that is the baseli
    - N-concurrent tok/s: output tokens of N requests sent at once / wall time until the last one ends,
      median of --rounds rounds after one warm-up round.
    The maths is flagdeploy.bench's (loadgen.run_round, stats.median_of_rounds), as `flagdeploy bench serve`.
+4. sets beside flagdeploy's HTTP rates what its engine itself did, to show what is lost between the engine
+   and the client (issue 33):
+   - engine tok/s: the same rounds' generation tokens / seconds inside engine steps, from the server's
+     /metrics (`generation_tokens_total`, `engine_step_seconds_total`), median of the rounds;
+   - in-process tok/s: the same engine configuration (serve's defaults, its decode step compiled before
+     measuring), the same chat prompts and token counts, driven by `LLMEngine.generate` in this process
+     with no server at all (the servers are stopped by then), median of --rounds after a warm-up.
+   HTTP / in-process is the share of the engine's own speed a client receives.
 
 Prints one row per server and the ratios flagdeploy / llama-server: above 1 is flagdeploy faster for the
 tok/s columns, and slower for ready s. "spread" is max/min throughput over the rounds used: far above 1 the
@@ -48,6 +56,7 @@ import platform
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -296,24 +305,44 @@ def prompts(n: int, max_tokens: int, offset: int = 0) -> list[Prompt]:
             for i in range(n)]
 
 
+def engine_counters(ep: Endpoint) -> tuple[float, float] | None:
+    """(generation tokens, seconds inside engine steps) from flagdeploy's /metrics; None for a server
+    without them (llama-server)."""
+    text = httpx.get(ep.base_url + "/metrics", timeout=30).text
+    found = [re.search(rf"^flagdeploy:{name}_total (\S+)$", text, re.M)
+             for name in ("generation_tokens", "engine_step_seconds")]
+    return None if None in found else (float(found[0].group(1)), float(found[1].group(1)))
+
+
 async def measure(ep: Endpoint, args: argparse.Namespace) -> dict:
-    """Single-stream and concurrent throughput (flagdeploy.bench's rounds: round 0 is the warm-up), and the
-    greedy answers with EOS honoured for the text comparison."""
+    """Single-stream and concurrent throughput (flagdeploy.bench's rounds: round 0 is the warm-up), the
+    engine's own rate over the same rounds where the server reports it, and the greedy answers with EOS
+    honoured for the text comparison."""
     out: dict = {}
     for key, concurrency, n in (("single", 1, 1), ("concurrent", args.concurrency, args.concurrency)):
         cfg = ServeConfig(concurrencies=[concurrency], rounds=args.rounds + 1, ignore_eos=True)
         results = ServeResults()
+        engine_rates = []
         for rnd in range(args.rounds + 1):
             # a new prompt each single-stream round, so no round is served from a prefix cache of the last
             batch = prompts(n, args.max_tokens, offset=rnd if key == "single" else 0)
+            before = engine_counters(ep)
             stats = await run_round(ep, batch, concurrency, rnd, cfg, results)
+            after = engine_counters(ep)
+            engine = ""
+            if before is not None and after is not None and after[1] > before[1]:
+                rate = (after[0] - before[0]) / (after[1] - before[1])
+                engine = f" (engine {rate:.1f} tok/s)"
+                if rnd:
+                    engine_rates.append(rate)
             log(f"  {key} round {rnd}{' (warm-up)' if rnd == 0 else ''}: {stats.output_tokens} tokens in "
-                f"{stats.duration_s:.2f} s = {stats.output_throughput:.1f} tok/s, {stats.errors} errors")
+                f"{stats.duration_s:.2f} s = {stats.output_throughput:.1f} tok/s{engine}, {stats.errors} errors")
         summary = results.summaries([concurrency])[0]
         errors = [r.error for r in results.records if r.error]
         counts = sorted({r.output_tokens for r in results.records if r.ok})
         unreported = sum(not r.usage_reported for r in results.records if r.ok)
         out[key] = {"tok_s": summary["output_throughput"], "spread": summary["throughput_spread"],
+                    "engine_tok_s": statistics.median(engine_rates) if engine_rates else None,
                     "errors": errors, "token_counts": counts, "no_usage": unreported,
                     "forced": not errors and counts == [args.max_tokens] and not unreported}
     async with ep.async_client(1) as client:
@@ -373,6 +402,39 @@ def bench(server: Server, args: argparse.Namespace) -> dict:
     return result
 
 
+def in_process(args: argparse.Namespace) -> dict[str, float]:
+    """flagdeploy's engine with no server: serve's engine defaults (its --max-model-len, --max-num-seqs
+    etc. are EngineConfig's), the decode step compiled before measuring (what the server settles to), the
+    same chat prompts and forced token counts as the HTTP rounds; median tok/s of --rounds after a warm-up."""
+    from flagdeploy.engine import EngineConfig, SamplingParams
+    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.tokenizer import Tokenizer
+
+    src = resolve(args.model)
+    log("in-process: building the engine and compiling its decode step")
+    engine = build_llm_engine(src.path, src.format, EngineConfig(compile=True), chip="cpu", progress=False)
+    tok = Tokenizer.from_source(src.path, src.format)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+
+    def ids(p: Prompt) -> list[int]:
+        return tok.encode(tok.apply_chat_template(p.messages))
+
+    out = {}
+    for key, n in (("single", 1), ("concurrent", args.concurrency)):
+        rates = []
+        for rnd in range(args.rounds + 1):
+            batch = [ids(p) for p in prompts(n, args.max_tokens, offset=rnd if key == "single" else 0)]
+            t = time.perf_counter()
+            made = engine.generate(batch, params)
+            rate = sum(map(len, made)) / (time.perf_counter() - t)
+            log(f"  in-process {key} round {rnd}{' (warm-up)' if rnd == 0 else ''}: {rate:.1f} tok/s")
+            if rnd:
+                rates.append(rate)
+        out[key] = statistics.median(rates)
+    engine.close()
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -391,6 +453,20 @@ def report(rows: dict[str, dict], args: argparse.Namespace) -> None:
               f"{'':>10} {fd['single']['tok_s'] / ls['single']['tok_s']:14.2f}x "
               f"{fd['concurrent']['tok_s'] / ls['concurrent']['tok_s']:21.2f}x")
         print("(ratios: above 1 flagdeploy is faster in the tok/s columns, slower to get ready)")
+    fd = rows.get("flagdeploy serve")
+    if fd is not None:
+        inproc = fd.get("in_process")
+        print(f"\nflagdeploy's engine against what its HTTP clients received, tok/s:\n"
+              f"{'':28} {'1-stream':>10} {conc:>22}")
+        lines = [("HTTP (above)", fd["single"]["tok_s"], fd["concurrent"]["tok_s"]),
+                 ("engine steps, same rounds", fd["single"]["engine_tok_s"], fd["concurrent"]["engine_tok_s"])]
+        if inproc is not None:
+            lines.append(("in-process, no server", inproc["single"], inproc["concurrent"]))
+        for name, one, many in lines:
+            print(f"{name:28} {one or float('nan'):10.1f} {many or float('nan'):22.1f}")
+        if inproc is not None:
+            print(f"{'HTTP / in-process':28} {fd['single']['tok_s'] / inproc['single']:9.2f}x "
+                  f"{fd['concurrent']['tok_s'] / inproc['concurrent']:21.2f}x")
     for name, r in rows.items():
         for key in ("single", "concurrent"):
             m = r[key]
@@ -456,6 +532,8 @@ def main() -> None:
         port = free_port()
         rows["flagdeploy serve"] = bench(Server("flagdeploy serve", flagdeploy_argv(port, args), "/ready", port,
                                                 Path(logdir)), args)
+    if not args.serve_arg:  # the same engine with no server, where the server ran its defaults
+        rows["flagdeploy serve"]["in_process"] = in_process(args)
     report(rows, args)
 
 

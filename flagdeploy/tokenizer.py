@@ -26,12 +26,12 @@ class Tokenizer:
 
     @classmethod
     def from_source(cls, path: Path, fmt: str, extra_eos_ids: list[int] | None = None) -> "Tokenizer":
-        from transformers import AutoTokenizer
-
         try:
             if fmt == "gguf":
                 tok = _gguf_tokenizer(path)
             else:
+                from transformers import AutoTokenizer
+
                 tok = AutoTokenizer.from_pretrained(str(path))
                 tok.chat_template = _processor_chat_template(path) or getattr(tok, "chat_template", None)
         except Exception as exc:
@@ -97,7 +97,6 @@ def _gguf_tokenizer(path: Path):
     directory by file, size, modification time and transformers version; a cache that cannot be written
     or read is skipped, never an error."""
     import transformers
-    from transformers import AutoTokenizer
 
     from flagdeploy.loaders.source import cache_dir
 
@@ -106,9 +105,11 @@ def _gguf_tokenizer(path: Path):
     saved = cache_dir() / "tokenizers" / key.hexdigest()[:16]
     if saved.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(str(saved))
+            return _saved_tokenizer(saved)
         except Exception as exc:  # noqa: BLE001 (a damaged cache entry: convert again)
             log.warning("the cached tokenizer %s could not be read (%s); converting the GGUF's again", saved, exc)
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     try:
         saved.parent.mkdir(parents=True, exist_ok=True)
@@ -121,6 +122,22 @@ def _gguf_tokenizer(path: Path):
     except OSError as exc:
         log.info("not caching the converted tokenizer (%s)", exc)
     return tok
+
+
+def _saved_tokenizer(saved: Path):
+    """A converted GGUF tokenizer read back: what a conversion writes is a plain tokenizer.json, which the
+    fast tokenizer class reads directly. AutoTokenizer would first map every model family's classes (about
+    a second of a server's start); it is the fallback for any other class name."""
+    from flagdeploy.loaders.safetensors_reader import optional_json
+
+    config = optional_json(saved / "tokenizer_config.json") or {}
+    if config.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(saved))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(saved))
 
 
 def _processor_chat_template(path: Path) -> str | None:

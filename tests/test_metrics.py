@@ -125,6 +125,10 @@ def test_metrics_after_real_requests(tiny_server: LiveServer) -> None:
     assert 0 <= hits <= queries and queries > 0
     assert 0 <= _value(m["flagdeploy:prefix_cache_hit_rate"], "flagdeploy:prefix_cache_hit_rate") <= 1
     assert _value(m["flagdeploy:num_preemptions"], "flagdeploy:num_preemptions_total") == 0
+    # the engine's own time: inside the two (sequential) requests' lifetimes, so at most their latencies
+    step_s = _value(m["flagdeploy:engine_step_seconds"], "flagdeploy:engine_step_seconds_total")
+    e2e_s = _value(m["flagdeploy:e2e_request_latency_seconds"], "flagdeploy:e2e_request_latency_seconds_sum")
+    assert 0 < step_s <= e2e_s
 
     # gauges at rest
     assert _value(m["flagdeploy:num_requests_running"], "flagdeploy:num_requests_running") == 0

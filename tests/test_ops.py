@@ -119,6 +119,37 @@ def test_dispatch_routes_to_the_active_backend():
         ops.use_backend("cpu")
 
 
+def test_trace_constant_marks_what_dynamo_reads():
+    """`registry.trace_constant` stands in for `torch._dynamo.assume_constant_result` without importing dynamo
+    at start-up: it must mark a function exactly as dynamo's own decorator does (a torch that changes the
+    marker would leave the flags traced as ContextVar reads, which dynamo refuses)."""
+    import torch._dynamo
+
+    from flagdeploy.ops.registry import in_prefill_step, in_verify_step, trace_constant
+
+    def mine() -> bool: ...
+    def dynamos() -> bool: ...
+
+    trace_constant(mine)
+    torch._dynamo.assume_constant_result(dynamos)
+    marks = {k: v for k, v in vars(dynamos).items()}
+    assert marks and {k: v for k, v in vars(mine).items()} == marks
+    for fn in (ops.tracing, in_prefill_step, in_verify_step):
+        assert all(getattr(fn, k, None) == v for k, v in marks.items())
+
+
+def test_server_imports_leave_torch_compiler_alone():
+    """Importing the server and engine does not import dynamo/inductor (seconds before a server is ready);
+    the compile, in serve's background thread, imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flagdeploy.server, flagdeploy.engine, flagdeploy.cli; flagdeploy.ops.active_backend(); "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 # ---- quantized weights the generic cases do not reach: group-wise W8A16 and quantized expert banks --
 
 

@@ -86,3 +86,68 @@ def test_packed_prompt_computes_the_same_after_a_prefix_cache_hit(engines):
     second = logprobs("cached")
     assert packed.stats()["prefix_cache_hit_tokens"] - before >= (len(ids) - 1) // 16 * 16 > 0
     assert len(first) == 4 and second == first
+
+
+# ---- the GGUF header and tensor table (loaders/gguf_file.py) ---------------------------------------------
+
+
+def _same_as_gguf_reader(path, nested: frozenset[str] = frozenset()) -> None:
+    """Every key and tensor of our one-pass reader equals what gguf's own GGUFReader parses (but `nested`
+    arrays of arrays, which its `contents()` flattens into one list)."""
+    from gguf import GGUFReader
+
+    from flagdeploy.loaders.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(path), GGUFReader(path)
+    keys = [k for k in theirs.fields if not k.startswith("GGUF.")]  # GGUFReader's own header entries
+    assert sorted(ours.keys()) == sorted(keys)
+    for k in keys:
+        want = theirs.fields[k].contents()
+        assert (sum(ours.get(k), []) if k in nested else ours.get(k)) == want, k
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == b.tensor_type and a.shape == tuple(int(d) for d in b.shape), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_gguf_file_reads_every_value_type_and_tensor_layout(tmp_path):
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    path = tmp_path / "all.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -5)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -3000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -7)
+    w.add_float32("t.f32", 0.25)
+    w.add_uint64("t.u64", 2**40)
+    w.add_int64("t.i64", -(2**40))
+    w.add_float64("t.f64", 1e-300)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo")
+    w.add_array("t.ints", [1, 2, 3])
+    w.add_array("t.strs", ["a", "", "ßz"])
+    w.add_array("t.nested", [[1, 2], [3]])
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((2, 5, 32)).astype(np.float16))
+    for kind in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
+        data = quantize(rng.standard_normal((4, 64)).astype(np.float32), kind)
+        w.add_tensor(f"q.{kind.name}", data, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _same_as_gguf_reader(path, nested=frozenset({"t.nested"}))
+    from flagdeploy.loaders.gguf_file import GGUFFile
+
+    f = GGUFFile(path)
+    assert f.get("t.nested") == [[1, 2], [3]] and f.array_len("t.strs") == 3 and f.get("absent", 7) == 7
+
+
+def test_gguf_file_reads_the_default_model_as_gguf_does(default_model):
+    _same_as_gguf_reader(default_model.path)

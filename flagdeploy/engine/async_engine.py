@@ -127,7 +127,7 @@ class AsyncEngine:
         says it is gone, so the count is never below the truth."""
         return max(0, len(self._in_flight) + n - self.max_num_seqs)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float | list[int]]:
         return self.engine.stats()
 
     def shutdown(self) -> None:

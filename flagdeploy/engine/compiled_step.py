@@ -40,9 +40,6 @@ import types
 from collections.abc import Callable
 
 import torch
-import torch._inductor.config  # noqa: F401  (patched below)
-import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, patched below)
-from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, GuardOnDataDependentSymNode
 
 from flagdeploy.ops import active_backend
 from flagdeploy.ops.check import fastest
@@ -62,22 +59,7 @@ class CompiledDecode:
         """step: the model's decode step on `DecodeInputs` → logits [B, vocab]; scratch_block / scratch_state:
         the pool block and state row reserved for padding; max_seqs: the largest batch the engine runs;
         weight_only: every linear of the model runs a weight-only quantized kernel (see `inductor_config`)."""
-        from flagdeploy.loaders.source import cache_dir
-
-        # compiled kernels are kept with the models, so that the next start (of any process) reuses them,
-        # unless the user chose a directory (torch writes its /tmp default into the variable on first use)
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
-        # cpp_wrapper: the generated code that calls the kernels is C++ too, not Python (~10% of this
-        # step at glm5_next's small sizes, for a longer first compile)
-        # fullgraph: a step that breaks into several graphs (a host read, an op dynamo cannot trace) is
-        # refused at warm-up instead of compiled piecewise; the guard-free calls rely on one graph
-        # two graphs: one for every batch of 2 or more rows (batch and width dynamic), one for a single row
-        # (static batch: no padding row, which would cost a lone stream a second row in every GEMV)
-        self.compiled = {rows: torch.compile(_own_code(step), fullgraph=True, options={"cpp_wrapper": True})
-                         for rows in (MIN_DIM, 1)}
+        self.compiled: dict[int, Callable] = {}  # rows -> torch.compile'd step, made by `warm_up` (`_compilers`)
         self.step, self.device, self.max_seqs = step, device, max_seqs
         # the backend's inductor settings per graph, and quiet autotuning (inductor writes each autotuned
         # matmul's timings to stderr otherwise). The backend's "weight_only_one_row" entries add to the rest
@@ -119,6 +101,29 @@ class CompiledDecode:
         thread.start()
         return thread
 
+    def _compilers(self) -> dict[int, Callable]:
+        """The torch.compile wrappers of the step, one per graph. torch's compiler is imported here, by the
+        compile (on serve's background thread), not with this module: ~3 s of imports that a server would
+        otherwise pay before it is ready."""
+        import torch._inductor.config  # noqa: F401  (patched in `_call`)
+        import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, patched in `_call`)
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        from flagdeploy.loaders.source import cache_dir
+
+        # compiled kernels are kept with the models, so that the next start (of any process) reuses them,
+        # unless the user chose a directory (torch writes its /tmp default into the variable on first use)
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+        # cpp_wrapper: the generated code that calls the kernels is C++ too, not Python (~10% of this
+        # step at glm5_next's small sizes, for a longer first compile)
+        # fullgraph: a step that breaks into several graphs (a host read, an op dynamo cannot trace) is
+        # refused at warm-up instead of compiled piecewise; the guard-free calls rely on one graph
+        # two graphs: one for every batch of 2 or more rows (batch and width dynamic), one for a single row
+        # (static batch: no padding row, which would cost a lone stream a second row in every GEMV)
+        return {rows: torch.compile(_own_code(self.step), fullgraph=True, options={"cpp_wrapper": True})
+                for rows in (MIN_DIM, 1)}
+
     def serving(self) -> str:
         """Which steps the graphs serve, in words."""
         return ", ".join(["one sequence"] * self.one_row + [f"2 to {self.max_batch} sequences"] * (self.max_batch >= MIN_DIM))
@@ -127,6 +132,9 @@ class CompiledDecode:
         """Compile now (on padding rows only), not inside the first request. False where the step does
         not trace to one graph for every batch and width (then the caller runs it eagerly)."""
         t = time.perf_counter()
+        self.compiled = self.compiled or self._compilers()
+        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, GuardOnDataDependentSymNode
+
         log.warning("compiling the decode step%s (once; a minute or more on a small CPU, less once cached)",
                     " in the background, serving with the eager step meanwhile" if background else "")
         try:

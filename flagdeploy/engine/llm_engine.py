@@ -86,6 +86,7 @@ def _token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
 class LLMEngine:
     # speculation off unless __init__ turns it on (engines built on this class without its __init__: edge)
     proposer = None
+    step_seconds = 0.0  # wall time inside `step` so far: tokens / this is the engine's own rate under load
     media_processor = None  # images and video → pixels and placeholder text (a model with an encoder; loader.py)
     spec_num_drafts = spec_num_draft_tokens = spec_num_accepted_tokens = 0
     spec_accepted_per_pos: list[int] = []
@@ -191,6 +192,13 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_seconds += time.perf_counter() - started
+
+    def _step(self) -> list[RequestOutput]:
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
@@ -389,13 +397,14 @@ class LLMEngine:
         if close is not None:
             close()
 
-    def stats(self) -> dict[str, int | list[int]]:
+    def stats(self) -> dict[str, int | float | list[int]]:
         return {
             "prefix_cache_hit_tokens": self.blocks.prefix_hit_tokens,
             "prefix_cache_queried_tokens": self.blocks.prefix_queried_tokens,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generated_tokens,
             "steps": self.num_steps,
+            "step_seconds": self.step_seconds,
             "preemptions": self.scheduler.num_preemptions,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

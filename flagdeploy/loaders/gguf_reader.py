@@ -10,12 +10,14 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.models.config import ModelConfig
 from flagdeploy.ops.weights import Int4Weight
+
+from .gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +37,9 @@ _BLOCK_MAP = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """The file's reader, parsed once per process while the file stays the same: parsing walks every
-    metadata entry (a 49k-token vocabulary and its merges are ~300k strings, seconds on a small CPU), and
-    a start reads the header three times (the source check, the config, the weights)."""
+def open_gguf(path: Path) -> GGUFFile:
+    """The file, its header walked once per process while the file stays the same (a start reads it
+    three times: the source check, the config, the weights)."""
     path = Path(path)
     try:
         st = path.stat()
@@ -51,28 +52,23 @@ def open_gguf(path: Path) -> GGUFReader:
 
 
 @functools.lru_cache(maxsize=4)
-def _open(path: Path, size: int, mtime_ns: int) -> GGUFReader:
-    return GGUFReader(path)
+def _open(path: Path, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def read_config(reader: GGUFReader) -> ModelConfig:
-    arch = _field(reader, "general.architecture", "")
+def read_config(reader: GGUFFile) -> ModelConfig:
+    arch = reader.get("general.architecture", "")
     if arch not in GGUF_FAMILIES:
         raise ModelLoadError(
             f"This GGUF holds a {arch!r} model; the builtin engine reads GGUF files of the "
             f"{', '.join(sorted(GGUF_FAMILIES))} architectures. Use a supported model, or serve this one "
             f"with llama.cpp through an external engine."
         )
-    a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    a = lambda k, d=None: reader.get(f"{arch}.{k}", d)  # noqa: E731
     hidden, heads = a("embedding_length"), a("attention.head_count")
     names = {t.name for t in reader.tensors}
-    vocab = a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    vocab = a("vocab_size") or reader.array_len("tokenizer.ggml.tokens")
+    eos = reader.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=GGUF_FAMILIES[arch],
         vocab_size=vocab,
@@ -88,7 +84,7 @@ def read_config(reader: GGUFReader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         eos_token_ids=[eos] if eos is not None else [],
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
         source_model_type=arch,
     )
 
@@ -120,7 +116,7 @@ def _q4_blocks(data: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarra
 _Q4 = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 
 
-def iter_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype,
+def iter_tensors(reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype,
                  keep_int4: bool = False) -> Iterator[tuple[str, "torch.Tensor | Int4Weight"]]:
     """(HF name, tensor) pairs, dequantised one at a time; with keep_int4, 4-bit linears stay 4-bit."""
     for t in reader.tensors:

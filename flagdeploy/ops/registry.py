@@ -218,7 +218,15 @@ def dispatch(name: str) -> Callable:
 # ---- what kind of step the ops run in -------------------------------------------------------------------
 
 
-@torch._dynamo.assume_constant_result
+def trace_constant(fn):
+    """`torch._dynamo.assume_constant_result` without importing dynamo (~3 s of a server's start before it
+    is ready, where only the compile needs it): the decorator only marks the function with this attribute,
+    which dynamo reads when it traces a call (tests/test_ops.py checks the two still agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@trace_constant
 def tracing() -> bool:
     """Whether this call is being traced by torch.compile in this thread. Not `torch.compiler.is_compiling()`:
     that is one process-wide flag, held for a whole compile session, so while the decode step compiles in a
@@ -246,7 +254,7 @@ def prefill_step():
 
 # Dynamo cannot trace a ContextVar read: a compiled step reads the flag once, at trace time (its graphs are
 # decode steps, traced outside any prefill or verify step), and keeps the answer.
-@torch._dynamo.assume_constant_result
+@trace_constant
 def in_prefill_step() -> bool:
     return _PREFILL.get()
 
@@ -268,6 +276,6 @@ def verify_step():
         _VERIFY.reset(token)
 
 
-@torch._dynamo.assume_constant_result
+@trace_constant
 def in_verify_step() -> bool:
     return _VERIFY.get()

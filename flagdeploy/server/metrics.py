@@ -52,6 +52,7 @@ _ENGINE_COUNTERS = {
     "prefix_cache_hit_tokens": ("prefix_cache_hits", "Prompt tokens served from the prefix cache."),
     "preemptions": ("num_preemptions", "Sequences preempted (KV blocks freed, recomputed later)."),
     "steps": ("engine_steps", "Engine steps (batched forward passes) run."),
+    "step_seconds": ("engine_step_seconds", "Seconds spent inside engine steps (forward, sampling, detokenizing)."),
     # speculative decoding (vLLM's spec_decode_* names; acceptance length = 1 + accepted / drafts)
     "spec_decode_num_drafts": ("spec_decode_num_drafts", "Speculative verify steps of a sequence (drafts proposed)."),
     "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
