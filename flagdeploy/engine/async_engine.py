@@ -138,13 +138,27 @@ class AsyncEngine:
 
     # ---- the engine thread -----------------------------------------------------------------------
 
-    def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        if isinstance(item, BaseException) or item.finished:
-            self._release(request_id)
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand one step's outputs (or failures) to their streams: one wake-up of each event loop per step,
+        not one per request (each wake-up is a write to the loop's self-pipe and a GIL hand-over)."""
+        by_loop: dict[asyncio.AbstractEventLoop, tuple[list, list]] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], ([], []))[0].append((target[1], item))
+            if isinstance(item, BaseException) or item.finished:  # no longer holds a place in the engine
+                loop = self._in_flight.get(request_id)
+                if loop is not None:
+                    by_loop.setdefault(loop, ([], []))[1].append(request_id)
+        for loop, (puts, released) in by_loop.items():
+            loop.call_soon_threadsafe(self._arrive, puts, released)
+
+    def _arrive(self, puts: list[tuple[asyncio.Queue, object]], released: list[str]) -> None:
+        """On the event loop: the outputs into their queues, finished requests out of the in-flight count."""
+        for q, item in puts:
+            q.put_nowait(item)
+        for request_id in released:
+            self._in_flight.pop(request_id, None)
 
     def _release(self, request_id: str) -> None:
         """The request no longer holds a place in the engine (finished, failed or aborted)."""
@@ -164,7 +178,7 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(rid, prompt, params, media=media)
                 except Exception as exc:  # bad input for this request only
-                    self._deliver(rid, exc)
+                    self._deliver([(rid, exc)])
             elif msg[0] == "abort":
                 self.engine.abort(msg[1])
                 self._release(msg[1])
@@ -178,9 +192,9 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # a failed step fails its requests, not the server
                 log.exception("engine step failed")
-                for rid in list(self.engine.requests):
+                failed = list(self.engine.requests)
+                for rid in failed:
                     self.engine.abort(rid)
-                    self._deliver(rid, RuntimeError(f"generation failed: {exc}"))
+                self._deliver([(rid, RuntimeError(f"generation failed: {exc}")) for rid in failed])
                 continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver([(out.request_id, out) for out in outputs])
