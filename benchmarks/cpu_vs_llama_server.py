@@ -408,12 +408,11 @@ def in_process(args: argparse.Namespace) -> dict[str, float]:
     same chat prompts and forced token counts as the HTTP rounds; median tok/s of --rounds after a warm-up."""
     from flagdeploy.engine import EngineConfig, SamplingParams
     from flagdeploy.engine.loader import build_llm_engine
-    from flagdeploy.tokenizer import Tokenizer
 
     src = resolve(args.model)
     log("in-process: building the engine and compiling its decode step")
     engine = build_llm_engine(src.path, src.format, EngineConfig(compile=True), chip="cpu", progress=False)
-    tok = Tokenizer.from_source(src.path, src.format)
+    tok = engine.tokenizer
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
     def ids(p: Prompt) -> list[int]:

@@ -13,6 +13,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import KeysView
 from typing import Any
 
 import numpy as np
@@ -56,7 +57,7 @@ class GGUFFile:
             key, pos = self._string(pos)
             (kind,) = struct.unpack_from("<I", buf, pos)
             self._at[key] = (kind, pos + 4)
-            pos = self._skip(kind, pos + 4)
+            pos = self._value(kind, pos + 4, keep=False)[1]
         infos = []
         for _ in range(n_tensors):
             name, pos = self._string(pos)
@@ -71,8 +72,8 @@ class GGUFFile:
         self.tensors = [GGUFTensor(name, kind, dims, _view(whole, start + offset, kind, dims))
                         for name, kind, dims, offset in infos]
 
-    def keys(self) -> list[str]:
-        return list(self._at)
+    def keys(self) -> KeysView[str]:
+        return self._at.keys()
 
     def get(self, key: str, default: Any = None) -> Any:
         if key not in self._at:
@@ -91,35 +92,24 @@ class GGUFFile:
         (size,) = struct.unpack_from("<Q", self._buf, pos)
         return self._buf[pos + 8:pos + 8 + size].decode("utf-8", "replace"), pos + 8 + size
 
-    def _skip(self, kind: int, pos: int) -> int:
+    def _value(self, kind: int, pos: int, keep: bool = True) -> tuple[Any, int]:
+        """The value of type `kind` at `pos` (None unless `keep`: the walk only skips it) and where it ends."""
         if kind == _STRING:
-            return pos + 8 + struct.unpack_from("<Q", self._buf, pos)[0]
+            return self._string(pos) if keep else (None, pos + 8 + struct.unpack_from("<Q", self._buf, pos)[0])
         if kind != _ARRAY:
-            return pos + struct.calcsize(_SCALARS[kind])
-        item, count = struct.unpack_from("<IQ", self._buf, pos)
-        pos += 12
-        if item in _SCALARS:
-            return pos + count * struct.calcsize(_SCALARS[item])
-        for _ in range(count):
-            pos = self._skip(item, pos)
-        return pos
-
-    def _value(self, kind: int, pos: int) -> tuple[Any, int]:
-        if kind == _STRING:
-            return self._string(pos)
-        if kind != _ARRAY:
-            return struct.unpack_from(_SCALARS[kind], self._buf, pos)[0], pos + struct.calcsize(_SCALARS[kind])
+            fmt = _SCALARS[kind]
+            return (struct.unpack_from(fmt, self._buf, pos)[0] if keep else None), pos + struct.calcsize(fmt)
         item, count = struct.unpack_from("<IQ", self._buf, pos)
         pos += 12
         if item in _SCALARS:
             fmt = _SCALARS[item]
-            return list(struct.unpack_from(f"<{count}{fmt[1]}", self._buf, pos)), pos + count * struct.calcsize(fmt)
+            values = list(struct.unpack_from(f"<{count}{fmt[1]}", self._buf, pos)) if keep else None
+            return values, pos + count * struct.calcsize(fmt)
         items = []
         for _ in range(count):
-            one, pos = self._value(item, pos)
+            one, pos = self._value(item, pos, keep)
             items.append(one)
-        return items, pos
-
+        return (items if keep else None), pos
 
 def _view(whole: np.ndarray, at: int, kind: GGMLQuantizationType, dims: tuple[int, ...]) -> np.ndarray:
     rows = tuple(reversed(dims))

@@ -12,4 +12,4 @@ def gguf_metadata(path: Path, keys: set[str]) -> dict[str, Any]:
     """`keys` of a GGUF file's key-value header (arrays as lists); keys the file lacks are left out.
     Only those values are decoded (gguf_file.py: the gateway's event loop shares the GIL with this)."""
     f = GGUFFile(path)
-    return {k: f.get(k) for k in keys if k in f.keys()}
+    return {k: f.get(k) for k in keys & f.keys()}
