@@ -202,7 +202,7 @@ def main() -> None:
               help="Speculative decoding in the builtin engine (default off). ngram: prompt-lookup drafts, verified in "
                    "one step, exact for greedy requests; pays for a few streams whose answers repeat their input "
                    "(edits, code, RAG), not for large batches (docs/speculative.md). mtp: the checkpoint's own "
-                   "multi-token-prediction layer drafts (GLM-5.3-Flash; --tp 1 --ep 1).")
+                   "multi-token-prediction layer drafts (GLM-5.3-Flash; also under --tp / --ep).")
 @click.option("--num-speculative-tokens", default=None, type=click.IntRange(1, 15),
               help="Draft tokens verified per sequence and step (K; default 3).")
 @click.option("--speculative-config", "speculative_config", default=None, metavar="JSON",

@@ -143,6 +143,20 @@ def broadcast_object(obj=None):
     return box[0]
 
 
+def broadcast_tensor(x: torch.Tensor | None, shape: tuple[int, ...] = (), dtype: torch.dtype | None = None,
+                     device: str | torch.device = "cpu") -> torch.Tensor:
+    """Rank 0's tensor `x` on every rank of the replica, over the device library (the others pass None and
+    the shape, dtype and device to receive it into): state that rank 0 alone keeps, such as the hidden rows
+    its MTP proposer holds, without a trip through the host."""
+    if _layout is None or _layout.tp * _layout.ep == 1:
+        return x
+    if x is None:
+        x = torch.empty(shape, dtype=dtype, device=device)
+    x = x.contiguous()
+    dist.broadcast(x, src=0)
+    return x
+
+
 @dataclass(frozen=True)
 class Shard:
     """This rank's slice of a checkpoint tensor: `length` entries from `start` along `dim` of `full`."""

@@ -104,4 +104,4 @@ def graphs_on_the_cpu(engine, monkeypatch):
     r.verify_graphs = DecodeGraphs(r._verify, "cpu", config.max_num_seqs, width, config.block_size, r.scratch_block,
                                    rows, depth=r.group)
     if getattr(engine.proposer, "graphs", False) is None:  # an MTP proposer bound to a runner without graphs
-        engine.proposer.graphs = StepGraphs(engine.proposer._step)
+        engine.proposer.forwards.graphs = StepGraphs(engine.proposer.forwards._step)

@@ -104,8 +104,6 @@ def test_loading_attaches_the_layer_and_refuses_a_checkpoint_without_one(mtp_dir
     with pytest.raises(ModelLoadError, match=rf"has no MTP layer \(layers\.{N}\.eh_proj\.weight missing\).*"
                                              "--speculative ngram or off"):
         _engine(plain_dir, MTP3)
-    with pytest.raises(ModelLoadError, match="--speculative ngram or off"):
-        _engine(mtp_dir, MTP3, tp=2)
     two = write_tiny_glm5_next(tmp_path / "two", num_nextn_predict_layers=2)
     with pytest.raises(ModelLoadError, match="2 MTP layers.*exactly 1"):
         load_model(two, "safetensors", torch.float32, "cpu", progress=False, mtp=True)
@@ -290,3 +288,35 @@ def test_a_random_draft_layer_is_exact_under_preemption(mtp_dir, spec_engine, re
     assert tight.generate(PROMPTS, GREEDY) == reference
     assert tight.stats()["preemptions"] > 0 and tight.stats()["spec_decode_num_draft_tokens"] > 0
     _assert_idle(tight)
+
+
+def _recording_drafts(engine) -> list:
+    """Every draft list the engine's proposer returns, in order."""
+    drafts, propose = [], engine.proposer.propose
+
+    def record(seqs, limits):
+        out = propose(seqs, limits)
+        drafts.append(out)
+        return out
+
+    engine.proposer.propose = record
+    return drafts
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
+def test_the_draft_layer_splits_over_ranks_like_the_target(mtp_dir, reference, tp, ep):
+    """Under --tp / --ep every rank holds its shard of the MTP layer (heads, experts, vocabulary) and runs
+    each catch-up and draft step rank 0's proposer plans (the hidden rows travel over the collective): the
+    tokens are speculation off's and every draft is the one-process proposer's."""
+    one = _engine(mtp_dir, MTP3)
+    want = _recording_drafts(one)
+    assert one.generate(PROMPTS, GREEDY) == reference
+    split = _engine(mtp_dir, MTP3, tp=tp, ep=ep)
+    try:
+        got = _recording_drafts(split)
+        assert split.generate(PROMPTS, GREEDY) == reference
+        _assert_idle(split)
+    finally:
+        split.close()
+    assert sum(len(d) for step in want for d in step) > 0
+    assert got == want

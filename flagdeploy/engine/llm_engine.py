@@ -101,10 +101,10 @@ class LLMEngine:
         self.runner, num_blocks, per_block = build_runner(model, config)
         if self.proposer is not None and self.proposer.needs_hidden:
             self.runner.keep_hidden = True  # the proposer drafts from the target's final hidden states
-        if hasattr(self.proposer, "bind"):
-            self.proposer.bind(self.runner)
         if workers is not None:  # the other ranks of a tensor/expert-parallel replica run each step too
             self.runner = LockstepRunner(self.runner, workers)
+        if hasattr(self.proposer, "bind"):
+            self.proposer.bind(self.runner)
         # A sequence-state model cannot resume from shared blocks: its recurrent state is not in them.
         self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching=not stateful)
         self.spec = spec

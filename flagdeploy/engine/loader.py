@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 
 from flagdeploy import ops, parallel
-from flagdeploy.errors import ModelLoadError
 from flagdeploy.loaders import safetensors_reader
 from flagdeploy.models import media_processor
 
@@ -36,9 +35,6 @@ def build_llm_engine(path: Path, fmt: str, config: EngineConfig | None = None, c
     backend = ops.use_backend(chip)
     config.device = backend.device_type
     mtp = config.speculative is not None and config.speculative.method == "mtp"
-    if mtp and config.tp * config.ep > 1:
-        raise ModelLoadError(f"--speculative mtp runs with --tp 1 --ep 1 only for now (got --tp {config.tp} "
-                             f"--ep {config.ep}); serve with --speculative ngram or off, or on one rank.")
     workers = None
     if config.tp * config.ep > 1:
         check_split(path, fmt, config)

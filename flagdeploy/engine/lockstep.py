@@ -30,6 +30,7 @@ from flagdeploy.errors import ModelLoadError
 from flagdeploy.lifetime import on_parent_exit
 from flagdeploy.net import free_port
 
+from .mtp import MtpForwards
 from .nodes import NodeGroup, NodeMonitor, connect, join
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,16 @@ class LockstepRunner:
         self._call("score", ids)
         return self.runner.score(ids)
 
+    def call_everywhere(self, what: str, args: tuple) -> None:
+        """Have the other ranks run a rank-local forward beside the steps (`what`: "mtp.draft" is
+        `MtpForwards.draft`) with rank 0's arguments: plain values in the message, tensors (hidden rows)
+        broadcast over the device library after it. Rank 0 then runs its own share."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        plain = [_TensorSlot(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
+        self._call("forward", what, plain)
+        for t in tensors:
+            parallel.broadcast_tensor(t)
+
     def close(self) -> None:
         if not self.workers.closed:
             try:
@@ -138,8 +149,17 @@ class LockstepRunner:
         parallel.shutdown()
 
 
-def _serve_steps(runner) -> None:
-    """A worker's life after loading: execute what rank 0 sends until it says stop."""
+@dataclass(frozen=True)
+class _TensorSlot:
+    """A tensor argument of `call_everywhere`, sent after the message over the device library."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _serve_steps(runner, forwards: dict) -> None:
+    """A worker's life after loading: execute what rank 0 sends until it says stop. `forwards`: the
+    rank-local forwards beside the steps that rank 0 may call by name (the MTP layer's, "mtp")."""
     while True:
         method, args = parallel.broadcast_object()
         if method == "stop":
@@ -151,6 +171,13 @@ def _serve_steps(runner) -> None:
             runner.execute(step)
         elif method == "score":
             runner.score(*args)
+        elif method == "forward":
+            what, plain = args
+            owner, name = what.split(".")
+            target = forwards[owner]
+            values = [parallel.broadcast_tensor(None, a.shape, a.dtype, target.device) if isinstance(a, _TensorSlot)
+                      else a for a in plain]
+            getattr(target, name)(*values)
 
 
 def _worker_main(rank: int, spec: ReplicaSpec, reports) -> None:
@@ -169,11 +196,13 @@ def _worker_main(rank: int, spec: ReplicaSpec, reports) -> None:
         store = connect(nodes)
         join(store, rank, world, nodes)
         parallel.init_model_parallel(parallel.ParallelConfig(config.tp, config.ep), rank, store=_group_store(store))
+        mtp = config.speculative is not None and config.speculative.method == "mtp"
         with torch.inference_mode():
             model, _ = load_model(spec.path, spec.fmt, config.dtype, config.device, progress=False,
-                                  weight_format=config.weight_format, load_format=config.load_format)
+                                  weight_format=config.weight_format, load_format=config.load_format, mtp=mtp)
             model.prepare(config.max_model_len)
             runner, _, _ = build_runner(model, config)
+            forwards = {"mtp": MtpForwards(model, runner)} if mtp else {}
     except BaseException as exc:  # noqa: BLE001 (reported to rank 0, which names it)
         log.debug("rank %d failed", rank, exc_info=True)
         reports.put((rank, "error", f"{exc} ({type(exc).__name__})\n{traceback.format_exc(limit=3)}"))
@@ -181,7 +210,7 @@ def _worker_main(rank: int, spec: ReplicaSpec, reports) -> None:
     reports.put((rank, "loaded", ""))
     try:
         with torch.inference_mode():
-            _serve_steps(runner)
+            _serve_steps(runner, forwards)
     finally:
         parallel.shutdown()
 

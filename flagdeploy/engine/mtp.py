@@ -47,17 +47,62 @@ class MtpState:
 
 
 def check_mtp_model(model) -> None:
-    """Refuse, with what to do instead, a model / layout `--speculative mtp` cannot draft for."""
-    from flagdeploy import parallel
-
+    """Refuse, with what to do instead, a model `--speculative mtp` cannot draft for."""
     if getattr(model, "mtp", None) is None:
         name = type(model).__name__
         raise ValueError(f"--speculative mtp needs the model's own MTP draft layer loaded, and {name} has none "
                          "(GLM-5.3-Flash checkpoints ship one: load it through build_llm_engine / flagdeploy serve "
                          "with --speculative mtp, which attaches it). Serve with --speculative ngram or off.")
-    if parallel.tp_size() * parallel.ep_size() > 1:
-        raise ValueError("--speculative mtp runs with --tp 1 --ep 1 only for now; serve with --speculative ngram "
-                         "or off, or on one rank.")
+
+
+class MtpForwards:
+    """The MTP layer's two forwards on one rank's caches: `catch_up` (a packed forward over a backlog) and
+    `draft` (the fixed-shape draft step). Rank 0's proposer decides what to run; in a tensor / expert-parallel
+    replica every rank holds its shard of the layer and its own pools, and runs the same call with the same
+    plain inputs (engine/lockstep.py `LockstepRunner.call_everywhere`), since the layer's collectives need
+    every rank. Inputs are host lists plus one hidden-state tensor, so they travel as they are."""
+
+    def __init__(self, model, runner):
+        pools = getattr(runner, "pools", None)
+        if pools is None or model.cfg.num_layers not in pools:
+            raise ValueError("--speculative mtp: the runner's cache pools have no rows for the MTP layer (the model's "
+                             "MTP layer must be attached before the runner is built).")
+        self.model, self.layer = model, model.mtp
+        self.pool = pools[model.cfg.num_layers]  # the MTP layer's entry of the engine's pools
+        self.k = runner.group - 1
+        self.graphs = StepGraphs(self._step) if getattr(runner, "graphs", None) is not None else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.device
+
+    def catch_up(self, ids: list[int], spans: list[tuple[int, int, int]], tables: list[list[int]],
+                 hidden: torch.Tensor) -> None:
+        """The layer over packed rows (sequence i: rows spans[i][0]:spans[i][1], its cache holding spans[i][2]
+        positions in the blocks of tables[i]), writing their cache rows; nothing comes back."""
+        dev = self.device
+        caches = [self.layer.paged_cache(self.pool, table, span[2]) for table, span in zip(tables, spans)]
+        with torch.inference_mode():
+            self.layer.forward_packed(self.model, torch.tensor(ids, device=dev), hidden.to(dev), spans, caches, [])
+
+    def draft(self, key: tuple[int, int], graphed: bool, ints: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """Drafts [B, K] of one draft step (`DraftInputs` packed as `ints`, key = (B, table width))."""
+        dev = self.device
+        with torch.inference_mode():
+            flat = torch.tensor(ints, dtype=torch.int64).to(dev)
+            hidden = hidden.to(dev)
+            return self.graphs.run(key, flat, hidden) if graphed else self._step(key, flat, hidden)
+
+    def _step(self, key: tuple[int, int], ints: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft step on its flat inputs (the graph's static buffers): `DraftInputs` views, then the layer."""
+        b, width = key
+        depth, k = self.k + 1, self.k
+        r = b * depth
+        parts = ints.split([r, r, r * width, r, b, b, b, (k - 1) * b, (k - 1) * b, b * width])
+        ids, slots, tables, ctx, last, src, dst, cslots, cctx, ctables = parts
+        d = DraftInputs(ids, hidden, slots, tables.view(r, width), ctx, last, src, dst, cslots.view(k - 1, b),
+                        cctx.view(k - 1, b), ctables.view(b, width))
+        return self.layer.draft(self.model, self.pool, d)
 
 
 class MtpProposer(Proposer):
@@ -65,26 +110,31 @@ class MtpProposer(Proposer):
 
     def __init__(self, model):
         check_mtp_model(model)
-        self.model, self.layer = model, model.mtp
-        self.key = model.cfg.num_layers  # the MTP layer's entry of the engine's pools
-        self.pool: dict[str, torch.Tensor] | None = None
-        self.graphs: StepGraphs | None = None
+        self.model = model
+        self.forwards: MtpForwards | None = None
+        self.others = None  # a parallel replica's: runs the same forward on the other ranks first
+
+    @property
+    def graphs(self) -> StepGraphs | None:
+        return self.forwards.graphs if self.forwards is not None else None
 
     def bind(self, runner) -> None:
-        """Take the runner's block pools (the MTP layer's per-token rows live in `pools[num_layers]`, its
-        draft blocks after the runner's own and scratch blocks), K, and CUDA graphs if the runner has them."""
-        pools = getattr(runner, "pools", None)
-        if pools is None or self.key not in pools:
-            raise ValueError("--speculative mtp: the runner's cache pools have no rows for the MTP layer (the model's "
-                             "MTP layer must be attached before the runner is built).")
-        self.pool = pools[self.key]
+        """Take the runner's pools (the MTP layer's per-token rows live in `pools[num_layers]`, its draft
+        blocks after the runner's own and scratch blocks), K and CUDA graphs; with a `LockstepRunner`, its
+        way to run each forward on every rank."""
+        self.forwards = MtpForwards(self.model, runner)
         self.k, self.block_size, self.scratch = runner.group - 1, runner.block_size, runner.scratch_block
         self.draft_blocks = runner.scratch_block + 1
         if not 1 <= self.k <= self.block_size:
             raise ValueError(f"--speculative mtp drafts 1 to block-size ({self.block_size}) tokens per step, "
                              f"not {self.k}: set --num-speculative-tokens in that range.")
-        if getattr(runner, "graphs", None) is not None:
-            self.graphs = StepGraphs(self._step)
+        self.others = getattr(runner, "call_everywhere", None)
+
+    def _run(self, name: str, *args):
+        """`MtpForwards.<name>(*args)` here, and on every other rank of a parallel replica."""
+        if self.others is not None:
+            self.others(f"mtp.{name}", args)
+        return getattr(self.forwards, name)(*args)
 
     # ---- the engine's calls ---------------------------------------------------------------------------
 
@@ -125,26 +175,22 @@ class MtpProposer(Proposer):
 
     # ---- the MTP forwards -----------------------------------------------------------------------------
 
-    def _device(self) -> torch.device:
-        return self.model.embed_tokens.device
-
     def _catch_up(self, seqs: list) -> None:
         """Run the MTP layer over every pending position of `seqs` (one packed forward), writing its cache
         rows into the pools."""
         if not seqs:
             return
         ids: list[int] = []
-        spans, caches, hidden = [], [], []
+        spans, tables, hidden = [], [], []
         for seq in seqs:
             st = seq.draft_state
             a = len(ids)
             ids.extend(seq.token_ids[st.cached + 1 : st.cached + st.num_pending + 1])  # t_{i+1} for each pending i
             spans.append((a, len(ids), st.cached))
-            caches.append(self.layer.paged_cache(self.pool, seq.block_table, st.cached))
+            tables.append(list(seq.block_table))
             hidden.extend(st.pending)
         with torch.inference_mode():
-            self.layer.forward_packed(self.model, torch.tensor(ids, device=self._device()),
-                                      torch.cat(hidden).to(self._device()), spans, caches, [])
+            self._run("catch_up", ids, spans, tables, torch.cat(hidden))
         for seq in seqs:
             self._cached(seq.draft_state)
 
@@ -193,27 +239,11 @@ class MtpProposer(Proposer):
         pad = lambda t: list(t) + [scratch] * (width - len(t))  # noqa: E731
         flat = ([r[0] for r in rows] + [r[1] for r in rows] + [x for r in rows for x in pad(r[2])] + [r[3] for r in rows]
                 + last + src + dst + [c[j][0] for j in range(k - 1) for c in chain]
-                + [c[j][1] for j in range(k - 1) for c in chain] + [x for t in chain_tables for x in pad(t)] + fill)
-        dev = self._device()
+                + [c[j][1] for j in range(k - 1) for c in chain] + [x for t in chain_tables for x in pad(t)])
+        h = torch.zeros(b * depth, self.model.cfg.hidden_size, dtype=self.model.dtype, device=hidden[0].device)
         with torch.inference_mode():
-            ints = torch.tensor(flat, dtype=torch.int64).to(dev)
-            ints, at = ints[: len(flat) - len(fill)], ints[len(flat) - len(fill):]
-            h = torch.zeros(b * depth, self.model.cfg.hidden_size, dtype=self.model.dtype, device=dev)
-            h.index_copy_(0, at, torch.cat(hidden).to(h.dtype))
-            key = (b, width)
-            drafts = self.graphs.run(key, ints, h) if graphed else self._step(key, ints, h)
-            out = drafts[:n].tolist()
+            h.index_copy_(0, torch.tensor(fill, device=h.device), torch.cat(hidden).to(h.dtype))
+            out = self._run("draft", (b, width), graphed, flat, h)[:n].tolist()
         for seq in seqs:
             self._cached(seq.draft_state)
         return out
-
-    def _step(self, key: tuple[int, int], ints: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The draft step on its flat inputs (the graph's static buffers): `DraftInputs` views, then the layer."""
-        b, width = key
-        depth, k = self.k + 1, self.k
-        r = b * depth
-        parts = ints.split([r, r, r * width, r, b, b, b, (k - 1) * b, (k - 1) * b, b * width])
-        ids, slots, tables, ctx, last, src, dst, cslots, cctx, ctables = parts
-        d = DraftInputs(ids, hidden, slots, tables.view(r, width), ctx, last, src, dst, cslots.view(k - 1, b),
-                        cctx.view(k - 1, b), ctables.view(b, width))
-        return self.layer.draft(self.model, self.pool, d)

@@ -178,5 +178,5 @@ def build_proposer(config: SpeculativeConfig, model=None) -> Proposer | None:
     if config.method == "mtp":  # the model's own draft layer (GLM-5.3-Flash), attached when it was loaded
         from .mtp import MtpProposer
 
-        return MtpProposer(model)  # refuses a model without an attached MTP layer, and tp/ep > 1
+        return MtpProposer(model)  # refuses a model without an attached MTP layer
     return None
