@@ -94,9 +94,13 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
 constexpr int kMaxRows = 2;
 
 // AVX2: the same arithmetic on each half of a tile (rows 0-7, then 8-15; the tile's bytes stay in L1
-// between the two). vpmaddubsw sums two nibble x int8 products into int16 (at most 2 * 15 * 128: no
-// saturation), vpmaddwd sums two of those into int32 times 256 (hi part) or 1 (lo part), so both parts
-// land in one int32 accumulator, exact as in the AVX-512 path.
+// between the two). vpmaddubsw sums two nibble x int8 products into int16 (at most 2 * 15 * 128 = 3840: no
+// saturation); a block's 8 of those per lane are summed in int16 for each part (at most 30720: no
+// overflow), and only then does vpmaddwd widen them to int32, times 256 (hi part) or 1 (lo part): two
+// widening multiplies a block instead of eight, the same exact int32 dot as the AVX-512 path. The first
+// half prefetches the weight stream ahead (the second reads the same lines from L1): measured on the
+// 2-core AVX2 EPYC, the default model's 120 4-bit linears of a decode token 5.7 -> 5.0 ms, bitwise equal.
+constexpr int64_t kPrefetchBytes = 1024;
 template <int R>
 void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k, int64_t r0,
            int64_t t0, int64_t t1, uint16_t* y, int64_t n_out) {
@@ -108,8 +112,12 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* w = nib + (t * blocks + b) * 256 + 32 * h;
-        __m256i dot[R];
-        for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+        if (h == 0) {
+          for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64 * c), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(dm + (t * blocks + b) * 32 + kPrefetchBytes / 8), _MM_HINT_T0);
+        }
+        __m256i hi[R], lo[R];
+        for (int r = 0; r < R; ++r) hi[r] = lo[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
           __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c));
           __m256i q0 = _mm256_and_si256(raw, low4), q1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
@@ -117,13 +125,14 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
             const int64_t at = (r0 + r) * k + b * QK + 8 * c;
             const int32_t* xh = reinterpret_cast<const int32_t*>(a.hi.data() + at);
             const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + at);
-            __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(xh[0])),
-                                          _mm256_maddubs_epi16(q1, _mm256_set1_epi32(xh[1])));
-            __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(xl[0])),
-                                          _mm256_maddubs_epi16(q1, _mm256_set1_epi32(xl[1])));
-            dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(_mm256_madd_epi16(hi, by256), _mm256_madd_epi16(lo, by1)));
+            hi[r] = _mm256_add_epi16(hi[r], _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(xh[0])),
+                                                             _mm256_maddubs_epi16(q1, _mm256_set1_epi32(xh[1]))));
+            lo[r] = _mm256_add_epi16(lo[r], _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(xl[0])),
+                                                             _mm256_maddubs_epi16(q1, _mm256_set1_epi32(xl[1]))));
           }
         }
+        __m256i dot[R];
+        for (int r = 0; r < R; ++r) dot[r] = _mm256_add_epi32(_mm256_madd_epi16(hi[r], by256), _mm256_madd_epi16(lo[r], by1));
         const uint16_t* s = dm + (t * blocks + b) * 32 + 8 * h;
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
         __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
