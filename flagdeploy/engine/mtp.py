@@ -240,8 +240,8 @@ class MtpProposer(Proposer):
         flat = ([r[0] for r in rows] + [r[1] for r in rows] + [x for r in rows for x in pad(r[2])] + [r[3] for r in rows]
                 + last + src + dst + [c[j][0] for j in range(k - 1) for c in chain]
                 + [c[j][1] for j in range(k - 1) for c in chain] + [x for t in chain_tables for x in pad(t)])
-        h = torch.zeros(b * depth, self.model.cfg.hidden_size, dtype=self.model.dtype, device=hidden[0].device)
         with torch.inference_mode():
+            h = torch.zeros(b * depth, self.model.cfg.hidden_size, dtype=self.model.dtype, device=hidden[0].device)
             h.index_copy_(0, torch.tensor(fill, device=h.device), torch.cat(hidden).to(h.dtype))
             out = self._run("draft", (b, width), graphed, flat, h)[:n].tolist()
         for seq in seqs:
