@@ -86,12 +86,17 @@ class MtpForwards:
             self.layer.forward_packed(self.model, torch.tensor(ids, device=dev), hidden.to(dev), spans, caches, [])
 
     def draft(self, key: tuple[int, int], graphed: bool, ints: list[int], hidden: torch.Tensor) -> torch.Tensor:
-        """Drafts [B, K] of one draft step (`DraftInputs` packed as `ints`, key = (B, table width))."""
+        """Drafts [B, K] of one draft step (`DraftInputs` packed as `ints`, key = (B, table width)). `hidden`
+        holds only the observed rows; the last len(hidden) entries of `ints` are the catch-up rows they fill
+        (the others stay zero), so one host-to-device copy carries every index."""
         dev = self.device
+        b, _ = key
         with torch.inference_mode():
             flat = torch.tensor(ints, dtype=torch.int64).to(dev)
-            hidden = hidden.to(dev)
-            return self.graphs.run(key, flat, hidden) if graphed else self._step(key, flat, hidden)
+            flat, at = flat[: -hidden.shape[0]], flat[-hidden.shape[0]:]
+            h = torch.zeros(b * (self.k + 1), self.model.cfg.hidden_size, dtype=self.model.dtype, device=dev)
+            h.index_copy_(0, at, hidden.to(dev, h.dtype))
+            return self.graphs.run(key, flat, h) if graphed else self._step(key, flat, h)
 
     def _step(self, key: tuple[int, int], ints: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The draft step on its flat inputs (the graph's static buffers): `DraftInputs` views, then the layer."""
@@ -123,7 +128,7 @@ class MtpProposer(Proposer):
         blocks after the runner's own and scratch blocks), K and CUDA graphs; with a `LockstepRunner`, its
         way to run each forward on every rank."""
         self.forwards = MtpForwards(self.model, runner)
-        self.k, self.block_size, self.scratch = runner.group - 1, runner.block_size, runner.scratch_block
+        self.k, self.block_size, self.scratch = self.forwards.k, runner.block_size, runner.scratch_block
         self.draft_blocks = runner.scratch_block + 1
         if not 1 <= self.k <= self.block_size:
             raise ValueError(f"--speculative mtp drafts 1 to block-size ({self.block_size}) tokens per step, "
@@ -239,11 +244,9 @@ class MtpProposer(Proposer):
         pad = lambda t: list(t) + [scratch] * (width - len(t))  # noqa: E731
         flat = ([r[0] for r in rows] + [r[1] for r in rows] + [x for r in rows for x in pad(r[2])] + [r[3] for r in rows]
                 + last + src + dst + [c[j][0] for j in range(k - 1) for c in chain]
-                + [c[j][1] for j in range(k - 1) for c in chain] + [x for t in chain_tables for x in pad(t)])
+                + [c[j][1] for j in range(k - 1) for c in chain] + [x for t in chain_tables for x in pad(t)] + fill)
         with torch.inference_mode():
-            h = torch.zeros(b * depth, self.model.cfg.hidden_size, dtype=self.model.dtype, device=hidden[0].device)
-            h.index_copy_(0, torch.tensor(fill, device=h.device), torch.cat(hidden).to(h.dtype))
-            out = self._run("draft", (b, width), graphed, flat, h)[:n].tolist()
+            out = self._run("draft", (b, width), graphed, flat, torch.cat(hidden))[:n].tolist()
         for seq in seqs:
             self._cached(seq.draft_state)
         return out

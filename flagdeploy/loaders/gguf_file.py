@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import KeysView
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import KeysView
 from typing import Any
 
 import numpy as np
@@ -106,10 +106,12 @@ class GGUFFile:
             values = list(struct.unpack_from(f"<{count}{fmt[1]}", self._buf, pos)) if keep else None
             return values, pos + count * struct.calcsize(fmt)
         items = []
-        for _ in range(count):
+        for _ in range(count):  # strings (a vocabulary) or nested arrays: walked one by one
             one, pos = self._value(item, pos, keep)
-            items.append(one)
+            if keep:
+                items.append(one)
         return (items if keep else None), pos
+
 
 def _view(whole: np.ndarray, at: int, kind: GGMLQuantizationType, dims: tuple[int, ...]) -> np.ndarray:
     rows = tuple(reversed(dims))
