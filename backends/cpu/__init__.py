@@ -2,7 +2,7 @@
 
 from flagdeploy.ops.registry import Backend
 
-from . import ops
+from . import llama_step, ops
 
 backend = Backend(
     name="cpu",
@@ -11,6 +11,7 @@ backend = Backend(
     dtypes=("float32", "bfloat16"),
     narrow_weight_dtypes=("bfloat16",) if ops.ONEDNN_BF16 else (),  # where oneDNN has bf16 matmuls (AMX, AVX512-BF16)
     compile_config=ops.TUNE["compile"],  # inductor settings for the compiled decode step
+    decode_step=llama_step.build,  # the llama family's decode step in C++ (csrc/llama_step.cpp)
     collective="gloo",
     detect=lambda: True,
     overrides={
@@ -31,5 +32,5 @@ backend = Backend(
              "linear": ops.prepare_linear},
     priority=0,
     description=("torch CPU kernels (oneDNN / AMX, fused SDPA, packed int8 GEMV, int8 x int8 matmul) and its own "
-                 "int4 x int8 GEMV, AVX-512 VNNI or AVX2 (csrc/, built on first use)"),
+                 "int4 x int8 GEMV, AVX-512 VNNI or AVX2, and a llama decode step in C++ (csrc/, built on first use)"),
 )

@@ -147,6 +147,10 @@ class PagedRunner(_Runner):
         self.compiled = (CompiledDecode(self._decode, device, block_size, num_blocks, max_seqs=max_seqs,
                                         weight_only=_weight_only(model))
                          if compile and not graphs else None)
+        # the backend's own whole decode step (the cpu backend's C++ llama step): the eager step's kernels
+        # without the interpreter between them, from the first request on
+        native = ops.active_backend().decode_step
+        self.native = native(model, self.kv_caches, block_size) if native is not None and not graphs else None
         self.encoder = _encoder_cache(model, device)
 
     def _decode(self, d: DecodeInputs) -> torch.Tensor:
@@ -226,6 +230,10 @@ class PagedRunner(_Runner):
                 if self.compiled is not None and self.compiled.serves(n):
                     logits = self.compiled.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens,
                                                [0] * n)
+                    return _rows(logits, step.logits_rows)
+                if self.native is not None and not step.verify and \
+                        self.native.serves(n, max(len(t) for t in step.tables)):
+                    logits = self.native.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens)
                     return _rows(logits, step.logits_rows)
                 if self.graphs is not None and n <= self.graphs.max_batch:
                     with torch.inference_mode():
@@ -507,7 +515,9 @@ def build_runner(model, config) -> tuple[_Runner, int, int]:
         raise ValueError(f"--speculative {spec.method} needs the batched decode step, which this checkpoint's MLA "
                          "kv_b weights do not allow (they cannot be absorbed); serve it with --speculative off.")
     compiled = getattr(runner, "compiled", None)
-    if compiled is not None and config.compile is None:  # eager now, the graphs once compiled and faster
+    if compiled is not None and config.compile is None and getattr(runner, "native", None) is not None:
+        runner.compiled = None  # the backend's own step serves decode already: nothing to compile by default
+    elif compiled is not None and config.compile is None:  # eager now, the graphs once compiled and faster
         runner.compiled = None
         runner.compiling = compiled.warm_up_in_background(lambda c: setattr(runner, "compiled", c))
     elif compiled is not None:

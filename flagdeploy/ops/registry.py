@@ -83,6 +83,11 @@ class Backend:
     # under "weight_only_one_row" apply only to the one-row graph of a model whose linears are all
     # weight-only quantized (e.g. autotuning: a few GEMV shapes there, every dense shape elsewhere)
     compile_config: dict = field(default_factory=dict)
+    # A whole decode step in the backend's own code, for the models it knows: (model, kv caches, block size)
+    # -> an object with `serves(rows, width)` and `run(ids, positions, slots, tables, ctx)` -> logits, or None
+    # where it cannot compute what the eager step computes. The runner prefers it to the eager step, and a
+    # model it serves is not compiled by default (cpu: backends/cpu/llama_step.py).
+    decode_step: Callable | None = None
     priority: int = 0  # higher wins when several backends detect their chip
     description: str = ""
     # The environment variable that restricts which devices a process sees (CUDA_VISIBLE_DEVICES, ...):

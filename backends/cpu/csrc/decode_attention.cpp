@@ -25,9 +25,7 @@
 
 #include "bf16.h"
 
-#ifndef FLAGDEPLOY_OPS_NS
-#define FLAGDEPLOY_OPS_NS flagdeploy_cpu  // tests build an AVX2-only copy under another name
-#endif
+#include "kernels.h"
 
 namespace {
 
@@ -91,6 +89,10 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* t
   });
 }
 
+}  // namespace
+
+namespace FLAGDEPLOY_OPS_NS {
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && block_tables.dim() == 2,
@@ -119,7 +121,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out.to(q.scalar_type());
 }
 
-}  // namespace
+}  // namespace FLAGDEPLOY_OPS_NS
 
 TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
@@ -127,5 +129,5 @@ TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
 }
 
 TORCH_LIBRARY_IMPL(FLAGDEPLOY_OPS_NS, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &FLAGDEPLOY_OPS_NS::paged_decode_attention);
 }

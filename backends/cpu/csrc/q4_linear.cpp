@@ -36,9 +36,7 @@
 #error "q4_linear needs AVX2 with FMA and F16C (native.py builds it only on such CPUs)"
 #endif
 
-#ifndef FLAGDEPLOY_OPS_NS
-#define FLAGDEPLOY_OPS_NS flagdeploy_cpu  // tests build an AVX2-only copy under another name
-#endif
+#include "kernels.h"
 
 namespace {
 
@@ -153,6 +151,10 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
 
 #endif
 
+}  // namespace
+
+namespace FLAGDEPLOY_OPS_NS {
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& dm) {
   TORCH_CHECK(x.dim() == 2 && nib.dim() == 5 && dm.dim() == 4,
               "q4_linear: x [M, K], nib [N/16, K/32, 4, 16, 4], dm [N/16, K/32, 2, 16]");
@@ -181,12 +183,12 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
   return y;
 }
 
-}  // namespace
+}  // namespace FLAGDEPLOY_OPS_NS
 
 TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
   m.def("q4_linear(Tensor x, Tensor nib, Tensor dm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(FLAGDEPLOY_OPS_NS, CPU, m) {
-  m.impl("q4_linear", &q4_linear);
+  m.impl("q4_linear", &FLAGDEPLOY_OPS_NS::q4_linear);
 }

@@ -30,9 +30,7 @@
 #error "q8_linear needs AVX2 with FMA (native.py builds it only on such CPUs)"
 #endif
 
-#ifndef FLAGDEPLOY_OPS_NS
-#define FLAGDEPLOY_OPS_NS flagdeploy_cpu  // tests build an AVX2-only copy under another name
-#endif
+#include "kernels.h"
 
 namespace {
 
@@ -71,6 +69,10 @@ void tile(const int8_t* w8, const float* d, const int16_t* x16, const float* sca
   }
 }
 
+}  // namespace
+
+namespace FLAGDEPLOY_OPS_NS {
+
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& d) {
   TORCH_CHECK(x.dim() == 2 && w8.dim() == 5 && d.dim() == 1,
               "q8_linear: x [M, K], w8 [N/8, K/32, 16, 8, 2], d [N]");
@@ -97,12 +99,12 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor
   return y;
 }
 
-}  // namespace
+}  // namespace FLAGDEPLOY_OPS_NS
 
 TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
   m.def("q8_linear(Tensor x, Tensor w8, Tensor d) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(FLAGDEPLOY_OPS_NS, CPU, m) {
-  m.impl("q8_linear", &q8_linear);
+  m.impl("q8_linear", &FLAGDEPLOY_OPS_NS::q8_linear);
 }

@@ -20,9 +20,7 @@
 
 #include "bf16.h"
 
-#ifndef FLAGDEPLOY_OPS_NS
-#define FLAGDEPLOY_OPS_NS flagdeploy_cpu  // tests build an AVX2-only copy under another name
-#endif
+#include "kernels.h"
 
 namespace {
 
@@ -30,14 +28,34 @@ constexpr int64_t kGrainValues = 1 << 15;  // values per thread below which rows
 
 inline uint16_t to_bf16(float v) { return bf16_bits(v); }
 
+constexpr int kLanes = 16;  // partial sums of the sum of squares
+
+// The sum of squares in kLanes partial sums, added up in a fixed order: the same float32 result whatever
+// vector width the compiler picks (a `simd reduction` would sum in the order of the machine's lanes, so an
+// AVX2 build and an AVX-512 one rounded differently).
+template <typename T>
+float sum_squares(const T* x, int64_t n) {
+  float part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = as_float(x[i + j]);
+      part[j] += v * v;
+    }
+  }
+  for (int j = 0; i < n; ++i, ++j) {
+    const float v = as_float(x[i]);
+    part[j] += v * v;
+  }
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int j = 0; j < width; ++j) part[j] += part[j + width];
+  return part[0];
+}
+
 template <typename T>
 void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) {
-    float v = as_float(x[i]);
-    ss += v * v;
-  }
+  const float ss = sum_squares(x, n);
   const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
   if constexpr (std::is_same_v<T, float>) {
 #pragma omp simd
@@ -72,6 +90,10 @@ void over_rows(int64_t rows, int64_t n, F body) {
     for (int64_t r = r0; r < r1; ++r) body(r);
   });
 }
+
+}  // namespace
+
+namespace FLAGDEPLOY_OPS_NS {
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
   check(x_in, w_in);
@@ -122,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
   return {out, h};
 }
 
-}  // namespace
+}  // namespace FLAGDEPLOY_OPS_NS
 
 TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -130,6 +152,6 @@ TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
 }
 
 TORCH_LIBRARY_IMPL(FLAGDEPLOY_OPS_NS, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rms_norm", &FLAGDEPLOY_OPS_NS::rms_norm);
+  m.impl("add_rms_norm", &FLAGDEPLOY_OPS_NS::add_rms_norm);
 }

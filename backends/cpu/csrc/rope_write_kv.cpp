@@ -16,9 +16,7 @@
 
 #include "bf16.h"
 
-#ifndef FLAGDEPLOY_OPS_NS
-#define FLAGDEPLOY_OPS_NS flagdeploy_cpu  // tests build an AVX2-only copy under another name
-#endif
+#include "kernels.h"
 
 namespace {
 
@@ -70,6 +68,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   });
 }
 
+}  // namespace
+
+namespace FLAGDEPLOY_OPS_NS {
+
 std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                                  const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor k_cache,
                                                  at::Tensor v_cache, const at::Tensor& slots_in) {
@@ -97,11 +99,11 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& q_in, const a
   return {q_out, k_out};
 }
 
-}  // namespace
+}  // namespace FLAGDEPLOY_OPS_NS
 
 TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
   m.def("rope_write_kv(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slots) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(FLAGDEPLOY_OPS_NS, CPU, m) { m.impl("rope_write_kv", &rope_write_kv); }
+TORCH_LIBRARY_IMPL(FLAGDEPLOY_OPS_NS, CPU, m) { m.impl("rope_write_kv", &FLAGDEPLOY_OPS_NS::rope_write_kv); }

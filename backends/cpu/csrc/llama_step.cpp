@@ -1,0 +1,119 @@
+// A llama-family decode step in one C++ call: the eager step's own kernels, in its order, without Python.
+//
+// A lone stream of a small 4-bit model on a 2-core CPU spends about a third of each token between kernels:
+// ~300 calls a token through the interpreter and the dispatcher (or, compiled, through dynamo's and the
+// generated wrapper's argument handling), while the second core spins. Here the same calls are plain C++
+// function calls on tensors held by this object, so a token costs its kernels and little else, from the
+// first request on (no compile).
+//
+// It computes exactly what the eager step (models/llama.py through backends/cpu/ops.py) computes on the
+// same inputs: the same kernels (kernels.h), the same torch ops for the rest (embedding rows, the float32
+// residual add, SwiGLU), in the same order and dtypes. llama_step.py builds it only where the eager step
+// would pick these kernels (packed weights, native attention, few rows) and checks the two agree bitwise.
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+namespace k = FLAGDEPLOY_OPS_NS;
+
+// a weight-only linear: (nib, dm) of the int4 kernel or (w8, d) of the int8 kernel, told apart by dtype;
+// an empty bias is none
+struct Linear {
+  at::Tensor a, b, bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y = a.scalar_type() == at::kByte ? k::q4_linear(x, a, b) : k::q8_linear(x, a, b);
+    return bias.numel() ? y + bias.to(y.scalar_type()) : y;
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+  at::Tensor k_cache, v_cache;
+};
+
+constexpr int64_t kHead = 7;       // tensors before the layers: embed, norm, head (3), cos, sin
+constexpr int64_t kPerLayer = 16;  // per layer: 2 norms, 4 linears (3 each), 2 caches
+
+class LlamaStep : public torch::CustomClassHolder {
+ public:
+  // t: kHead tensors, then kPerLayer per layer (see llama_step.py: `_tensors`); dims: heads, kv heads,
+  // head dim, intermediate size, vocabulary
+  LlamaStep(std::vector<at::Tensor> t, std::vector<int64_t> dims, double eps, double scale)
+      : eps_(eps), scale_(scale) {
+    TORCH_CHECK(dims.size() == 5 && t.size() >= kHead && (t.size() - kHead) % kPerLayer == 0,
+                "LlamaStep: 7 + 16 per layer tensors and 5 sizes");
+    heads_ = dims[0], kv_heads_ = dims[1], head_dim_ = dims[2], inter_ = dims[3], vocab_ = dims[4];
+    embed_ = t[0], norm_ = t[1], head_ = Linear{t[2], t[3], t[4]}, cos_ = t[5], sin_ = t[6];
+    for (size_t i = kHead; i < t.size(); i += kPerLayer) {
+      const at::Tensor* l = &t[i];
+      layers_.push_back(Layer{l[0], l[1], Linear{l[2], l[3], l[4]}, Linear{l[5], l[6], l[7]},
+                              Linear{l[8], l[9], l[10]}, Linear{l[11], l[12], l[13]}, l[14], l[15]});
+    }
+  }
+
+  // ids, positions, slots, context lengths as the rows of `rows` [4, n]; tables [n, W] (int64):
+  // logits [n, vocab] in float32, or with head false the final norm's output (for the caller's head: more
+  // rows than its packed kernel takes go to its dense copy, which the eager step calls from Python)
+  at::Tensor step(const at::Tensor& rows, const at::Tensor& tables, bool head) const {
+    const int64_t n = rows.size(1);
+    const at::Tensor ids = rows[0], positions = rows[1], slots = rows[2], ctx = rows[3];
+    const int64_t q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
+    const at::Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);
+    at::Tensor x = embed_.index_select(0, ids), residual, h;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      if (i == 0) {
+        residual = x;
+        h = k::rms_norm(x, l.input_norm, eps_);
+      } else {
+        std::tie(h, residual) = add_norm(x, residual, l.input_norm);
+      }
+      at::Tensor qkv = l.qkv(h);
+      at::Tensor q = qkv.narrow(1, 0, q_width).view({n, heads_, head_dim_});
+      at::Tensor kk = qkv.narrow(1, q_width, kv_width).view({n, kv_heads_, head_dim_});
+      at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({n, kv_heads_, head_dim_});
+      std::tie(q, kk) = k::rope_write_kv(q, kk, v, cos, sin, l.k_cache, l.v_cache, slots);
+      at::Tensor a = k::paged_decode_attention(q, l.k_cache, l.v_cache, tables, ctx, scale_);
+      std::tie(h, residual) = add_norm(l.o(a.flatten(1)), residual, l.post_norm);
+      at::Tensor gu = l.gate_up(h);
+      x = l.down(at::silu(gu.narrow(1, 0, inter_)) * gu.narrow(1, inter_, inter_));
+    }
+    h = std::get<0>(add_norm(x, residual, norm_));
+    return head ? head_(h).narrow(1, 0, vocab_).to(at::kFloat) : h;
+  }
+
+ private:
+  // (the norm of x + residual, x + residual) as backends/cpu/ops.py's add_rms_norm: one kernel when both
+  // share a dtype, else torch's add (a 16-bit sublayer output into a float32 residual stream) and the norm
+  std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor& residual,
+                                              const at::Tensor& w) const {
+    if (x.scalar_type() == residual.scalar_type()) return k::add_rms_norm(x, residual, w, eps_);
+    at::Tensor sum = x + residual;
+    return {k::rms_norm(sum, w, eps_), sum};
+  }
+
+  std::vector<Layer> layers_;
+  at::Tensor embed_, norm_, cos_, sin_;
+  Linear head_;
+  int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, inter_ = 0, vocab_ = 0;
+  double eps_, scale_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
+  m.class_<LlamaStep>("LlamaStep")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, double>())
+      .def("step", &LlamaStep::step);
+}

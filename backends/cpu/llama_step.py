@@ -1,0 +1,118 @@
+"""A llama-family model's whole decode step as one call into the cpu backend's C++ (csrc/llama_step.cpp).
+
+The eager step of a small 4-bit model spends about a third of a lone stream's token in the interpreter
+between its ~300 kernel calls, and the compiled step (`serve --compile`) takes a minute or two to build and
+still pays dynamo's and its wrapper's per-call costs. The C++ step calls the same kernels in the same order
+and dtypes, so its logits are the eager step's bit for bit, and it serves from the first request.
+
+It is built only where the eager step would run exactly those kernels: one process (no tensor parallel),
+every linear and the head laid out for the backend's int4 or int8 kernel, a 16-bit KV cache those kernels
+feed, and float norms of the residual stream's dtype. A step is served by it when its rows are few enough for
+the packed kernels (`packed_max_m`) and its block tables short enough for the native attention kernel
+(`native_max_keys`), the eager step's own thresholds; other steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from flagdeploy import parallel
+
+from . import native
+from .ops import TUNE
+
+log = logging.getLogger(__name__)
+
+
+class LlamaStep:
+    def __init__(self, step, model, max_rows: int, head_rows: int, max_keys: int, block_size: int):
+        """max_rows / head_rows: the most rows the layers' / the head's packed kernels take; max_keys: the
+        most cache slots a row's table may span for the native attention kernel."""
+        self._step, self.max_rows, self.max_keys, self.block_size = step, max_rows, max_keys, block_size
+        self._head, self._head_rows, self._vocab = model.lm_head, head_rows, model.cfg.vocab_size
+
+    def serves(self, rows: int, width: int) -> bool:
+        """Whether a plain decode step of `rows` sequences with block tables `width` wide runs here."""
+        return rows <= self.max_rows and width * self.block_size <= self.max_keys
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            ctx: list[int]) -> torch.Tensor:
+        """Logits [n, vocab] (float32) of n decoding sequences, their new k/v written to the caches."""
+        width = max(len(t) for t in tables)
+        rows = torch.tensor([ids, positions, slots, ctx], dtype=torch.int64)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        if len(ids) <= self._head_rows:
+            return self._step.step(rows, padded, True)
+        # the head's dense copy, as the eager step calls it
+        return self._head(self._step.step(rows, padded, False))[..., : self._vocab].float()
+
+
+def _linear(lin) -> list[torch.Tensor] | None:
+    """(packed weight, scales, bias or an empty tensor) of a Linear the C++ step can run, else None."""
+    p = getattr(lin.qweight, "prepared", None) if lin.qweight is not None else None
+    if p is None or getattr(lin, "reduce", False) or getattr(lin, "gather", False):
+        return None
+    bias = lin.bias if lin.bias is not None else torch.empty(0)
+    if "nib" in p:
+        return [p["nib"], p["dm"], bias]
+    if "w8" in p:
+        return [p["w8"], p["d"], bias]
+    return None
+
+
+def _why_not(model, kv_caches) -> str | None:
+    """Why the C++ step cannot reproduce this model's eager step (None: it can)."""
+    from flagdeploy.models.llama import LlamaForCausalLM
+
+    if type(model) is not LlamaForCausalLM:
+        return f"{type(model).__name__} is not the llama family"
+    if parallel.tp_size() > 1:
+        return "tensor parallel"
+    if not native.available():
+        return "the backend's kernels are not built"
+    dtype = model.embed_tokens.dtype
+    norms = [model.norm] + [n for layer in model.layers for n in (layer.input_norm, layer.post_norm)]
+    if dtype not in (torch.float32, torch.bfloat16) or any(n.dtype != dtype for n in norms):
+        return "norms not in the residual stream's float dtype"
+    if any(c.dtype != torch.bfloat16 or not c.is_contiguous() for kv in kv_caches for c in kv):
+        return "the KV cache is not the packed kernels' bf16"
+    linears = [model.lm_head] + [m for layer in model.layers
+                                 for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    if any(_linear(m) is None for m in linears):
+        return "a linear is not laid out for the backend's int4 / int8 kernels"
+    return None
+
+
+def _tensors(model, kv_caches) -> list[torch.Tensor]:
+    """What csrc/llama_step.cpp's constructor takes: embedding, final norm, head (3), rope tables, then per
+    layer its two norms, qkv / o / gate_up / down (3 each) and its k and v caches."""
+    out = [model.embed_tokens.data, model.norm.data, *_linear(model.lm_head), model.rope_cos, model.rope_sin]
+    for layer, (k, v) in zip(model.layers, kv_caches):
+        out += [layer.input_norm.data, layer.post_norm.data]
+        for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            out += _linear(m)
+        out += [k, v]
+    return out
+
+
+def build(model, kv_caches: list, block_size: int) -> LlamaStep | None:
+    """The C++ decode step of `model` over its runner's caches, or None (logged) where it would not compute
+    what the eager step computes."""
+    reason = _why_not(model, kv_caches)
+    if reason:
+        log.info("no C++ decode step for this model (%s): the eager or compiled step serves", reason)
+        return None
+    cfg, layer = model.cfg, model.layers[0]
+    linears = [m for x in model.layers for m in (x.qkv_proj, x.o_proj, x.gate_up_proj, x.down_proj)]
+    max_rows = min(_packed_rows(m) for m in linears)
+    dims = [layer.heads, layer.kv_heads, cfg.head_dim, layer.gate_up_proj.out_features // 2, cfg.vocab_size]
+    step = torch.classes.flagdeploy_cpu.LlamaStep(_tensors(model, kv_caches), dims, cfg.rms_norm_eps, layer.scale)
+    return LlamaStep(step, model, max_rows, _packed_rows(model.lm_head),
+                     TUNE["paged_attention_decode"]["native_max_keys"], block_size)
+
+
+def _packed_rows(lin) -> int:
+    """The most rows the eager step sends to this linear's packed kernel (`packed_max_m`)."""
+    return TUNE["linear_w4a16" if "nib" in lin.qweight.prepared else "linear_w8a16"]["packed_max_m"]

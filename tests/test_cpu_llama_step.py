@@ -1,0 +1,121 @@
+"""The cpu backend's C++ decode step for the llama family (backends/cpu/llama_step.py, csrc/llama_step.cpp).
+
+It must compute exactly what the eager step computes (the same kernels in the same order), serve only the
+steps the eager step would run on those kernels, and take the place of the background compile by default.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flagdeploy import ops
+from flagdeploy.backends.cpu import native
+from flagdeploy.engine import EngineConfig, SamplingParams
+from flagdeploy.engine.cuda_graphs import DecodeInputs
+from flagdeploy.engine.llm_engine import LLMEngine
+from flagdeploy.engine.loader import load_model
+from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+from flagdeploy.models.linear import Linear
+from flagdeploy.ops.weights import Int4Weight
+
+from conftest import make_engine
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not native.available(), reason="the cpu backend's kernels are not built here")
+
+VOCAB = 256
+
+
+def _checking(runner) -> list[int]:
+    """Makes every step the C++ step serves run eagerly too and compare logits bit for bit; returns the row
+    counts of the steps it served (so a test can see it served some)."""
+    served, step = [], runner.native
+    run = step.run
+
+    def both(ids, positions, slots, tables, ctx):
+        got = run(ids, positions, slots, tables, ctx)
+        with torch.inference_mode():  # the same k/v rewritten to the same slots
+            eager = runner._decode(DecodeInputs.build(ids, positions, slots, tables, ctx, None, "cpu"))
+        assert torch.equal(got, eager), f"{len(ids)} rows: the C++ step's logits differ from the eager step's"
+        served.append(len(ids))
+        return got
+
+    step.run = both
+    return served
+
+
+def test_the_default_model_decodes_bit_for_bit_as_the_eager_step_and_compiles_nothing(default_model):
+    """The embedded Q4_1 GGUF as serve loads it: batched, lone, with prefix-cache hits; and serve's default
+    (compile=None) starts no background compile for a model the C++ step serves."""
+    engine = make_engine(default_model, "auto", compile=None, max_num_seqs=4, max_model_len=256)
+    runner = engine.runner
+    assert runner.native is not None and runner.compiling is None and runner.compiled is None
+    served = _checking(runner)
+    tok = engine.tokenizer
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def fib(n):", "1, 2, 3, 4,")]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    batched = engine.generate(prompts + [prompts[0]], greedy)  # the repeat hits the prefix cache
+    alone = engine.generate([prompts[1]], greedy)
+    assert batched[1] == alone[0] and batched[0] == batched[3]
+    assert 1 in served and max(served) == 4 and len(served) >= 20
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    """A tiny Qwen2 (q/k/v biases) whose shapes the packed kernels tile."""
+    path = tmp_path_factory.mktemp("qwen2")
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # random init leaves biases at zero, which would test nothing
+    hf.save_pretrained(path)
+    write_word_tokenizer(path, VOCAB)
+    return path
+
+
+def _int4(w: torch.Tensor, group: int = 32) -> Int4Weight:
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = ((hi - lo) / 15).clamp_min(1e-8)
+    q = ((g - lo[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8).view(n, k)
+    return Int4Weight(q, scales, lo + 8 * scales, group, n, k)
+
+
+def test_biases_an_int8_head_and_the_eager_steps_row_limit(qwen2_dir, monkeypatch):
+    """4-bit linears with biases and an int8 head: bit for bit the eager step's logits; at more rows than the
+    packed kernels take (`packed_max_m`), and past the native attention's keys, the eager step serves (its
+    dense copies and other attention forms round differently)."""
+    from flagdeploy.backends.cpu import ops as cpu_ops
+
+    monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "packed_max_m", 4)
+    monkeypatch.setitem(cpu_ops.TUNE["paged_attention_decode"], "native_max_keys", 32)
+    model, tokenizer = load_model(qwen2_dir, "safetensors", torch.float32, "cpu", progress=False)
+    assert model.layers[0].qkv_proj.bias is not None
+    for m in model.modules():
+        if isinstance(m, Linear) and m is not model.lm_head:
+            m.qweight, m._op, m.weight = ops.prepare_weight("linear_w4a16", _int4(m.weight)), "linear_w4a16", None
+    model.lm_head.quantize_int8()
+    model.prepare(64)
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_model_len=64, max_num_seqs=8, block_size=4))
+    step = engine.runner.native
+    assert step is not None and step.max_rows == 4
+    assert step.serves(4, 8) and not step.serves(5, 1) and not step.serves(1, 9)
+    served = _checking(engine.runner)
+    prompts = [[5 + i, 17, 42, 99 - i] for i in range(6)]
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)  # 34 tokens: past 32 keys
+    engine.generate(prompts, greedy)  # 6 rows: the eager step
+    assert served == []
+    engine.generate(prompts[:3], greedy)  # 3 rows: the C++ step until the tables pass 32 keys (8 blocks of 4)
+    assert served == [3] * 28  # contexts of 5 to 32 tokens; the 29th decode step reads 33
+
+
+def test_a_dense_model_keeps_the_eager_step(llm_engine):
+    """float32 weights (`--weight-format dense`, transformers' numbers) never take the C++ step."""
+    assert llm_engine.runner.native is None
