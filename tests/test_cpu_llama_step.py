@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_engine
+from flagdeploy.backends.cpu import native
 
 from flagdeploy import ops
-from flagdeploy.backends.cpu import native
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine.cuda_graphs import DecodeInputs
 from flagdeploy.engine.llm_engine import LLMEngine
@@ -18,8 +19,6 @@ from flagdeploy.engine.loader import load_model
 from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
 from flagdeploy.models.linear import Linear
 from flagdeploy.ops.weights import Int4Weight
-
-from conftest import make_engine
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not native.available(), reason="the cpu backend's kernels are not built here")

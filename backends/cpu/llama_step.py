@@ -52,7 +52,7 @@ class LlamaStep:
 def _linear(lin) -> list[torch.Tensor] | None:
     """(packed weight, scales, bias or an empty tensor) of a Linear the C++ step can run, else None."""
     p = getattr(lin.qweight, "prepared", None) if lin.qweight is not None else None
-    if p is None or getattr(lin, "reduce", False) or getattr(lin, "gather", False):
+    if p is None:
         return None
     bias = lin.bias if lin.bias is not None else torch.empty(0)
     if "nib" in p:
@@ -60,6 +60,11 @@ def _linear(lin) -> list[torch.Tensor] | None:
     if "w8" in p:
         return [p["w8"], p["d"], bias]
     return None
+
+
+def _linears(layer) -> tuple:
+    """A layer's linears in the order csrc/llama_step.cpp takes them."""
+    return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
 
 
 def _why_not(model, kv_caches) -> str | None:
@@ -78,9 +83,7 @@ def _why_not(model, kv_caches) -> str | None:
         return "norms not in the residual stream's float dtype"
     if any(c.dtype != torch.bfloat16 or not c.is_contiguous() for kv in kv_caches for c in kv):
         return "the KV cache is not the packed kernels' bf16"
-    linears = [model.lm_head] + [m for layer in model.layers
-                                 for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    if any(_linear(m) is None for m in linears):
+    if any(_linear(m) is None for m in [model.lm_head, *(m for layer in model.layers for m in _linears(layer))]):
         return "a linear is not laid out for the backend's int4 / int8 kernels"
     return None
 
@@ -91,7 +94,7 @@ def _tensors(model, kv_caches) -> list[torch.Tensor]:
     out = [model.embed_tokens.data, model.norm.data, *_linear(model.lm_head), model.rope_cos, model.rope_sin]
     for layer, (k, v) in zip(model.layers, kv_caches):
         out += [layer.input_norm.data, layer.post_norm.data]
-        for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+        for m in _linears(layer):
             out += _linear(m)
         out += [k, v]
     return out
@@ -105,8 +108,7 @@ def build(model, kv_caches: list, block_size: int) -> LlamaStep | None:
         log.info("no C++ decode step for this model (%s): the eager or compiled step serves", reason)
         return None
     cfg, layer = model.cfg, model.layers[0]
-    linears = [m for x in model.layers for m in (x.qkv_proj, x.o_proj, x.gate_up_proj, x.down_proj)]
-    max_rows = min(_packed_rows(m) for m in linears)
+    max_rows = min(_packed_rows(m) for x in model.layers for m in _linears(x))
     dims = [layer.heads, layer.kv_heads, cfg.head_dim, layer.gate_up_proj.out_features // 2, cfg.vocab_size]
     step = torch.classes.flagdeploy_cpu.LlamaStep(_tensors(model, kv_caches), dims, cfg.rms_norm_eps, layer.scale)
     return LlamaStep(step, model, max_rows, _packed_rows(model.lm_head),

@@ -9,7 +9,8 @@
 // It computes exactly what the eager step (models/llama.py through backends/cpu/ops.py) computes on the
 // same inputs: the same kernels (kernels.h), the same torch ops for the rest (embedding rows, the float32
 // residual add, SwiGLU), in the same order and dtypes. llama_step.py builds it only where the eager step
-// would pick these kernels (packed weights, native attention, few rows) and checks the two agree bitwise.
+// would pick these kernels (packed weights, native attention, few rows); tests/test_cpu_llama_step.py checks
+// the two agree bit for bit.
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
