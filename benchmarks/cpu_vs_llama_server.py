@@ -19,8 +19,9 @@ What a CPU user would otherwise run is llama.cpp's server, so that is the baseli
    which both servers take; the completion tokens are counted from the streamed usage, and every request is
    checked to have produced exactly max_tokens):
    - ready s: process start -> readiness endpoint answers 200 (llama-server /health, flagdeploy /ready);
-   - first req tok/s: one request sent at once after ready (flagdeploy's default serve compiles its decode
-     step in the background then: this is what a client gets meanwhile);
+   - first req tok/s: one request sent at once after ready (where flagdeploy's default serve compiles its
+     decode step in the background, for models its C++ step does not serve, this is what a client gets
+     meanwhile);
    - settled s: process start -> flagdeploy's `decode_step_compiling` gauge reads 0 (the compiled step in,
      or given up); the throughput columns are measured after it;
    - 1-stream tok/s: output tokens / wall time of one request (prefill included), median of --rounds
@@ -32,8 +33,8 @@ What a CPU user would otherwise run is llama.cpp's server, so that is the baseli
    and the client (issue 33):
    - engine tok/s: the same rounds' generation tokens / seconds inside engine steps, from the server's
      /metrics (`generation_tokens_total`, `engine_step_seconds_total`), median of the rounds;
-   - in-process tok/s: the same engine configuration (serve's defaults, its decode step compiled before
-     measuring), the same chat prompts and token counts, driven by `LLMEngine.generate` in this process
+   - in-process tok/s: the same engine configuration (serve's defaults, with the decode step the server
+     settles to: the C++ step for the default model, no compile), the same chat prompts and token counts, driven by `LLMEngine.generate` in this process
      with no server at all (the servers are stopped by then), median of --rounds after a warm-up.
    HTTP / in-process is the share of the engine's own speed a client receives.
 
@@ -403,15 +404,17 @@ def bench(server: Server, args: argparse.Namespace) -> dict:
 
 
 def in_process(args: argparse.Namespace) -> dict[str, float]:
-    """flagdeploy's engine with no server: serve's engine defaults (its --max-model-len, --max-num-seqs
-    etc. are EngineConfig's), the decode step compiled before measuring (what the server settles to), the
-    same chat prompts and forced token counts as the HTTP rounds; median tok/s of --rounds after a warm-up."""
+    """flagdeploy's engine with no server: serve's engine defaults (its --max-model-len, --max-num-seqs,
+    --compile etc. are EngineConfig's, so the decode step is the one the server settles to), the same chat
+    prompts and forced token counts as the HTTP rounds; median tok/s of --rounds after a warm-up."""
     from flagdeploy.engine import EngineConfig, SamplingParams
     from flagdeploy.engine.loader import build_llm_engine
 
     src = resolve(args.model)
-    log("in-process: building the engine and compiling its decode step")
-    engine = build_llm_engine(src.path, src.format, EngineConfig(compile=True), chip="cpu", progress=False)
+    log("in-process: building the engine with serve's defaults")
+    engine = build_llm_engine(src.path, src.format, EngineConfig(), chip="cpu", progress=False)
+    if engine.runner.compiling is not None:  # a model the C++ step does not serve compiles in the background
+        engine.runner.compiling.join()
     tok = engine.tokenizer
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 

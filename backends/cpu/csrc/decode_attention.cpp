@@ -1,14 +1,14 @@
-// Decode attention over paged caches, one (query row, key head) at a time: the eager decode step's
+// Decode attention over paged caches, one (query row, query head) at a time: the eager decode step's
 // attention on the CPU.
 //
 // torch's fused SDPA costs ~200 us per call at a few hundred keys for SmolLM2's 9 heads (mostly fixed
 // cost), and a speculative verify step needs one call per row, because a masked batched call rounds
-// differently from a lone row's unmasked one. Here every (row, key head) pair is computed by the same
+// differently from a lone row's unmasked one. Here every (row, query head) pair is computed by the same
 // loops in the same order whatever else is in the call, so a row's result is bitwise the same alone, in a
 // batch, or as one of a verify step's rows, and one call serves them all.
 //
-// Per pair: scores s_t = scale * q . k_t in float32 (one vector reduction pattern, fixed by the build), a
-// float32 softmax, and out = sum_t p_t v_t accumulated in float32 in key order.
+// Per (row, query head): scores s_t = scale * q . k_t in float32 (fixed_sum.h's order: the same on every
+// build), a float32 softmax, and out = sum_t p_t v_t accumulated in float32 in key order.
 //   q [R, H, D] float32 or bf16; k_cache, v_cache [blocks, block_size, KH, D] float32 or bf16 (the same);
 //   block_tables [R, W] int64 (row r's keys are positions 0..context_lens[r]-1 through its table);
 //   out [R, H, D] in q's dtype.
@@ -24,69 +24,72 @@
 #include <vector>
 
 #include "bf16.h"
+#include "fixed_sum.h"
 
 #include "kernels.h"
 
 namespace {
 
-// A key or value row in float32 (once per key, shared by the query heads of its group).
-template <typename T>
-inline void row_to_float(const T* src, float* dst, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) dst[i] = as_float(src[i]);
-}
-
-// One fixed summation pattern (the compiler's vector reduction of this loop): the same for every row.
-inline float dot(const float* a, const float* b, int64_t d) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
-  return s;
-}
-
-template <typename T>
+// Each (row, query head) on its own: the units split over the threads evenly however few rows there are
+// (a lone row's 9 heads, not its 3 key heads), and a unit's loops are the same wherever it runs. D is the
+// head width where it is one the build knows (the partial sums then stay in registers), else 0: d at run
+// time, the same arithmetic.
+template <typename T, int D>
 void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lens,
             int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size, int64_t width,
             float scale, float* out) {
-  const int64_t group = heads / kv_heads;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> scores, acc(group * d), row(d);
+  if constexpr (D > 0) d = D;
+  const int64_t group = heads / kv_heads, stride = kv_heads * d;  // stride: one slot's row to the next's
+  const int64_t most = rows ? *std::max_element(lens, lens + rows) : 0;
+  at::parallel_for(0, rows * heads, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> s(most), acc(D > 0 ? 0 : d);
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t r = p / kv_heads, kh = p % kv_heads, n = lens[r];
+      const int64_t r = p / heads, kh = p % heads / group, n = lens[r];
       const int64_t* table = tables + r * width;
-      const float* qg = q + (r * heads + kh * group) * d;
-      scores.assign(group * n, 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        row_to_float(k_cache + (slot * kv_heads + kh) * d, row.data(), d);
-        for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(qg + g * d, row.data(), d) * scale;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          s[t] = std::exp(s[t] - m);
-          sum += s[t];
+      const float* qh = q + p * d;
+      // keys by the blocks of the row's table: block b holds keys [b * block_size, (b + 1) * block_size)
+      float m = -INFINITY;
+      for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {
+        const T* keys = k_cache + (table[b] * block_size * kv_heads + kh) * d;
+        for (int64_t j = 0, end = std::min(block_size, n - t0); j < end; ++j) {
+          const float x = fixed_dot(qh, keys + j * stride, d) * scale;
+          s[t0 + j] = x;
+          m = std::max(m, x);
         }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      float sum = 0.f;
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        row_to_float(v_cache + (slot * kv_heads + kh) * d, row.data(), d);
-        for (int64_t g = 0; g < group; ++g) {
-          const float w = scores[g * n + t];
-          float* a = acc.data() + g * d;
+        s[t] = std::exp(s[t] - m);
+        sum += s[t];
+      }
+      const float inv = 1.f / sum;
+      // out = sum_t p_t v_t, each value summed in key order from 0, in a local array (registers when D > 0)
+      float fixed[D > 0 ? D : 1] = {};
+      float* a = D > 0 ? fixed : acc.data();
+      if constexpr (D == 0) std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {
+        const T* values = v_cache + (table[b] * block_size * kv_heads + kh) * d;
+        for (int64_t j = 0, end = std::min(block_size, n - t0); j < end; ++j) {
+          const float w = s[t0 + j] * inv;
+          const T* v = values + j * stride;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) a[i] += w * row[i];
+          for (int64_t i = 0; i < d; ++i) a[i] += w * as_float(v[i]);
         }
       }
-      std::memcpy(out + (r * heads + kh * group) * d, acc.data(), group * d * sizeof(float));
+      std::copy(a, a + d, out + p * d);
     }
   });
+}
+
+template <typename T>
+void attend_any(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lens,
+                int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size, int64_t width,
+                float scale, float* out) {
+  switch (d) {
+    case 64: return attend<T, 64>(q, k_cache, v_cache, tables, lens, rows, heads, kv_heads, d, block_size, width, scale, out);
+    case 128: return attend<T, 128>(q, k_cache, v_cache, tables, lens, rows, heads, kv_heads, d, block_size, width, scale, out);
+    default: return attend<T, 0>(q, k_cache, v_cache, tables, lens, rows, heads, kv_heads, d, block_size, width, scale, out);
+  }
 }
 
 }  // namespace
@@ -110,11 +113,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   at::Tensor out = at::empty({rows, heads, d}, q.options().dtype(at::kFloat));
   const int64_t block_size = k_cache.size(1), width = tables.size(1);
   if (k_cache.scalar_type() == at::kFloat)
-    attend(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
+    attend_any(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
            lens.data_ptr<int64_t>(), rows, heads, kv_heads, d, block_size, width, static_cast<float>(scale),
            out.data_ptr<float>());
   else
-    attend(qf.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+    attend_any(qf.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
            reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), tables.data_ptr<int64_t>(),
            lens.data_ptr<int64_t>(), rows, heads, kv_heads, d, block_size, width, static_cast<float>(scale),
            out.data_ptr<float>());

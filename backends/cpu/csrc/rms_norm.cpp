@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "bf16.h"
+#include "fixed_sum.h"
 
 #include "kernels.h"
 
@@ -28,30 +29,9 @@ constexpr int64_t kGrainValues = 1 << 15;  // values per thread below which rows
 
 inline uint16_t to_bf16(float v) { return bf16_bits(v); }
 
-constexpr int kLanes = 16;  // partial sums of the sum of squares
-
-// The sum of squares in kLanes partial sums, added up in a fixed order: the same float32 result whatever
-// vector width the compiler picks (a `simd reduction` would sum in the order of the machine's lanes, so an
-// AVX2 build and an AVX-512 one rounded differently).
+// the mean of squares' sum: fixed_sum.h's order, the same whatever vector width the compiler picks
 template <typename T>
-float sum_squares(const T* x, int64_t n) {
-  float part[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-#pragma omp simd
-    for (int j = 0; j < kLanes; ++j) {
-      const float v = as_float(x[i + j]);
-      part[j] += v * v;
-    }
-  }
-  for (int j = 0; i < n; ++i, ++j) {
-    const float v = as_float(x[i]);
-    part[j] += v * v;
-  }
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int j = 0; j < width; ++j) part[j] += part[j + width];
-  return part[0];
-}
+inline float sum_squares(const T* x, int64_t n) { return fixed_dot(x, x, n); }
 
 template <typename T>
 void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
