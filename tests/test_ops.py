@@ -421,8 +421,8 @@ def test_cpu_tune_table_is_chosen_by_the_cpus_flags(tmp_path):
 
 def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
     """CPUs without AVX-512 get the same kernels built for AVX2 (two 8-row halves per tile, vpmaddubsw for
-    vpdpbusd; portable C++ for the FP8 conversions, norms and rope): built here without AVX-512, under another op
-    namespace, they give the default build's outputs bit for bit."""
+    vpdpbusd; portable C++ for the FP8 conversions, norms, rope and attention): built here without AVX-512, under
+    another op namespace, they give the default build's outputs bit for bit."""
     from flagdeploy.ops.weights import fp8_block_quantize
 
     native = _cpu_kernels_or_skip()
@@ -456,6 +456,15 @@ def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
         slots = torch.tensor([5, 0, 2])
         got = [ns.rope_write_kv(q, k, v, cos, sin, *c, slots) for ns, c in ((avx2, caches[0]), (default, caches[1]))]
         assert all(torch.equal(a, b) for a, b in zip(got[0], got[1])) and torch.equal(caches[0][0], caches[1][0])
+        # decode attention: AVX-512 folds 16 keys' dot products at once, the portable loop one key at a time;
+        # head widths with that path (64, 128) and without (48), partial blocks and block sizes not of 16
+        for d, block_size in ((64, 16), (128, 20), (48, 16)):
+            kc, vc = (torch.randn(12, block_size, 3, d, generator=g).to(dtype) for _ in range(2))
+            q = torch.randn(4, 9, d, generator=g).to(dtype)
+            tables = torch.stack([torch.randperm(12, generator=g)[:6] for _ in range(4)])
+            lens = torch.tensor([1, 17, 5 * block_size + 3, 40])
+            assert torch.equal(avx2.paged_decode_attention(q, kc, vc, tables, lens, 0.125),
+                               default.paged_decode_attention(q, kc, vc, tables, lens, 0.125)), (d, dtype)
 
 
 def test_cpu_int4_weights_no_packed_kernel_can_tile_run_the_reference():

@@ -30,6 +30,65 @@
 
 namespace {
 
+// exp(x) for the softmax's x = s - max <= 0, to ~1 ulp: 2^n e^r with n = round(x / ln 2) and a degree-7 series
+// for e^r (Cephes' coefficients), every multiply-add an explicit fma. Plain arithmetic, so the compiler runs a
+// row's keys 16 at a time where libm's expf is a call per key (a quarter of the attention's time), and any
+// build computes the same bits. Below -87.3 (e^x < 2^-126) it is 0.
+inline float softmax_exp(float x) {
+  const float xc = std::max(x, -87.3f);
+  const float n = std::nearbyint(xc * 1.44269504088896341f);
+  const float r = std::fma(n, -1.428606765330187045e-6f, std::fma(n, -6.93145751953125e-1f, xc));  // ln 2 in two parts
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float y = std::fma(p, r * r, r) + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x < -87.3f ? 0.f : y * scale;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const uint16_t* x) {  // 16 bf16 values as float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+
+// The scores of `count` (at most 16) keys `stride` apart, each fixed_dot(q, key, D) bit for bit: a key's 16
+// partial sums are fixed_dot's lanes (fused multiply-adds in element order), and the 16 keys' folds by
+// halves run together, two to eight keys per vector, through shuffles that add exactly the lanes
+// fixed_dot's fold adds. One key at a time, the fold was a chain of 15 dependent scalar adds per key and
+// query head, the larger part of a decode step's attention.
+template <typename T, int D>
+inline void dots16(const float* q, const T* keys, int64_t stride, int64_t count, float* out) {
+  __m512 p[16];
+  for (int t = 0; t < 16; ++t) {
+    __m512 acc = _mm512_setzero_ps();
+    if (t < count)
+      for (int i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(keys + t * stride + i), acc);
+    p[t] = acc;
+  }
+  __m512 a[8], b[4], c[2];
+  for (int m = 0; m < 8; ++m)  // lanes j + (j + 8): a[m] = keys 2m, 2m+1 in 8 lanes each
+    a[m] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * m], p[2 * m + 1], 0x44),
+                         _mm512_shuffle_f32x4(p[2 * m], p[2 * m + 1], 0xEE));
+  for (int m = 0; m < 4; ++m)  // lanes j + (j + 4): b[m] = keys 4m .. 4m+3 in 4 lanes each
+    b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xDD));
+  for (int m = 0; m < 2; ++m)  // lanes j + (j + 2): in 128-bit chunk k of c[m], keys 8m + k and 8m + 4 + k
+    c[m] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * m], b[2 * m + 1], 0x44), _mm512_shuffle_ps(b[2 * m], b[2 * m + 1], 0xEE));
+  // lanes 0 + 1: lane 4k + e holds key 4e + k
+  alignas(64) float r[16];
+  _mm512_store_ps(r, _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD)));
+  for (int64_t t = 0; t < count; ++t) out[t] = r[4 * (t % 4) + t / 4];
+}
+#endif
+
 // Each (row, query head) on its own: the units split over the threads evenly however few rows there are
 // (a lone row's 9 heads, not its 3 key heads), and a unit's loops are the same wherever it runs. D is the
 // head width where it is one the build knows (the partial sums then stay in registers), else 0: d at run
@@ -51,17 +110,24 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* t
       float m = -INFINITY;
       for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {
         const T* keys = k_cache + (table[b] * block_size * kv_heads + kh) * d;
-        for (int64_t j = 0, end = std::min(block_size, n - t0); j < end; ++j) {
+        const int64_t end = std::min(block_size, n - t0);
+#if defined(__AVX512F__)
+        if constexpr (D > 0 && D % 16 == 0) {
+          for (int64_t j = 0; j < end; j += 16) dots16<T, D>(qh, keys + j * stride, stride, std::min<int64_t>(16, end - j), &s[t0 + j]);
+          for (int64_t j = 0; j < end; ++j) m = std::max(m, s[t0 + j] *= scale);
+          continue;
+        }
+#endif
+        for (int64_t j = 0; j < end; ++j) {
           const float x = fixed_dot(qh, keys + j * stride, d) * scale;
           s[t0 + j] = x;
           m = std::max(m, x);
         }
       }
+#pragma omp simd
+      for (int64_t t = 0; t < n; ++t) s[t] = softmax_exp(s[t] - m);
       float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = std::exp(s[t] - m);
-        sum += s[t];
-      }
+      for (int64_t t = 0; t < n; ++t) sum += s[t];
       const float inv = 1.f / sum;
       // out = sum_t p_t v_t, each value summed in key order from 0, in a local array (registers when D > 0)
       float fixed[D > 0 ? D : 1] = {};
