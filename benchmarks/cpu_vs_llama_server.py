@@ -11,7 +11,9 @@ What a CPU user would otherwise run is llama.cpp's server, so that is the baseli
    `<flagdeploy cache>/llama-server/bin/`, keyed by that version and a hash of the CPU's flags, so only the
    first run on a machine pays the build (minutes). `--llama-server PATH` uses a binary you have.
 2. serves the embedded default GGUF (SmolLM2-135M-Instruct Q4_1, found as `flagdeploy serve` finds it)
-   with each server in turn, never both at once (they would share the cores):
+   with both servers, started one after the other and then both up, but never both busy (they would share
+   the cores): their rounds alternate, in the order A B B A A ..., so that a host whose speed drifts over
+   the minutes of a run (this VM's does, by up to ~30%) favours neither:
    `llama-server -m GGUF -t THREADS -np CONCURRENCY -c CONCURRENCY*CTX_PER_SLOT` and `flagdeploy serve` with
    its default flags (only --port; --model only when --model is given here). The per-slot context defaults
    to flagdeploy serve's default --max-model-len, 4096, so both hold the same context per sequence.
@@ -35,7 +37,7 @@ What a CPU user would otherwise run is llama.cpp's server, so that is the baseli
      /metrics (`generation_tokens_total`, `engine_step_seconds_total`), median of the rounds;
    - in-process tok/s: the same engine configuration (serve's defaults, with the decode step the server
      settles to: the C++ step for the default model, no compile), the same chat prompts and token counts, driven by `LLMEngine.generate` in this process
-     with no server at all (the servers are stopped by then), median of --rounds after a warm-up.
+     with no server at all (the servers are stopped by then; not interleaved), median of --rounds after a warm-up.
    HTTP / in-process is the share of the engine's own speed a client receives.
 
 Prints one row per server and the ratios flagdeploy / llama-server: above 1 is flagdeploy faster for the
@@ -315,43 +317,50 @@ def engine_counters(ep: Endpoint) -> tuple[float, float] | None:
     return None if None in found else (float(found[0].group(1)), float(found[1].group(1)))
 
 
-async def measure(ep: Endpoint, args: argparse.Namespace) -> dict:
-    """Single-stream and concurrent throughput (flagdeploy.bench's rounds: round 0 is the warm-up), the
-    engine's own rate over the same rounds where the server reports it, and the greedy answers with EOS
-    honoured for the text comparison."""
-    out: dict = {}
+async def measure(eps: dict[str, Endpoint], args: argparse.Namespace) -> dict[str, dict]:
+    """Single-stream and concurrent throughput of every server (flagdeploy.bench's rounds: round 0 is the
+    warm-up), the servers' rounds interleaved (ABBA: a host that speeds up or slows down over the minutes
+    of a run favours neither), the engine's own rate over the same rounds where a server reports it, and
+    the greedy answers with EOS honoured for the text comparison."""
+    out: dict[str, dict] = {name: {} for name in eps}
     for key, concurrency, n in (("single", 1, 1), ("concurrent", args.concurrency, args.concurrency)):
         cfg = ServeConfig(concurrencies=[concurrency], rounds=args.rounds + 1, ignore_eos=True)
-        results = ServeResults()
-        engine_rates = []
+        results = {name: ServeResults() for name in eps}
+        engine_rates: dict[str, list[float]] = {name: [] for name in eps}
         for rnd in range(args.rounds + 1):
             # a new prompt each single-stream round, so no round is served from a prefix cache of the last
             batch = prompts(n, args.max_tokens, offset=rnd if key == "single" else 0)
-            before = engine_counters(ep)
-            stats = await run_round(ep, batch, concurrency, rnd, cfg, results)
-            after = engine_counters(ep)
-            engine = ""
-            if before is not None and after is not None and after[1] > before[1]:
-                rate = (after[0] - before[0]) / (after[1] - before[1])
-                engine = f" (engine {rate:.1f} tok/s)"
-                if rnd:
-                    engine_rates.append(rate)
-            log(f"  {key} round {rnd}{' (warm-up)' if rnd == 0 else ''}: {stats.output_tokens} tokens in "
-                f"{stats.duration_s:.2f} s = {stats.output_throughput:.1f} tok/s{engine}, {stats.errors} errors")
-        summary = results.summaries([concurrency])[0]
-        errors = [r.error for r in results.records if r.error]
-        counts = sorted({r.output_tokens for r in results.records if r.ok})
-        unreported = sum(not r.usage_reported for r in results.records if r.ok)
-        out[key] = {"tok_s": summary["output_throughput"], "spread": summary["throughput_spread"],
-                    "engine_tok_s": statistics.median(engine_rates) if engine_rates else None,
-                    "errors": errors, "token_counts": counts, "no_usage": unreported,
-                    "forced": not errors and counts == [args.max_tokens] and not unreported}
-    async with ep.async_client(1) as client:
-        texts: list[StreamResult] = []
-        for p in prompts(COMPARE_PROMPTS, args.max_tokens):
-            path, body = p.request(ep.model, ignore_eos=False)
-            texts.append(await stream_request(client, ep.api + path, body))
-    out["texts"] = [t.text for t in texts]
+            for name in (list(eps) if rnd % 2 == 0 else list(reversed(eps))):
+                ep = eps[name]
+                before = engine_counters(ep)
+                stats = await run_round(ep, batch, concurrency, rnd, cfg, results[name])
+                after = engine_counters(ep)
+                engine = ""
+                if before is not None and after is not None and after[1] > before[1]:
+                    rate = (after[0] - before[0]) / (after[1] - before[1])
+                    engine = f" (engine {rate:.1f} tok/s)"
+                    if rnd:
+                        engine_rates[name].append(rate)
+                log(f"  {name} {key} round {rnd}{' (warm-up)' if rnd == 0 else ''}: {stats.output_tokens} tokens "
+                    f"in {stats.duration_s:.2f} s = {stats.output_throughput:.1f} tok/s{engine}, {stats.errors} errors")
+        for name in eps:
+            summary = results[name].summaries([concurrency])[0]
+            records = results[name].records
+            errors = [r.error for r in records if r.error]
+            counts = sorted({r.output_tokens for r in records if r.ok})
+            unreported = sum(not r.usage_reported for r in records if r.ok)
+            rates = engine_rates[name]
+            out[name][key] = {"tok_s": summary["output_throughput"], "spread": summary["throughput_spread"],
+                              "engine_tok_s": statistics.median(rates) if rates else None,
+                              "errors": errors, "token_counts": counts, "no_usage": unreported,
+                              "forced": not errors and counts == [args.max_tokens] and not unreported}
+    for name, ep in eps.items():
+        async with ep.async_client(1) as client:
+            texts: list[StreamResult] = []
+            for p in prompts(COMPARE_PROMPTS, args.max_tokens):
+                path, body = p.request(ep.model, ignore_eos=False)
+                texts.append(await stream_request(client, ep.api + path, body))
+        out[name]["texts"] = [t.text for t in texts]
     return out
 
 
@@ -388,19 +397,18 @@ def compiled_after(server: Server, t0: float) -> float | None:
     server.fail(f"was still compiling after {READY_TIMEOUT:.0f} s")
 
 
-def bench(server: Server, args: argparse.Namespace) -> dict:
-    with server:
-        t0 = time.perf_counter()
-        ready = server.start()
-        ep = endpoint(server)
-        first = asyncio.run(first_request(ep, args))
-        settled = compiled_after(server, t0)
-        if settled is not None:
-            log(f"{server.name}: first request {first:.1f} tok/s; decode step compiled {settled:.0f} s after start")
-        log(f"{server.name} serves {ep.model!r}; measuring")
-        result = asyncio.run(measure(ep, args))
-    result.update(ready=ready, first=first, settled=settled)
-    return result
+def bring_up(server: Server, args: argparse.Namespace) -> tuple[Endpoint, dict]:
+    """Start `server` (any other one started before idles meanwhile: both hold a model, neither computes)
+    and take its start-up figures: ready s, first request tok/s, settled s."""
+    t0 = time.perf_counter()
+    ready = server.start()
+    ep = endpoint(server)
+    first = asyncio.run(first_request(ep, args))
+    settled = compiled_after(server, t0)
+    if settled is not None:
+        log(f"{server.name}: first request {first:.1f} tok/s; decode step compiled {settled:.0f} s after start")
+    log(f"{server.name} serves {ep.model!r}")
+    return ep, {"ready": ready, "first": first, "settled": settled}
 
 
 def in_process(args: argparse.Namespace) -> dict[str, float]:
@@ -527,13 +535,18 @@ def main() -> None:
           f"{args.max_tokens} tokens per request, {args.rounds} round(s) after a warm-up, {args.concurrency} concurrent, "
           f"llama-server -t {args.threads}; {cpu_name()}, {cores()} CPUs{'; QUICK smoke run, not a measurement' if args.quick else ''}")
     rows: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="cpu_vs_llama_server-") as logdir:
+    eps: dict[str, Endpoint] = {}
+    with tempfile.TemporaryDirectory(prefix="cpu_vs_llama_server-") as logdir, contextlib.ExitStack() as up:
         port = free_port()
-        rows["llama-server"] = bench(Server("llama-server", llama_server_argv(binary, src.path, port, args), "/health",
-                                            port, Path(logdir)), args)
+        llama = up.enter_context(Server("llama-server", llama_server_argv(binary, src.path, port, args), "/health",
+                                        port, Path(logdir)))
+        eps[llama.name], rows[llama.name] = bring_up(llama, args)
         port = free_port()
-        rows["flagdeploy serve"] = bench(Server("flagdeploy serve", flagdeploy_argv(port, args), "/ready", port,
-                                                Path(logdir)), args)
+        ours = up.enter_context(Server("flagdeploy serve", flagdeploy_argv(port, args), "/ready", port, Path(logdir)))
+        eps[ours.name], rows[ours.name] = bring_up(ours, args)
+        log("measuring, the two servers' rounds interleaved")
+        for name, measured in asyncio.run(measure(eps, args)).items():
+            rows[name].update(measured)
     if not args.serve_arg:  # the same engine with no server, where the server ran its defaults
         rows["flagdeploy serve"]["in_process"] = in_process(args)
     report(rows, args)
