@@ -27,9 +27,14 @@ def impatient(tmp_path_factory):
     engines = []
 
     def load():
-        engines.append(build_engine(str(root), chip="cpu", load_format="dummy", max_model_len=128, max_num_seqs=4,
-                                    kv_cache_memory=1 << 20))
-        return engines[0]
+        engine = build_engine(str(root), chip="cpu", load_format="dummy", max_model_len=128, max_num_seqs=4,
+                              kv_cache_memory=1 << 20)
+        # every step at least 50 ms: the 1 ms limit passes before the first token on any host (the tiny
+        # model's first step took under 1 ms on a fast one, and the stream had started when the limit hit)
+        step = engine.engine.step
+        engine.engine.step = lambda: (time.sleep(0.05), step())[1]
+        engines.append(engine)
+        return engine
 
     srv = _serve(create_app(load, ["tiny"], request_timeout=0.001))
     assert _wait_ready(srv.url, timeout=60).status_code == 200
