@@ -36,8 +36,9 @@ What a CPU user would otherwise run is llama.cpp's server, so that is the baseli
    - engine tok/s: the same rounds' generation tokens / seconds inside engine steps, from the server's
      /metrics (`generation_tokens_total`, `engine_step_seconds_total`), median of the rounds;
    - in-process tok/s: the same engine configuration (serve's defaults, with the decode step the server
-     settles to: the C++ step for the default model, no compile), the same chat prompts and token counts, driven by `LLMEngine.generate` in this process
-     with no server at all (the servers are stopped by then; not interleaved), median of --rounds after a warm-up.
+     settles to: the C++ step for the default model, no compile), the same chat prompts and token counts,
+     driven by `LLMEngine.generate` in this process with no server at all (the servers are stopped by then;
+     not interleaved), median of --rounds after a warm-up.
    HTTP / in-process is the share of the engine's own speed a client receives.
 
 Prints one row per server and the ratios flagdeploy / llama-server: above 1 is flagdeploy faster for the

@@ -51,8 +51,7 @@ inline float softmax_exp(float x) {
   return x < -87.3f ? 0.f : y * scale;
 }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if defined(__AVX512F__)  // bf16.h has included immintrin.h
 
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const uint16_t* x) {  // 16 bf16 values as float32
