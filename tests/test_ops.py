@@ -430,7 +430,7 @@ def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
     torch.ops.load_library(str(tmp_path / "avx2.so"))
     avx2, default = torch.ops.flagdeploy_cpu_avx2, torch.ops.flagdeploy_cpu
     g = torch.Generator().manual_seed(11)
-    for n, k, rows in [(48, 64, 5), (64, 96, 4), (960, 576, 3)]:
+    for n, k, rows in [(48, 64, 5), (64, 96, 4), (960, 576, 3), (80, 64, 13)]:  # 13 rows: tiles in pairs
         w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
                        torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3,
                        torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
