@@ -18,6 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flagdeploy.net import free_port as _free_port
 from flagdeploy.server import create_app, make_server
+from flagdeploy.server.app import ContentChunks
+from flagdeploy.server.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    DeltaMessage,
+)
 
 API_KEY = "sk-flagdeploy-test-key"
 NAMES = ["smollm2-135m-instruct", "smollm2"]
@@ -222,6 +228,17 @@ def test_stream_wire_framing(live: LiveServer, http: httpx.Client) -> None:
     chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
     assert all("usage" not in c for c in chunks)  # only sent when asked for
     assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks) == 1
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_content_chunks_are_the_models_bytes(include_usage: bool) -> None:
+    """The stream's per-token fast path writes what serialising the chunk models writes, byte for byte."""
+    cid, model = 'chatcmpl-1%d"{x}', "org/model %s"
+    fast = ContentChunks(cid, 1733000000, model, include_usage)
+    for index, text in [(0, "Paris"), (3, ' é "q"\n\t\\ \x01 \u2028 😀 </s> %d {}')]:
+        body = ChatCompletionChunk(id=cid, created=1733000000, model=model, choices=[
+            ChatChunkChoice(index=index, delta=DeltaMessage(content=text))])
+        assert fast(index, text) == f"data: {body.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
 
 
 def test_max_completion_tokens_is_honoured(client: openai.OpenAI) -> None:
