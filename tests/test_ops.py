@@ -261,19 +261,21 @@ def test_cpu_decode_attention_forms_match_reference(dtype, form, monkeypatch):
         torch.testing.assert_close(got.double(), spec.reference(*[_to64(a) for a in case]), atol=tol.atol, rtol=tol.rtol)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (16, 4), (6, 6)], ids=lambda h: str(h))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtype):
+def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtype, heads, kv_heads):
     """What makes speculative verify rows exact on the CPU: each row of the backend's own attention kernel
     is bitwise the same computed alone (its own table), in a batch of other sequences (a wider, padded
     table) and as one of a verify step's rows (the same sequence at consecutive lengths), on several
-    threads or one."""
+    threads or one. (A batch this size takes each key head's query heads together, a lone row one query
+    head at a time.)"""
     from flagdeploy.backends.cpu import ops as cpu_ops
 
     if not cpu_ops.native.available():
         pytest.skip("the cpu backend's C++ kernels are not built on this machine")
     g = torch.Generator().manual_seed(4)
-    k, v = (torch.randn(64, 16, 3, 64, generator=g).to(dtype) for _ in range(2))
-    q = torch.randn(7, 9, 64, generator=g).to(dtype)
+    k, v = (torch.randn(64, 16, kv_heads, 64, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(7, heads, 64, generator=g).to(dtype)
     tables = torch.randperm(64, generator=g)[:42].view(7, 6)
     tables[4:] = tables[3]  # rows 3..6: one sequence's verify rows
     lens = torch.tensor([1, 40, 96, 60, 61, 62, 63])
