@@ -116,6 +116,67 @@ def test_max_waiting_holds_for_a_burst_on_every_route(live: LiveServer, http: ht
     _wait_idle(live, http)
 
 
+async def _held_streams(n: int, tasks: list[asyncio.Task], client: httpx.AsyncClient, max_tokens: int) -> list[int]:
+    """Start `n` long streamed chat requests that stay open (their tasks go to `tasks`); returns once each
+    has its status: the statuses."""
+    statuses: list[int] = []
+    got = asyncio.Event()
+    body = {"messages": HI, **LONG, "max_tokens": max_tokens}
+
+    async def one() -> None:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            statuses.append(r.status_code)
+            if len(statuses) == n:
+                got.set()
+            if r.status_code == 200:
+                await asyncio.Event().wait()
+
+    tasks += [asyncio.create_task(one()) for _ in range(n)]
+    await asyncio.wait_for(got.wait(), 120)
+    return statuses
+
+
+def test_max_waiting_holds_when_the_kv_cache_is_the_limit() -> None:
+    """Eight sequence slots but a KV cache for about two long answers: once the cache is full, requests held
+    back by it count as waiting, so a burst finds about the places --max-waiting leaves (before, the server
+    counted eight running places and queued six more while the cache ran four)."""
+    from flagdeploy.engine import build_engine
+
+    app = create_app(lambda: build_engine(max_model_len=512, max_num_seqs=8, kv_cache_memory=14 << 20),
+                     [MODEL], api_key=API_KEY, max_waiting=MAX_WAITING)
+    srv = serve_loaded(app)
+    engine = srv.app.state.engine_slot.engine
+    scheduler = engine.engine.scheduler
+
+    async def run() -> tuple[list[int], list[int]]:
+        tasks: list[asyncio.Task] = []
+        limits = httpx.Limits(max_connections=32, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=120, limits=limits) as c:
+            try:
+                first = await _held_streams(4, tasks, c, 440)
+                deadline = time.monotonic() + 60  # four growing answers fill the cache: preemptions
+                while not scheduler.num_preemptions and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert scheduler.num_preemptions, "the KV cache never filled"
+                assert engine.in_flight() == 4, "the first answers ended before the burst"
+                burst = await _held_streams(10, tasks, c, 32)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        return first, burst
+
+    try:
+        first, burst = asyncio.run(run())
+        assert first == [200] * 4
+        # The places the cache holds move by about one as the four answers are preempted and readmitted
+        # (and as admitted short answers start), so the burst finds the waiting places plus at most one;
+        # counted against the eight slots it found six.
+        assert burst.count(200) <= MAX_WAITING + 1 and set(burst) <= {200, 429}, burst
+    finally:
+        srv.stop()
+
+
 def test_a_request_that_can_never_be_admitted_is_a_400(live: LiveServer) -> None:
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as exc:

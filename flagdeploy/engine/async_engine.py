@@ -50,6 +50,9 @@ class AsyncEngine:
         # Written on the event loop (submit) and, through call_soon_threadsafe, when the engine thread
         # is done with a request: the admission count (`would_wait`).
         self._in_flight: dict[str, asyncio.AbstractEventLoop] = {}
+        # Written by the engine thread after each step: the sequences the engine runs at once now (fewer
+        # than --max-num-seqs while the KV cache is full), the other side of `would_wait`'s count.
+        self._slots = self.max_num_seqs
         self._stop = threading.Event()
         self.metrics = RequestMetrics()
         self._thread = threading.Thread(target=self._loop, name="flagdeploy-engine", daemon=True)
@@ -124,8 +127,11 @@ class AsyncEngine:
         Counted on the event loop from submissions and the engine thread's confirmations, never from
         the scheduler's lists: those change under a running step, and a burst checked against them
         saw an empty queue thirty times over. A request leaves the count only when the engine thread
-        says it is gone, so the count is never below the truth."""
-        return max(0, len(self._in_flight) + n - self.max_num_seqs)
+        says it is gone. The places are the scheduler's `slots()` as of the last step: --max-num-seqs, or
+        fewer where the KV cache is the limit, which holds requests waiting as surely as the slots do (a
+        server with more slots than its cache could fill used to queue without bound and never answer 429).
+        A burst that arrives before any step has filled the cache is counted against --max-num-seqs."""
+        return max(0, len(self._in_flight) + n - self._slots)
 
     def stats(self) -> dict[str, int | float | list[int]]:
         return self.engine.stats()
@@ -187,6 +193,7 @@ class AsyncEngine:
         while not self._stop.is_set():
             self._drain(block=not self.engine.has_work())
             if not self.engine.has_work():
+                self._slots = self.max_num_seqs  # an idle engine's cache holds no one back
                 continue
             try:
                 outputs = self.engine.step()
@@ -197,4 +204,5 @@ class AsyncEngine:
                     self.engine.abort(rid)
                 self._deliver([(rid, RuntimeError(f"generation failed: {exc}")) for rid in failed])
                 continue
+            self._slots = self.engine.scheduler.slots()
             self._deliver([(out.request_id, out) for out in outputs])

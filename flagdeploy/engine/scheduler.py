@@ -44,6 +44,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.kv_bound = False  # the last schedule left a sequence waiting (or preempted one) for cache blocks
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -51,8 +52,24 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def slots(self) -> int:
+        """How many sequences can run at once now: the sequence slots, or fewer where the cache's blocks
+        are the limit. The server's admission (`AsyncEngine.would_wait`) counts every request beyond these
+        as waiting. While the last schedule held a sequence back for blocks (or preempted one), the running
+        sequences are all the cache takes; otherwise the cache holds about as many more sequences of the
+        running ones' present size (blocks in use, shared prefixes once) as it has room for, so a cache
+        that is nearly full does not open every slot in the moment nobody happens to wait."""
+        if self.kv_bound and self.waiting:
+            return len(self.running)
+        used = self.blocks.num_blocks - self.blocks.num_free
+        if not self.running or not used:
+            return self.max_num_seqs
+        fit = len(self.running) * self.blocks.num_blocks // used
+        return max(len(self.running), min(self.max_num_seqs, fit))
+
     def schedule(self) -> ScheduledBatch:
         budget = self.budget
+        preemptions, self.kv_bound = self.num_preemptions, False
         seqs: list[Sequence] = []
         counts: list[int] = []
         running = list(self.running)
@@ -79,6 +96,7 @@ class Scheduler:
                 self.blocks.unmatch(seq)
                 if not self.running and not seqs:  # nothing will ever free blocks for it
                     raise RuntimeError("KV cache too small for a single sequence; raise --kv-cache-memory")
+                self.kv_bound = True
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -86,6 +104,7 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+        self.kv_bound = self.kv_bound or self.num_preemptions > preemptions
         drafts = self._grant_drafts(seqs, counts, budget) if self.max_draft_rows else None
         return ScheduledBatch(seqs, counts, drafts)
 
