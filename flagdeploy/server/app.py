@@ -410,7 +410,7 @@ class ContentChunks:
         self.mid, self.tail = rest.split(json.dumps(marker), 1)
 
     def __call__(self, index: int, text: str) -> str:
-        return f'data: {self.head}"choices":[{{"index":{index},{self.mid}{json.dumps(text, ensure_ascii=False)}{self.tail}\n\n'
+        return sse(f'{self.head}"choices":[{{"index":{index},{self.mid}{json.dumps(text, ensure_ascii=False)}{self.tail}')
 
 
 def _chat_events(engine: "AsyncEngine", gen: Generation, first: tuple[int, RequestOutput], cid: str, model: str,

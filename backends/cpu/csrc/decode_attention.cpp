@@ -62,8 +62,8 @@ inline __m512 load16(const uint16_t* x) {  // 16 bf16 values as float32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
 }
 
-// The scores of `count` (at most 16) keys `stride` apart, each fixed_dot(q, key, D) bit for bit: a key's 16
-// partial sums are fixed_dot's lanes (fused multiply-adds in element order), and the 16 keys' folds by
+// The scores of `count` (at most 16) keys from their 16 partial sums each (`p`, fixed_dot's lanes: fused
+// multiply-adds in element order, see dots16_heads), each fixed_dot(q, key, D) bit for bit: the keys' folds by
 // halves run together, two to eight keys per vector, through shuffles that add exactly the lanes
 // fixed_dot's fold adds. One key at a time, the fold was a chain of 15 dependent scalar adds per key and
 // query head, the larger part of a decode step's attention.
@@ -83,20 +83,8 @@ inline void fold16(const __m512* p, int64_t count, float* out) {
   for (int64_t t = 0; t < count; ++t) out[t] = r[4 * (t % 4) + t / 4];
 }
 
-template <typename T, int D>
-inline void dots16(const float* q, const T* keys, int64_t stride, int64_t count, float* out) {
-  __m512 p[16];
-  for (int t = 0; t < 16; ++t) {
-    __m512 acc = _mm512_setzero_ps();
-    if (t < count)
-      for (int i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(keys + t * stride + i), acc);
-    p[t] = acc;
-  }
-  fold16(p, count, out);
-}
-
-// dots16 for the G query heads of one key head (q: their G rows of D), each key read and widened once for all
-// G: the same partial sums in the same order, so the same scores as G dots16 calls. out[g * out_stride + t].
+// The scores of G query heads of one key head at once (q: their G rows of D; G = 1 for one head), each key
+// read and widened once for all G; per head the same partial sums in the same order. out[g * out_stride + t].
 template <typename T, int D, int G>
 inline void dots16_heads(const float* q, const T* keys, int64_t stride, int64_t count, float* out, int64_t out_stride) {
   __m512 p[G][16];
@@ -111,6 +99,11 @@ inline void dots16_heads(const float* q, const T* keys, int64_t stride, int64_t 
     for (int g = 0; g < G; ++g) p[g][t] = acc[g];
   }
   for (int g = 0; g < G; ++g) fold16(p[g], count, out + g * out_stride);
+}
+
+template <typename T, int D>
+inline void dots16(const float* q, const T* keys, int64_t stride, int64_t count, float* out) {
+  dots16_heads<T, D, 1>(q, keys, stride, count, out, 0);
 }
 
 // All G query heads of row r's key head kh at once (the grouped-query heads that read the same keys and
