@@ -40,8 +40,8 @@ def test_reference_matches_float64(name, dtype):
     tol = spec.tolerance[dtype]
     out_dtype = a16_dtype(dtype) if name.startswith(("linear_w", "linear_fp8")) else dtype  # quantized linears answer in 16 bits
     for g, w in zip(got, want):
-        assert g.dtype == out_dtype
-        torch.testing.assert_close(g.double(), w, atol=tol.atol, rtol=tol.rtol)
+        assert g.dtype == (out_dtype if w.is_floating_point() else w.dtype)  # indices (argmax) stay int64
+        torch.testing.assert_close(g.double(), w.double(), atol=tol.atol, rtol=tol.rtol)
 
 
 def _override_cases():
@@ -70,7 +70,7 @@ def test_backend_override_matches_reference(backend, name, dtype, rows):
     want = _run(spec, spec.reference, [_to64(a) for a in args], kwargs)
     tol = spec.tolerance[dtype]
     for g, w in zip(got, want):
-        torch.testing.assert_close(g.double(), w, atol=tol.atol, rtol=tol.rtol)
+        torch.testing.assert_close(g.double(), w.double(), atol=tol.atol, rtol=tol.rtol)
 
 
 def test_cpu_backend_is_registered_through_the_entry_point():
@@ -376,6 +376,46 @@ def test_cpu_int8_weights_the_kernel_cannot_take_keep_torchs():
                                    OPS["linear_w8a16"].reference(x.double(), w), atol=tol.atol, rtol=tol.rtol)
 
 
+def test_cpu_mixed_residual_add_norm_is_torchs_add_then_the_norm_bit_for_bit():
+    """A weight-only quantized model's bf16 sublayer output into its float32 residual stream: the one-pass
+    kernel adds as torch's type-promoting add does (the same bits as the two ops it replaces, so greedy text
+    does not move), for one row and for many."""
+    native = _cpu_kernels_or_skip()
+    g = torch.Generator().manual_seed(9)
+    for rows in (1, 16):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        r, w = torch.randn(rows, 576, generator=g) * 10, torch.rand(576, generator=g) + 0.5
+        out, h = ops.get_backend("cpu").overrides["add_rms_norm"](x, r, w, 1e-5)
+        assert h.dtype == out.dtype == torch.float32
+        assert torch.equal(h, x + r) and torch.equal(out, native.rms_norm(x + r, w, 1e-5))
+
+
+def test_cpu_argmax_and_swiglu_kernels_answer_as_torch():
+    """Greedy decoding's argmax is torch's max(-1).indices exactly (equal maxima: the first; NaN: the first);
+    the SwiGLU kernel's own exp rounds to the same bf16 values as torch's silu * up on a decode step's rows
+    here (and float32 within a few ulps)."""
+    native = _cpu_kernels_or_skip()
+    be = ops.get_backend("cpu")
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(16, 49152, generator=g).to(dtype)
+        logits[1, 10] = logits[1, 40000] = 100.0
+        logits[2, 7] = logits[2, 9] = float("nan")
+        logits[3] = float("-inf")
+        logits[4, 3], logits[4, 5] = -0.0, 0.0
+        logits[4, :3] = logits[4, 6:] = -1.0
+        for rows in (logits, logits[:1], logits[1:2]):
+            assert torch.equal(be.overrides["argmax"](rows), rows.max(-1).indices)
+        gate_up = torch.randn(16, 3072, generator=g).to(dtype) * 3
+        gate, up = gate_up.chunk(2, -1)
+        got, want = be.overrides["swiglu"](gate_up), torch.nn.functional.silu(gate) * up
+        if dtype is torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-6)
+    assert native.gates(gate_up) and native.argmaxes(logits)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_dense_copy_in_either_dtype_computes_the_reference(dtype, monkeypatch):
     """Past `packed_max_m` rows and for prompt rows a weight-only linear multiplies its dense copy, in the
@@ -452,6 +492,16 @@ def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
         x, r, w = (torch.randn(*shape, generator=g).to(dtype) for shape in ((3, 576), (3, 576), (576,)))
         assert torch.equal(avx2.rms_norm(x, w, 1e-5), default.rms_norm(x, w, 1e-5))
         assert all(torch.equal(a, b) for a, b in zip(avx2.add_rms_norm(x, r, w, 1e-5), default.add_rms_norm(x, r, w, 1e-5)))
+        gate_up = torch.randn(5, 2 * 200, generator=g).to(dtype) * 4  # SwiGLU: 200 wide, not a multiple of 16
+        assert torch.equal(avx2.swiglu(gate_up), default.swiglu(gate_up))
+        logits = torch.randn(4, 1000 + 7, generator=g).to(dtype)
+        logits[1, 3] = logits[1, 900] = 50.0
+        logits[2, 501] = float("nan")
+        assert torch.equal(avx2.argmax_rows(logits), default.argmax_rows(logits))
+        x16 = x.bfloat16()  # a bf16 sublayer output into a float32 residual stream
+        if dtype is torch.float32:
+            assert all(torch.equal(a, b) for a, b in zip(avx2.add_rms_norm(x16, r, w, 1e-5),
+                                                         default.add_rms_norm(x16, r, w, 1e-5)))
         q, k, v = (torch.randn(3, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
         cos, sin = torch.rand(3, 32, generator=g), torch.rand(3, 32, generator=g)
         caches = [[torch.zeros(2, 4, 3, 64, dtype=dtype) for _ in range(2)] for _ in range(2)]

@@ -17,6 +17,8 @@ backend = Backend(
     overrides={
         "rms_norm": ops.rms_norm,
         "add_rms_norm": ops.add_rms_norm,
+        "argmax": ops.argmax,
+        "swiglu": ops.swiglu,
         "rope": ops.rope,
         "write_kv_cache": ops.write_kv_cache,
         "rope_write_kv": ops.rope_write_kv,

@@ -109,7 +109,7 @@ def build(model, kv_caches: list, block_size: int) -> LlamaStep | None:
         return None
     cfg, layer = model.cfg, model.layers[0]
     max_rows = min(_packed_rows(m) for x in model.layers for m in _linears(x))
-    dims = [layer.heads, layer.kv_heads, cfg.head_dim, layer.gate_up_proj.out_features // 2, cfg.vocab_size]
+    dims = [layer.heads, layer.kv_heads, cfg.head_dim, cfg.vocab_size]
     step = torch.classes.flagdeploy_cpu.LlamaStep(_tensors(model, kv_caches), dims, cfg.rms_norm_eps, layer.scale)
     return LlamaStep(step, model, max_rows, _packed_rows(model.lm_head),
                      TUNE["paged_attention_decode"]["native_max_keys"], block_size)

@@ -47,12 +47,30 @@ def rms_norm(x, weight, eps):
 
 
 def add_rms_norm(x, residual, weight, eps):
-    """As `rms_norm`; a 16-bit sublayer output added to a float32 residual stream (a weight-only quantized
-    model's), and any sum inside a compiled step, is added by torch first, as the fused override adds it."""
-    if not tracing() and residual.dtype == x.dtype and native.normalizes(x, weight):
+    """As `rms_norm`, the sum in the residual's dtype: a bf16 sublayer output into a float32 residual stream
+    (a weight-only quantized model's) widened and added in float32 as torch's add does, in the same pass.
+    Inside a compiled step torch adds first, as the fused override does."""
+    if not tracing() and (residual.dtype == x.dtype or (x.dtype, residual.dtype) == (torch.bfloat16, torch.float32)) \
+            and residual.shape == x.shape and native.normalizes(residual, weight):
         return native.add_rms_norm(x, residual, weight, eps)
     h = x + residual
     return rms_norm(h, weight, eps), h
+
+
+def swiglu(gate_up, limit=None):
+    """Eagerly, the backend's one-pass kernel (native.swiglu) for a llama MLP's rows; with a clamp (GLM,
+    gpt-oss), more than two dims, or inside a compiled step (inductor fuses torch's ops), the reference."""
+    if limit is None and not tracing() and native.gates(gate_up):
+        return native.swiglu(gate_up)
+    return reference.swiglu(gate_up, limit)
+
+
+def argmax(logits):
+    """The backend's kernel (native.argmax_rows: rows in parallel, ~5x torch's max-with-indices) where it
+    takes the logits, else torch's."""
+    if native.argmaxes(logits):
+        return native.argmax_rows(logits)
+    return reference.argmax(logits)
 
 
 def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):

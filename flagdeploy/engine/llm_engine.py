@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flagdeploy import ops
 from flagdeploy.errors import PromptTooLongError
 from flagdeploy.models import has_sequence_state
 from flagdeploy.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -222,7 +223,7 @@ class LLMEngine:
                 at += 1 + len(drafts[i])
                 if drafts[i]:
                     speculated.add(j)
-            verify_rows = logits.max(-1).indices.tolist()  # the target's greedy token at every row
+            verify_rows = ops.argmax(logits).tolist()  # the target's greedy token at every row
             verify_logits = logits  # a sampled sequence's 1 + k rows: rejection sampling in `_accept`
             logits = logits[torch.tensor(first, device=logits.device)]
         sampled_seqs = [batch.seqs[i] for i in rows]

@@ -88,7 +88,7 @@ def check_case(be: Backend, name: str, dtype: torch.dtype, args: tuple, kwargs: 
     tol = spec.tolerance[dtype]
     tol_s = f"atol={tol.atol:g} rtol={tol.rtol:g}"
     ref_args = _fresh([_to(a, "cpu", torch.float64) for a in args])
-    want = spec.outputs(spec.reference(*ref_args, **kwargs), ref_args)
+    want = [w.double() for w in spec.outputs(spec.reference(*ref_args, **kwargs), ref_args)]  # indices too (argmax)
     dev_args = [_to(a, be.device_type) for a in args]
     prepare = be.prepare.get(name)
     if prepare and name in be.overrides:

@@ -171,6 +171,15 @@ def swiglu(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+
+# ---- sampling -------------------------------------------------------------------------------------------
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy decoding's tokens: logits [R, V] -> [R] int64, each row's first index of its largest value (its
+    first NaN where it has one), as torch's max(-1).indices."""
+    return logits.max(-1).indices
+
 # ---- attention --------------------------------------------------------------------------------------
 
 
@@ -325,6 +334,17 @@ def _swiglu_inputs(dtype, device, g):
     return (_randn(g, 5, 64, dtype=dtype, device=device, scale=3.0),), {"limit": 7.0}
 
 
+def _argmax_inputs(dtype, device, g):
+    x = _randn(g, 5, 1000, dtype=dtype, device=device)
+    x[1, 7] = x[1, 600] = x[1].max() + 1  # equal maxima: the first
+    x[2, 300] = x[2, 900] = float("nan")  # NaNs: the first
+    x[3] = float("-inf")  # a row masked to nothing: index 0
+    return (x,), {}
+
+
+_EXACT = {dtype: Tolerance(atol=0.5, rtol=0.0) for dtype in _TOL}  # indices: any difference is a whole one
+
+
 def _prefill_inputs(dtype, device, g):
     lq, lk = [3, 1, 6], [3, 4, 9]  # plain prefill, a decode-like row, a chunk after a cached prefix
     cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32, device=device)
@@ -367,6 +387,7 @@ for _spec in (
     OpSpec("add_rms_norm", add_rms_norm, _TOL, _add_norm_inputs, add_rms_norm.__doc__),
     OpSpec("rope", rope, _TOL, _rope_inputs, rope.__doc__),
     OpSpec("swiglu", swiglu, _TOL, _swiglu_inputs, swiglu.__doc__),
+    OpSpec("argmax", argmax, _EXACT, _argmax_inputs, argmax.__doc__),
     OpSpec("attention_prefill", attention_prefill, _TOL, _prefill_inputs, attention_prefill.__doc__),
     OpSpec("paged_attention_decode", paged_attention_decode, _TOL, _decode_inputs, paged_attention_decode.__doc__),
     OpSpec("write_kv_cache", write_kv_cache, _TOL, _write_kv_inputs, write_kv_cache.__doc__, writes=(2, 3)),

@@ -28,32 +28,13 @@
 #include <type_traits>
 
 #include "bf16.h"
+#include "dynamic_for.h"
+#include "exp_nonpositive.h"
 #include "fixed_sum.h"
 
 #include "kernels.h"
 
 namespace {
-
-// exp(x) for the softmax's x = s - max <= 0, to ~1 ulp: 2^n e^r with n = round(x / ln 2) and a degree-7 series
-// for e^r (Cephes' coefficients), every multiply-add an explicit fma. Plain arithmetic, so the compiler runs a
-// row's keys 16 at a time where libm's expf is a call per key (a quarter of the attention's time), and any
-// build computes the same bits. Below -87.3 (e^x < 2^-126) it is 0.
-inline float softmax_exp(float x) {
-  const float xc = std::max(x, -87.3f);
-  const float n = std::nearbyint(xc * 1.44269504088896341f);
-  const float r = std::fma(n, -1.428606765330187045e-6f, std::fma(n, -6.93145751953125e-1f, xc));  // ln 2 in two parts
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  const float y = std::fma(p, r * r, r) + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return x < -87.3f ? 0.f : y * scale;
-}
 
 #if defined(__AVX512F__)  // bf16.h has included immintrin.h
 
@@ -126,7 +107,7 @@ void attend_group(const float* q, const T* k_cache, const T* v_cache, const int6
   for (int g = 0; g < G; ++g) {
     float* sg = s + g * most;
 #pragma omp simd
-    for (int64_t t = 0; t < n; ++t) sg[t] = softmax_exp(sg[t] - m[g]);
+    for (int64_t t = 0; t < n; ++t) sg[t] = exp_nonpositive(sg[t] - m[g]);
   }
   float sum[G] = {}, inv[G];
   for (int64_t t = 0; t < n; ++t)
@@ -170,7 +151,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* t
     if (rows * kv_heads >= 4 * at::get_num_threads() && group * D <= 256) {
       auto grouped = [&](auto g_const) {
         constexpr int G = decltype(g_const)::value;
-        at::parallel_for(0, rows * kv_heads, 1, [&](int64_t u0, int64_t u1) {
+        dynamic_for(rows * kv_heads, 1, [&](int64_t u0, int64_t u1) {
           std::vector<float> s(G * most);
           for (int64_t u = u0; u < u1; ++u) {
             const int64_t r = u / kv_heads, kh = u % kv_heads, first = r * heads + kh * G;
@@ -188,7 +169,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* t
     }
   }
 #endif
-  at::parallel_for(0, rows * heads, 1, [&](int64_t p0, int64_t p1) {
+  dynamic_for(rows * heads, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> s(most), acc(D > 0 ? 0 : d);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t r = p / heads, kh = p % heads / group, n = lens[r];
@@ -213,7 +194,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* t
         }
       }
 #pragma omp simd
-      for (int64_t t = 0; t < n; ++t) s[t] = softmax_exp(s[t] - m);
+      for (int64_t t = 0; t < n; ++t) s[t] = exp_nonpositive(s[t] - m);
       float sum = 0.f;
       for (int64_t t = 0; t < n; ++t) sum += s[t];
       const float inv = 1.f / sum;

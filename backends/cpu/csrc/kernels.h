@@ -21,6 +21,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                                                  at::Tensor v_cache, const at::Tensor& slots);
+at::Tensor swiglu(const at::Tensor& gate_up);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
 

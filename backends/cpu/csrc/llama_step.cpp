@@ -7,10 +7,9 @@
 // first request on (no compile).
 //
 // It computes exactly what the eager step (models/llama.py through backends/cpu/ops.py) computes on the
-// same inputs: the same kernels (kernels.h), the same torch ops for the rest (embedding rows, the float32
-// residual add, SwiGLU), in the same order and dtypes. llama_step.py builds it only where the eager step
-// would pick these kernels (packed weights, native attention, few rows); tests/test_cpu_llama_step.py checks
-// the two agree bit for bit.
+// same inputs: the same kernels (kernels.h) and torch's embedding rows, in the same order and dtypes.
+// llama_step.py builds it only where the eager step would pick these kernels (packed weights, native
+// attention, few rows); tests/test_cpu_llama_step.py checks the two agree bit for bit.
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -49,12 +48,12 @@ constexpr int64_t kPerLayer = 16;  // per layer: 2 norms, 4 linears (3 each), 2 
 class LlamaStep : public torch::CustomClassHolder {
  public:
   // t: kHead tensors, then kPerLayer per layer (see llama_step.py: `_tensors`); dims: heads, kv heads,
-  // head dim, intermediate size, vocabulary
+  // head dim, vocabulary
   LlamaStep(std::vector<at::Tensor> t, std::vector<int64_t> dims, double eps, double scale)
       : eps_(eps), scale_(scale) {
-    TORCH_CHECK(dims.size() == 5 && t.size() >= kHead && (t.size() - kHead) % kPerLayer == 0,
-                "LlamaStep: 7 + 16 per layer tensors and 5 sizes");
-    heads_ = dims[0], kv_heads_ = dims[1], head_dim_ = dims[2], inter_ = dims[3], vocab_ = dims[4];
+    TORCH_CHECK(dims.size() == 4 && t.size() >= kHead && (t.size() - kHead) % kPerLayer == 0,
+                "LlamaStep: 7 + 16 per layer tensors and 4 sizes");
+    heads_ = dims[0], kv_heads_ = dims[1], head_dim_ = dims[2], vocab_ = dims[3];
     embed_ = t[0], norm_ = t[1], head_ = Linear{t[2], t[3], t[4]}, cos_ = t[5], sin_ = t[6];
     for (size_t i = kHead; i < t.size(); i += kPerLayer) {
       const at::Tensor* l = &t[i];
@@ -78,7 +77,7 @@ class LlamaStep : public torch::CustomClassHolder {
         residual = x;
         h = k::rms_norm(x, l.input_norm, eps_);
       } else {
-        std::tie(h, residual) = add_norm(x, residual, l.input_norm);
+        std::tie(h, residual) = k::add_rms_norm(x, residual, l.input_norm, eps_);
       }
       at::Tensor qkv = l.qkv(h);
       at::Tensor q = qkv.narrow(1, 0, q_width).view({n, heads_, head_dim_});
@@ -86,28 +85,18 @@ class LlamaStep : public torch::CustomClassHolder {
       at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({n, kv_heads_, head_dim_});
       std::tie(q, kk) = k::rope_write_kv(q, kk, v, cos, sin, l.k_cache, l.v_cache, slots);
       at::Tensor a = k::paged_decode_attention(q, l.k_cache, l.v_cache, tables, ctx, scale_);
-      std::tie(h, residual) = add_norm(l.o(a.flatten(1)), residual, l.post_norm);
-      at::Tensor gu = l.gate_up(h);
-      x = l.down(at::silu(gu.narrow(1, 0, inter_)) * gu.narrow(1, inter_, inter_));
+      std::tie(h, residual) = k::add_rms_norm(l.o(a.flatten(1)), residual, l.post_norm, eps_);
+      x = l.down(k::swiglu(l.gate_up(h)));
     }
-    h = std::get<0>(add_norm(x, residual, norm_));
+    h = std::get<0>(k::add_rms_norm(x, residual, norm_, eps_));
     return head ? head_(h).narrow(1, 0, vocab_).to(at::kFloat) : h;
   }
 
  private:
-  // (the norm of x + residual, x + residual) as backends/cpu/ops.py's add_rms_norm: one kernel when both
-  // share a dtype, else torch's add (a 16-bit sublayer output into a float32 residual stream) and the norm
-  std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor& residual,
-                                              const at::Tensor& w) const {
-    if (x.scalar_type() == residual.scalar_type()) return k::add_rms_norm(x, residual, w, eps_);
-    at::Tensor sum = x + residual;
-    return {k::rms_norm(sum, w, eps_), sum};
-  }
-
   std::vector<Layer> layers_;
   at::Tensor embed_, norm_, cos_, sin_;
   Linear head_;
-  int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, inter_ = 0, vocab_ = 0;
+  int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, vocab_ = 0;
   double eps_, scale_;
 };
 

@@ -27,6 +27,7 @@
 
 #include "activations.h"
 #include "bf16.h"
+#include "dynamic_for.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define Q4_AVX512 1  // 16 rows per vpdpbusd
@@ -196,7 +197,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
     for (; r + 2 <= rows_n; r += 2) tiles<2, T>(w, s, a, k, r, t, out, n_out);
     for (; r < rows_n; ++r) tiles<1, T>(w, s, a, k, r, t, out, n_out);
   };
-  at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
+  // chunks of an even count of tiles (pairs stay pairs), about eight a thread
+  const int64_t chunk = 2 * std::max<int64_t>(1, (n_tiles + 16 * at::get_num_threads() - 1) / (16 * at::get_num_threads()));
+  dynamic_for(n_tiles, chunk, [&](int64_t t0, int64_t t1) {
     int64_t t = t0;
     if constexpr (kPairRows > 0)
       for (; pairs && t + 2 <= t1; t += 2) rows_over(std::integral_constant<int, 2>{}, t);

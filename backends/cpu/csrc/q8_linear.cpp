@@ -20,11 +20,13 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "activations.h"
 #include "bf16.h"
+#include "dynamic_for.h"
 
 #if !(defined(__AVX2__) && defined(__FMA__))
 #error "q8_linear needs AVX2 with FMA (native.py builds it only on such CPUs)"
@@ -89,7 +91,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor
   const float* ds = d.data_ptr<float>();
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   // every row group over a tile before the next tile: the tile's K x 8 bytes stay in L1 for the others
-  at::parallel_for(0, n_tiles, 16, [&](int64_t t0, int64_t t1) {
+  dynamic_for(n_tiles, std::max<int64_t>(16, n_tiles / (8 * at::get_num_threads())), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       int64_t r = 0;
       for (; r + 4 <= rows_n; r += 4) tile<4>(w, ds, x16.data(), a.scale.data(), k, r, t, out, n_out);

@@ -1,4 +1,5 @@
-// RMS norm, alone and after a residual add, in one pass over each row.
+// RMS norm, alone and after a residual add (a bf16 sublayer output into a float32 residual stream, too), in one
+// pass over each row.
 //
 // A decode step of a small model calls these ~60 times per token on rows of a few hundred values, where
 // torch's composite RMSNorm costs 35-50 us a call (cast, square, mean, rsqrt, two multiplies, each its
@@ -48,11 +49,13 @@ void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   }
 }
 
-template <typename T>
-void add_row(const T* x, const T* r, T* h, int64_t n) {
+// h = x + r in r's dtype; a bf16 x into a float32 r widened exactly and added in float32, as torch's
+// type-promoting add does (one rounding: the same bits)
+template <typename X, typename T>
+void add_row(const X* x, const T* r, T* h, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) h[i] = x[i] + r[i];
+    for (int64_t i = 0; i < n; ++i) h[i] = as_float(x[i]) + r[i];
   } else {
     for (int64_t i = 0; i < n; ++i) h[i] = to_bf16(as_float(x[i]) + as_float(r[i]));
   }
@@ -96,20 +99,27 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& r_in, const at::Tensor& w_in,
                                                 double eps) {
-  check(x_in, w_in);
-  TORCH_CHECK(r_in.scalar_type() == x_in.scalar_type() && r_in.sizes() == x_in.sizes(),
-              "add_rms_norm: the residual must have the input's shape and dtype");
+  check(r_in, w_in);
+  const bool widen = x_in.scalar_type() == at::kBFloat16 && r_in.scalar_type() == at::kFloat;
+  TORCH_CHECK((r_in.scalar_type() == x_in.scalar_type() || widen) && r_in.sizes() == x_in.sizes(),
+              "add_rms_norm: the residual must have the input's shape, and its dtype or float32 for bf16 input");
   at::Tensor x = x_in.contiguous(), res = r_in.contiguous(), w = w_in.contiguous();
-  at::Tensor h = at::empty_like(x), out = at::empty_like(x);
+  at::Tensor h = at::empty_like(res), out = at::empty_like(res);
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   const float e = static_cast<float>(eps);
-  if (x.scalar_type() == at::kFloat) {
-    const float *px = x.data_ptr<float>(), *pr = res.data_ptr<float>(), *pw = w.data_ptr<float>();
+  if (res.scalar_type() == at::kFloat) {
+    const float *pr = res.data_ptr<float>(), *pw = w.data_ptr<float>();
     float *ph = h.data_ptr<float>(), *po = out.data_ptr<float>();
-    over_rows(rows, n, [&](int64_t r) {
-      add_row(px + r * n, pr + r * n, ph + r * n, n);
-      norm_row(ph + r * n, pw, po + r * n, n, e);
-    });
+    auto norm = [&](const auto* px) {
+      over_rows(rows, n, [&](int64_t r) {
+        add_row(px + r * n, pr + r * n, ph + r * n, n);
+        norm_row(ph + r * n, pw, po + r * n, n, e);
+      });
+    };
+    if (widen)
+      norm(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()));
+    else
+      norm(x.data_ptr<float>());
   } else {
     auto px = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     auto pr = reinterpret_cast<const uint16_t*>(res.data_ptr<at::BFloat16>());

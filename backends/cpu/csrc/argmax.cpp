@@ -1,0 +1,101 @@
+// Greedy decoding's choice: the index of each row's largest logit, as torch's max(-1).indices gives it (the
+// first of equal maxima; the first NaN where a row has one).
+//
+// torch's max-with-indices reduction runs ~2 ns a value on one thread: 0.4-0.7 ms for a 16-row step over a
+// 49k vocabulary, a few percent of the step. Here a row is two vectorised passes (its largest value, then
+// where it first occurs) and rows run in parallel. An index is exact, so any build computes the same answer.
+//   x [R, V] float32 or bf16 -> [R] int64
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "bf16.h"
+
+#include "kernels.h"
+
+namespace {
+
+#if defined(__AVX512F__)  // bf16.h has included immintrin.h
+
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const uint16_t* x) {  // 16 bf16 values as float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+
+#endif
+
+// pass 1: the row's largest value, and whether any is NaN (then the answer is the first NaN); pass 2: where
+// it first occurs (-0 and +0 are equal, as torch compares them)
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vm[4];
+  for (auto& v : vm) v = _mm512_set1_ps(m);
+  __mmask16 unordered = 0;
+  for (; i + 64 <= n; i += 64)
+    for (int j = 0; j < 4; ++j) {
+      const __m512 v = load16(x + i + 16 * j);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      vm[j] = _mm512_max_ps(v, vm[j]);  // a NaN in v keeps vm
+    }
+  m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(vm[0], vm[1]), _mm512_max_ps(vm[2], vm[3])));
+  nan = unordered != 0;
+#endif
+  for (; i < n; ++i) {
+    const float v = as_float(x[i]);
+    nan = nan || v != v;
+    m = v > m ? v : m;
+  }
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = as_float(x[i]);
+    if (nan ? v != v : v == m) return i;
+  }
+  return 0;  // an empty row
+}
+
+}  // namespace
+
+namespace FLAGDEPLOY_OPS_NS {
+
+at::Tensor argmax_rows(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "argmax_rows: x [R, V] float32 or bfloat16");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* po = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      po[r] = x.scalar_type() == at::kFloat
+                  ? argmax_row(x.data_ptr<float>() + r * n, n)
+                  : argmax_row(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * n, n);
+  });
+  return out;
+}
+
+}  // namespace FLAGDEPLOY_OPS_NS
+
+TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
+  m.def("argmax_rows(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(FLAGDEPLOY_OPS_NS, CPU, m) {
+  m.impl("argmax_rows", &FLAGDEPLOY_OPS_NS::argmax_rows);
+}
