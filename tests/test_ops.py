@@ -472,14 +472,14 @@ def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
     torch.ops.load_library(str(tmp_path / "avx2.so"))
     avx2, default = torch.ops.flagdeploy_cpu_avx2, torch.ops.flagdeploy_cpu
     g = torch.Generator().manual_seed(11)
-    for n, k, rows in [(48, 64, 5), (64, 96, 4), (960, 576, 3), (80, 64, 13)]:  # 13 rows: tiles in pairs
+    for n, k, rows in [(48, 64, 5), (64, 96, 4), (960, 576, 3), (80, 64, 13), (48, 64, 17)]:  # 13, 17: tiles in pairs
         w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
                        torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3,
                        torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
         nib, dm = native.pack_q4(w)
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         assert torch.equal(avx2.q4_linear(x, nib, dm), default.q4_linear(x, nib, dm))
-        w8, d = native.pack_q8(Int8Weight.quantize(torch.randn(n, k, generator=g)))
+        w8, d = native.pack_q8(Int8Weight.quantize(torch.randn(n + 8, k, generator=g)))  # an odd count of 8-row tiles
         assert torch.equal(avx2.q8_linear(x, w8, d), default.q8_linear(x, w8, d))
     w8, s = fp8_block_quantize(torch.randn(200, 160, generator=g) * 0.05, (128, 128))
     u8 = w8.view(torch.uint8)

@@ -243,20 +243,37 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
               "paged_decode_attention: caches must both be float32 or both bfloat16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: contiguous caches");
-  at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor tables = block_tables.to(at::kLong).contiguous(), lens = context_lens.to(at::kLong).contiguous();
-  at::Tensor out = at::empty({rows, heads, d}, q.options().dtype(at::kFloat));
-  const int64_t block_size = k_cache.size(1), width = tables.size(1);
+  const int64_t block_size = k_cache.size(1), width = tables.size(1), values = rows * heads * d;
+  // float32 q and sums; a bf16 q widened and its output rounded here, in plain loops (as ops, two dispatched
+  // conversions and allocations a layer)
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  at::Tensor qc = bf16 ? q.contiguous() : q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows, heads, d}, q.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  std::vector<float> q32, out32;
+  const float* qf = nullptr;
+  float* of = nullptr;
+  if (bf16) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
+    q32.resize(values);
+    out32.resize(values);
+    for (int64_t i = 0; i < values; ++i) q32[i] = as_float(src[i]);
+    qf = q32.data(), of = out32.data();
+  } else {
+    qf = qc.data_ptr<float>(), of = out.data_ptr<float>();
+  }
   if (k_cache.scalar_type() == at::kFloat)
-    attend_any(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
-           lens.data_ptr<int64_t>(), rows, heads, kv_heads, d, block_size, width, static_cast<float>(scale),
-           out.data_ptr<float>());
+    attend_any(qf, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
+               lens.data_ptr<int64_t>(), rows, heads, kv_heads, d, block_size, width, static_cast<float>(scale), of);
   else
-    attend_any(qf.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-           reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), tables.data_ptr<int64_t>(),
-           lens.data_ptr<int64_t>(), rows, heads, kv_heads, d, block_size, width, static_cast<float>(scale),
-           out.data_ptr<float>());
-  return out.to(q.scalar_type());
+    attend_any(qf, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), tables.data_ptr<int64_t>(),
+               lens.data_ptr<int64_t>(), rows, heads, kv_heads, d, block_size, width, static_cast<float>(scale), of);
+  if (bf16) {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < values; ++i) dst[i] = bf16_bits(out32[i]);
+  }
+  return bf16 || q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
 }  // namespace FLAGDEPLOY_OPS_NS
