@@ -66,7 +66,7 @@ def swiglu(gate_up, limit=None):
 
 
 def argmax(logits):
-    """The backend's kernel (native.argmax_rows: rows in parallel, ~5x torch's max-with-indices) where it
+    """The backend's kernel (native.argmax_rows: rows in parallel, ~10x torch's max-with-indices at 16 rows) where it
     takes the logits, else torch's."""
     if native.argmaxes(logits):
         return native.argmax_rows(logits)

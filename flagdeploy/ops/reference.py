@@ -171,7 +171,6 @@ def swiglu(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-
 # ---- sampling -------------------------------------------------------------------------------------------
 
 

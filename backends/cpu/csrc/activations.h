@@ -34,16 +34,6 @@ struct Activations {
 
 #if ACTIVATIONS_AVX512
 
-template <typename T>
-inline __m512 load16(const T* v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(v);
-  } else {  // bfloat16: the float's upper half
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-}
-
 inline __m128i round_to_int8(__m512 v) { return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)); }
 
 template <typename T>

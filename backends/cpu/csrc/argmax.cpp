@@ -20,15 +20,6 @@
 
 namespace {
 
-#if defined(__AVX512F__)  // bf16.h has included immintrin.h
-
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const uint16_t* x) {  // 16 bf16 values as float32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
-
-#endif
-
 // pass 1: the row's largest value, and whether any is NaN (then the answer is the first NaN); pass 2: where
 // it first occurs (-0 and +0 are equal, as torch compares them)
 template <typename T>

@@ -15,6 +15,12 @@ inline __m512i bf16_lanes(__m512 v) {
   __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
 }
+
+// 16 float32 values, or 16 bf16 values widened to float32 (exact): one kernel template reads either dtype
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const uint16_t* x) {  // 16 bf16 values as float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
 #endif
 
 inline uint16_t bf16_bits(float v) {

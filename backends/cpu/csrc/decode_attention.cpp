@@ -38,11 +38,6 @@ namespace {
 
 #if defined(__AVX512F__)  // bf16.h has included immintrin.h
 
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const uint16_t* x) {  // 16 bf16 values as float32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
-
 // The scores of `count` (at most 16) keys from their 16 partial sums each (`p`, fixed_dot's lanes: fused
 // multiply-adds in element order, see dots16_heads), each fixed_dot(q, key, D) bit for bit: the keys' folds by
 // halves run together, two to eight keys per vector, through shuffles that add exactly the lanes
