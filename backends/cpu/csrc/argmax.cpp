@@ -72,12 +72,15 @@ at::Tensor argmax_rows(const at::Tensor& x_in) {
   const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* po = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      po[r] = x.scalar_type() == at::kFloat
-                  ? argmax_row(x.data_ptr<float>() + r * n, n)
-                  : argmax_row(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * n, n);
-  });
+  auto run = [&](const auto* px) {
+    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) po[r] = argmax_row(px + r * n, n);
+    });
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(x.data_ptr<float>());
+  else
+    run(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()));
   return out;
 }
 

@@ -153,8 +153,8 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor
     for (; r + 4 <= rows_n; r += 4) tile<4>(w, ds, xs, sc, k, r, t, out, n_out);
     for (; r < rows_n; ++r) tile<1>(w, ds, xs, sc, k, r, t, out, n_out);
   };
-  if (Q8_TILE_PAIRS && rows_n >= kPairRows) {
 #if Q8_TILE_PAIRS
+  if (rows_n >= kPairRows) {
     const int64_t pairs = n_tiles / 2;
     dynamic_for(pairs, std::max<int64_t>(8, pairs / (8 * at::get_num_threads())), [&](int64_t p0, int64_t p1) {
       for (int64_t t = 2 * p0; t < 2 * p1; t += 2) {
@@ -166,12 +166,12 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor
       }
     });
     if (n_tiles % 2) one(n_tiles - 1);
-#endif
-  } else {
-    dynamic_for(n_tiles, std::max<int64_t>(16, n_tiles / (8 * at::get_num_threads())), [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) one(t);
-    });
+    return y;
   }
+#endif
+  dynamic_for(n_tiles, std::max<int64_t>(16, n_tiles / (8 * at::get_num_threads())), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) one(t);
+  });
   return y;
 }
 

@@ -107,30 +107,19 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
   at::Tensor h = at::empty_like(res), out = at::empty_like(res);
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   const float e = static_cast<float>(eps);
-  if (res.scalar_type() == at::kFloat) {
-    const float *pr = res.data_ptr<float>(), *pw = w.data_ptr<float>();
-    float *ph = h.data_ptr<float>(), *po = out.data_ptr<float>();
-    auto norm = [&](const auto* px) {
-      over_rows(rows, n, [&](int64_t r) {
-        add_row(px + r * n, pr + r * n, ph + r * n, n);
-        norm_row(ph + r * n, pw, po + r * n, n, e);
-      });
-    };
-    if (widen)
-      norm(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()));
-    else
-      norm(x.data_ptr<float>());
-  } else {
-    auto px = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    auto pr = reinterpret_cast<const uint16_t*>(res.data_ptr<at::BFloat16>());
-    auto pw = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    auto ph = reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>());
-    auto po = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  auto run = [&](const auto* px, const auto* pr, const auto* pw, auto* ph, auto* po) {
     over_rows(rows, n, [&](int64_t r) {
       add_row(px + r * n, pr + r * n, ph + r * n, n);
       norm_row(ph + r * n, pw, po + r * n, n, e);
     });
-  }
+  };
+  auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  if (res.scalar_type() == at::kBFloat16)
+    run(bits(x), bits(res), bits(w), bits(h), bits(out));
+  else if (widen)
+    run(bits(x), res.data_ptr<float>(), w.data_ptr<float>(), h.data_ptr<float>(), out.data_ptr<float>());
+  else
+    run(x.data_ptr<float>(), res.data_ptr<float>(), w.data_ptr<float>(), h.data_ptr<float>(), out.data_ptr<float>());
   return {out, h};
 }
 

@@ -52,17 +52,15 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
   const at::Tensor x = gate_up.stride(1) == 1 ? gate_up : gate_up.contiguous();
   const int64_t rows = x.size(0), n = x.size(1) / 2, stride = x.stride(0);
   at::Tensor out = at::empty({rows, n}, x.options());
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainValues / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (x.scalar_type() == at::kFloat) {
-        const float* g = x.data_ptr<float>() + r * stride;
-        swiglu_row(g, g + n, out.data_ptr<float>() + r * n, n);
-      } else {
-        const uint16_t* g = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * stride;
-        swiglu_row(g, g + n, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * n, n);
-      }
-    }
-  });
+  auto run = [&](const auto* px, auto* po) {
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrainValues / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) swiglu_row(px + r * stride, px + r * stride + n, po + r * n, n);
+    });
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(x.data_ptr<float>(), out.data_ptr<float>());
+  else
+    run(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }
 
