@@ -41,6 +41,14 @@ namespace {
 
 constexpr int64_t kTile = 8;
 constexpr int64_t kPairRows = 4;  // rows from which AVX-512 VNNI takes tiles in pairs (fewer: bound by the bytes)
+// How far ahead in a tile's bytes the weight is asked for (each 64-byte line), as in q4_linear.cpp. The LM head
+// (49152 x 576) with the last-level cache flushed between calls, 2-core AVX-512 EPYC: 1 row 0.78 -> 0.72 ms,
+// 16 rows 2.5 -> 1.8 ms; 2 and 4 KiB gained less.
+constexpr int64_t kPrefetchBytes = 8192;
+
+inline void prefetch_block(const int8_t* w) {  // the 256 bytes of a block, kPrefetchBytes on
+  for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64 * c), _MM_HINT_T0);
+}
 
 // Tile t of 8 output rows for activation rows [r0, r0 + R): each 32 bytes of weight are widened once
 // and used for R rows.
@@ -52,6 +60,7 @@ void tile(const int8_t* w8, const float* d, const int16_t* x16, const float* sca
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int8_t* w = w8 + (t * blocks + b) * (kTile * QK);
+    prefetch_block(w);
     __m256i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
     for (int c = 0; c < QK / 4; ++c) {  // two column pairs per 32 bytes
@@ -94,6 +103,8 @@ void tile_pair(const int8_t* w8, const float* d, const int16_t* x16, const float
   for (int64_t b = 0; b < blocks; ++b) {
     const int8_t* w0 = w8 + (t * blocks + b) * tile_bytes;  // tile t's block b; tile t + 1's is a tile further
     const int8_t* w1 = w0 + blocks * tile_bytes;
+    prefetch_block(w0);
+    prefetch_block(w1);
     __m512i dot[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
