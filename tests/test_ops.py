@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from pathlib import Path
 
 import pytest
@@ -337,6 +339,37 @@ def test_cpu_int4_kernel_rounds_no_worse_than_its_bf16_output(n, k):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         got = native.q4_linear(x, prepared.prepared["nib"], prepared.prepared["dm"])
         _assert_rounds_as_its_bf16_output(got, x, w)
+
+
+def test_cpu_kernels_thread_pool_gives_one_answer_to_concurrent_callers_thread_counts_and_a_forked_child():
+    """The kernels' loops run on their own worker threads (csrc/thread_pool.h), one loop at a time: a second
+    Python thread calling meanwhile computes on its own thread, torch.set_num_threads changes how many share a
+    loop, and a forked child (no threads survive fork) starts a pool of its own. Every way, the same bits."""
+    native = _cpu_kernels_or_skip()
+    g = torch.Generator().manual_seed(3)
+    w = Int4Weight(torch.randint(0, 16, (960, 576), generator=g, dtype=torch.uint8),
+                   torch.rand(960, 18, generator=g) * 0.02 + 1e-3, torch.randn(960, 18, generator=g) * 0.02, 32, 960, 576)
+    prepared = ops.get_backend("cpu").prepare["linear_w4a16"](w).prepared
+    x = torch.randn(5, 576, generator=g).to(torch.bfloat16)
+    want = native.q4_linear(x, prepared["nib"], prepared["dm"])
+
+    def calls(n=200):
+        return all(torch.equal(native.q4_linear(x, prepared["nib"], prepared["dm"]), want) for _ in range(n))
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        assert all(f.result() for f in [pool.submit(calls) for _ in range(3)])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3, 2):
+            torch.set_num_threads(n)
+            assert calls(20), f"{n} threads"
+    finally:
+        torch.set_num_threads(threads)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if its kernels answer the same
+        os._exit(0 if calls(20) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's kernels failed or answered differently"
 
 
 @pytest.mark.parametrize("n,k", [(8, 32), (48, 64), (960, 576), (49152, 576)])

@@ -15,6 +15,7 @@
 #include <limits>
 
 #include "bf16.h"
+#include "dynamic_for.h"
 
 #include "kernels.h"
 
@@ -73,7 +74,7 @@ at::Tensor argmax_rows(const at::Tensor& x_in) {
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* po = out.data_ptr<int64_t>();
   auto run = [&](const auto* px) {
-    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    dynamic_for(rows, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) po[r] = argmax_row(px + r * n, n);
     });
   };

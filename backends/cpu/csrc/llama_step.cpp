@@ -15,13 +15,35 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <tuple>
 #include <vector>
 
+#include "bf16.h"
+#include "dynamic_for.h"
 #include "kernels.h"
 
 namespace {
+
+// The logits' first `vocab` columns as float32, on the kernels' threads: Tensor::to would open an OpenMP
+// region, whose worker then spins for milliseconds on a core the pool's worker needs (thread_pool.h).
+at::Tensor widen(const at::Tensor& y, int64_t vocab) {
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.is_contiguous(), "LlamaStep: the head gives contiguous bf16 rows");
+  const int64_t rows = y.size(0), stride = y.size(1);
+  constexpr int64_t kPiece = 8192;
+  const int64_t pieces = (vocab + kPiece - 1) / kPiece;
+  at::Tensor out = at::empty({rows, vocab}, y.options().dtype(at::kFloat));
+  const uint16_t* in = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+  float* o = out.data_ptr<float>();
+  dynamic_for(rows * pieces, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t r = u / pieces, c0 = u % pieces * kPiece, c1 = std::min(vocab, c0 + kPiece);
+      for (int64_t c = c0; c < c1; ++c) o[r * vocab + c] = as_float(in[r * stride + c]);
+    }
+  });
+  return out;
+}
 
 namespace k = FLAGDEPLOY_OPS_NS;
 
@@ -89,7 +111,7 @@ class LlamaStep : public torch::CustomClassHolder {
       x = l.down(k::swiglu(l.gate_up(h)));
     }
     h = std::get<0>(k::add_rms_norm(x, residual, norm_, eps_));
-    return head ? head_(h).narrow(1, 0, vocab_).to(at::kFloat) : h;
+    return head ? widen(head_(h), vocab_) : h;
   }
 
  private:

@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "bf16.h"
+#include "dynamic_for.h"
 #include "fixed_sum.h"
 
 #include "kernels.h"
@@ -69,7 +70,7 @@ void check(const at::Tensor& x, const at::Tensor& w) {
 
 template <typename F>
 void over_rows(int64_t rows, int64_t n, F body) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainValues / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
+  dynamic_for(rows, std::max<int64_t>(1, kGrainValues / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) body(r);
   });
 }

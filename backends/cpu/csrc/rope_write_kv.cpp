@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "bf16.h"
+#include "dynamic_for.h"
 
 #include "kernels.h"
 
@@ -52,7 +53,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0),
                 vs1 = v.stride(1), cs = cos.stride(0);
   const int64_t row = kh * d;  // one slot of a cache: [kv heads, head dim]
-  at::parallel_for(0, t, std::max<int64_t>(1, 4096 / std::max<int64_t>((h + kh) * d, 1)), [&](int64_t t0, int64_t t1) {
+  dynamic_for(t, std::max<int64_t>(1, 4096 / std::max<int64_t>((h + kh) * d, 1)), [&](int64_t t0, int64_t t1) {
     for (int64_t i = t0; i < t1; ++i) {
       const float *c = pc + i * cs, *s = ps + i * cs;
       for (int64_t j = 0; j < h; ++j) rotate(pq + i * qs0 + j * qs1, qo + (i * h + j) * d, c, s, half);

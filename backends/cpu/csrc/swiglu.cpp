@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "bf16.h"
+#include "dynamic_for.h"
 #include "exp_nonpositive.h"
 
 #include "kernels.h"
@@ -53,7 +54,7 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
   const int64_t rows = x.size(0), n = x.size(1) / 2, stride = x.stride(0);
   at::Tensor out = at::empty({rows, n}, x.options());
   auto run = [&](const auto* px, auto* po) {
-    at::parallel_for(0, rows, std::max<int64_t>(1, kGrainValues / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
+    dynamic_for(rows, std::max<int64_t>(1, kGrainValues / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) swiglu_row(px + r * stride, px + r * stride + n, po + r * n, n);
     });
   };

@@ -1,0 +1,156 @@
+// thread_pool.h's loop: the protocol between the caller and the workers.
+//
+// A loop is published by bumping `gen_` to an odd value (open); the caller works, then bumps it to even
+// (closed) and waits until no worker is inside. A worker enters by counting itself in `active_` and then
+// checking that the loop it saw is still open (both sequentially consistent: either the caller's wait sees
+// the worker, or the worker sees the loop closed and leaves without touching it). So the loop's description
+// (parts, body) is only read while its caller is still waiting, and a late worker costs the caller nothing.
+
+#include "thread_pool.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+namespace {
+
+constexpr int kMaxThreads = 64;
+// How long a worker spins for the next loop before it sleeps: a step's loops follow each other within a few
+// microseconds; between steps the engine's Python runs for ~0.3 ms, and a spinning worker would take a core
+// from it and from the HTTP event loop.
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+thread_local bool in_loop = false;  // inside a pool loop (worker or caller): nested loops run serially
+
+struct alignas(64) Part {
+  std::atomic<int64_t> next{0};
+  int64_t end = 0;
+};
+
+class Pool {
+ public:
+  void run(int64_t n, int64_t chunk, int threads, void (*body)(int64_t, int64_t, const void*), const void* context) {
+    grow(threads - 1);
+    threads_ = threads, chunk_ = chunk, body_ = body, context_ = context;
+    const int64_t each = (n + threads - 1) / threads;
+    for (int i = 0; i < threads; ++i) {
+      parts_[i].next.store(std::min(n, i * each), std::memory_order_relaxed);
+      parts_[i].end = std::min(n, (i + 1) * each);
+    }
+    const uint32_t open = gen_.load(std::memory_order_relaxed) + 1;
+    gen_.store(open, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) gen_.notify_all();
+    struct Close {  // also when body throws on this thread
+      Pool* pool;
+      uint32_t open;
+      ~Close() {
+        pool->gen_.store(open + 1, std::memory_order_seq_cst);
+        for (int spins = 0; pool->active_.load(std::memory_order_seq_cst) != 0; ++spins)
+          spins < 4096 ? _mm_pause() : std::this_thread::yield();
+        pool->busy_.clear(std::memory_order_release);
+      }
+    } close{this, open};
+    work(0);
+  }
+
+  bool try_acquire() { return !busy_.test_and_set(std::memory_order_acquire); }
+
+ private:
+  // this thread's part first, then what the others have not claimed
+  void work(int me) {
+    for (int j = 0; j < threads_; ++j) {
+      Part& p = parts_[(me + j) % threads_];
+      for (int64_t b; (b = p.next.fetch_add(chunk_, std::memory_order_relaxed)) < p.end;)
+        body_(b, std::min(p.end, b + chunk_), context_);
+    }
+  }
+
+  void grow(int workers) {
+    for (int w = started_; w < std::min(workers, kMaxThreads - 1); ++w) {
+      std::thread([this, me = w + 1] { serve(me); }).detach();  // never joined: the pool lives as long as the process
+      started_ = w + 1;
+    }
+  }
+
+  void serve(int me) {
+    in_loop = true;
+    uint32_t seen = gen_.load(std::memory_order_acquire);
+    for (;;) {
+      const uint32_t g = next_open(seen);
+      seen = g;
+      active_.fetch_add(1, std::memory_order_seq_cst);
+      if (gen_.load(std::memory_order_seq_cst) == g && me < threads_) work(me);
+      active_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+
+  // the next open loop after `seen`: spin for kSpin, then sleep on gen_
+  uint32_t next_open(uint32_t seen) {
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    for (int spins = 0;; ++spins) {
+      const uint32_t g = gen_.load(std::memory_order_acquire);
+      if (g != seen && (g & 1)) return g;
+      if (g != seen) seen = g;  // a loop opened and closed meanwhile: wait for the next
+      _mm_pause();
+      if (spins % 64 == 63 && std::chrono::steady_clock::now() > until) break;
+    }
+    for (;;) {
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      const uint32_t g = gen_.load(std::memory_order_seq_cst);
+      if (g != seen && (g & 1)) {
+        sleepers_.fetch_sub(1, std::memory_order_relaxed);
+        return g;
+      }
+      gen_.wait(g, std::memory_order_seq_cst);
+      sleepers_.fetch_sub(1, std::memory_order_relaxed);
+      seen = g;
+    }
+  }
+
+  std::atomic<uint32_t> gen_{0};  // odd: a loop is open
+  std::atomic<int> active_{0};    // workers inside the open loop
+  std::atomic<int> sleepers_{0};  // workers asleep on gen_
+  std::atomic_flag busy_ = ATOMIC_FLAG_INIT;
+  int started_ = 0;  // workers running (written by the caller holding busy_)
+  // the open loop (written before gen_ opens it, read by workers inside it)
+  Part parts_[kMaxThreads];
+  int threads_ = 0;
+  int64_t chunk_ = 1;
+  void (*body_)(int64_t, int64_t, const void*) = nullptr;
+  const void* context_ = nullptr;
+};
+
+Pool* pool = nullptr;  // made on first use and never destroyed (its threads run until the process exits)
+
+void forget_in_child() { pool = nullptr; }  // fork copies no threads: a child starts a pool of its own
+
+}  // namespace
+
+namespace FLAGDEPLOY_OPS_NS {
+
+void pool_for(int64_t n, int64_t chunk, int threads, void (*body)(int64_t, int64_t, const void*), const void* context) {
+  if (n <= 0) return;
+  chunk = std::max<int64_t>(1, chunk);
+  threads = static_cast<int>(std::min<int64_t>({threads, kMaxThreads, (n + chunk - 1) / chunk}));
+  if (threads <= 1 || in_loop || at::in_parallel_region()) return body(0, n, context);
+  static const bool once = [] {
+    pool = new Pool();
+    pthread_atfork(nullptr, nullptr, forget_in_child);
+    return true;
+  }();
+  (void)once;
+  if (pool == nullptr) pool = new Pool();  // in a forked child
+  if (!pool->try_acquire()) return body(0, n, context);
+  in_loop = true;
+  struct Leave {
+    ~Leave() { in_loop = false; }
+  } leave;
+  pool->run(n, chunk, threads, body, context);
+}
+
+}  // namespace FLAGDEPLOY_OPS_NS
