@@ -7,9 +7,7 @@
 
 #include <tuple>
 
-#ifndef FLAGDEPLOY_OPS_NS
-#define FLAGDEPLOY_OPS_NS flagdeploy_cpu  // tests build an AVX2-only copy under another name
-#endif
+#include "ops_ns.h"
 
 namespace FLAGDEPLOY_OPS_NS {
 

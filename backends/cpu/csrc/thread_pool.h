@@ -18,7 +18,7 @@
 
 #include <cstdint>
 
-#include "kernels.h"
+#include "ops_ns.h"
 
 namespace FLAGDEPLOY_OPS_NS {
 
