@@ -21,8 +21,8 @@
 - `fp8_to_int8` / `fp8_to_bf16`: `flagdeploy quantize`'s per-tensor arithmetic in one pass over an FP8
   weight's rows, where torch's elementwise ops make several over float32 temporaries (csrc/fp8_convert.cpp).
 
-They are compiled once per source, torch version and CPU into the user's cache directory (~20 s, like
-inductor's own kernels under `serve --compile`) and loaded as a torch library, so that compiled graphs
+They are compiled once per source, torch version and CPU into the user's cache directory (~40 s on two
+cores, a compiler per source at once, like inductor's own kernels under `serve --compile`) and loaded as a torch library, so that compiled graphs
 call them without Python. Where they cannot be used (another CPU, no compiler, FLAGDEPLOY_NATIVE_KERNELS=0)
 the callers keep torch's kernels: `available()` says which, and the log says why.
 """
@@ -124,7 +124,7 @@ def available() -> bool:
     key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode())
     so = cache_dir() / "kernels" / f"flagdeploy_cpu-{key.hexdigest()[:16]}.so"
     if not so.exists():
-        log.warning("cpu backend: building its C++ kernels (once per machine, ~20 s) into %s", so)
+        log.warning("cpu backend: building its C++ kernels (once per machine, ~40 s on two cores) into %s", so)
         try:
             _compile(so)
         except (OSError, RuntimeError) as e:

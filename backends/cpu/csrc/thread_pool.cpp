@@ -125,9 +125,21 @@ class Pool {
   const void* context_ = nullptr;
 };
 
-Pool* pool = nullptr;  // made on first use and never destroyed (its threads run until the process exits)
+std::atomic<Pool*> the_pool{nullptr};  // made on first use, never destroyed (its threads run until the process exits)
 
-void forget_in_child() { pool = nullptr; }  // fork copies no threads: a child starts a pool of its own
+void forget_in_child() { the_pool.store(nullptr); }  // fork copies no threads: a child starts a pool of its own
+
+Pool* pool() {
+  static const bool registered = pthread_atfork(nullptr, nullptr, forget_in_child) == 0;
+  (void)registered;
+  Pool* p = the_pool.load(std::memory_order_acquire);
+  if (p == nullptr) {
+    Pool* made = new Pool();
+    if (the_pool.compare_exchange_strong(p, made, std::memory_order_acq_rel)) return made;
+    delete made;  // another thread's came first (no thread started yet: Pool starts them on first use)
+  }
+  return p;
+}
 
 }  // namespace
 
@@ -138,19 +150,13 @@ void pool_for(int64_t n, int64_t chunk, int threads, void (*body)(int64_t, int64
   chunk = std::max<int64_t>(1, chunk);
   threads = static_cast<int>(std::min<int64_t>({threads, kMaxThreads, (n + chunk - 1) / chunk}));
   if (threads <= 1 || in_loop || at::in_parallel_region()) return body(0, n, context);
-  static const bool once = [] {
-    pool = new Pool();
-    pthread_atfork(nullptr, nullptr, forget_in_child);
-    return true;
-  }();
-  (void)once;
-  if (pool == nullptr) pool = new Pool();  // in a forked child
-  if (!pool->try_acquire()) return body(0, n, context);
+  Pool* p = pool();
+  if (!p->try_acquire()) return body(0, n, context);
   in_loop = true;
   struct Leave {
     ~Leave() { in_loop = false; }
   } leave;
-  pool->run(n, chunk, threads, body, context);
+  p->run(n, chunk, threads, body, context);
 }
 
 }  // namespace FLAGDEPLOY_OPS_NS
