@@ -366,8 +366,12 @@ def test_cpu_kernels_thread_pool_gives_one_answer_to_concurrent_callers_thread_c
     finally:
         torch.set_num_threads(threads)
     pid = os.fork()
-    if pid == 0:  # the child: exit status 0 only if its kernels answer the same
-        os._exit(0 if calls(20) else 1)
+    if pid == 0:  # the child: exit status 0 only if its kernels answer the same; never back into pytest
+        ok = False
+        try:
+            ok = calls(20)
+        finally:
+            os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the forked child's kernels failed or answered differently"
 

@@ -22,8 +22,8 @@
   weight's rows, where torch's elementwise ops make several over float32 temporaries (csrc/fp8_convert.cpp).
 
 They are compiled once per source, torch version and CPU into the user's cache directory (~40 s on two
-cores, a compiler per source at once, like inductor's own kernels under `serve --compile`) and loaded as a torch library, so that compiled graphs
-call them without Python. Where they cannot be used (another CPU, no compiler, FLAGDEPLOY_NATIVE_KERNELS=0)
+cores, a compiler per source at once, like inductor's own kernels under `serve --compile`) and loaded as a
+torch library, so that compiled graphs call them without Python. Where they cannot be used (another CPU, no compiler, FLAGDEPLOY_NATIVE_KERNELS=0)
 the callers keep torch's kernels: `available()` says which, and the log says why.
 """
 
@@ -70,7 +70,7 @@ def cpu_flags() -> frozenset[str]:
 
 def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
     """g++ on csrc/*.cpp against this torch, into `out` by way of a temporary file: one compiler a source, as
-    many at once as there are cores (one g++ over all of them took ~80 s on two cores), then one link."""
+    many at once as there are cores (one g++ over all of them took ~85 s on two cores), then one link."""
     from concurrent.futures import ThreadPoolExecutor
 
     from torch.utils.cpp_extension import include_paths
