@@ -23,8 +23,9 @@
 
 They are compiled once per source, torch version and CPU into the user's cache directory (~40 s on two
 cores, a compiler per source at once, like inductor's own kernels under `serve --compile`) and loaded as a
-torch library, so that compiled graphs call them without Python. Where they cannot be used (another CPU, no compiler, FLAGDEPLOY_NATIVE_KERNELS=0)
-the callers keep torch's kernels: `available()` says which, and the log says why.
+torch library, so that compiled graphs call them without Python. Where they cannot be used (another CPU, no
+compiler, FLAGDEPLOY_NATIVE_KERNELS=0) the callers keep torch's kernels: `available()` says which, and the log
+says why.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@
 //   x [R, V] float32 or bf16 -> [R] int64
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>

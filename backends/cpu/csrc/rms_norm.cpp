@@ -10,7 +10,6 @@
 // when there are enough of them to pay for waking the other threads.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>

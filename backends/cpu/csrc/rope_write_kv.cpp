@@ -6,7 +6,6 @@
 // slots as they are.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cstdint>

@@ -8,7 +8,6 @@
 //   gate_up [R, 2I] float32 or bf16 (rows contiguous) -> [R, I] in its dtype
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>

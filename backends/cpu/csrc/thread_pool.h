@@ -6,9 +6,9 @@
 // spins at the barrier until the worker is given the core back, at each of the ~150 regions a step has. Here
 // a loop's units are claimed by whoever is running (the caller first, its own part then the others', as
 // dynamic_for.h describes) and the loop is done when every unit is: a worker that wakes late finds nothing
-// left and goes back to waiting, so the caller goes on at one core's speed rather than none. The default model's 1-row C++ decode step on the
-// 2-core AVX-512 EPYC, steps/s, OpenMP / this pool: alone 336 / 386; beside another process busy on a whole
-// core 142 / 248, on 30% of one 192 / 247.
+// left and goes back to waiting, so the caller goes on at one core's speed rather than none. The default
+// model's 1-row C++ decode step on the 2-core AVX-512 EPYC, steps/s, OpenMP / this pool: alone 336 / 386;
+// beside another process busy on a whole core 142 / 248, on 30% of one 192 / 247.
 //
 // One loop runs at a time (a second caller meanwhile, e.g. another Python thread, runs its loop on its own
 // thread: the same units, the same bits). Workers spin a short while after a loop (the next one of a step
