@@ -105,3 +105,33 @@ def graphs_on_the_cpu(engine, monkeypatch):
                                    rows, depth=r.group)
     if getattr(engine.proposer, "graphs", False) is None:  # an MTP proposer bound to a runner without graphs
         engine.proposer.forwards.graphs = StepGraphs(engine.proposer.forwards._step)
+
+
+def agreeing_mtp_layer(model) -> None:
+    """Make a glm5_next target and its MTP layer agree. Every block's output projection zero (attention
+    o_proj, KDA o_proj, MLP / expert / shared-expert down projections): each block adds nothing, the mHC
+    mixing only rescales the identical streams, so the target's next token is a function of the current
+    token alone (final norm at 1). The MTP layer with eh_proj = [I | 0], zero block outputs and unit norms
+    computes the same function of its input token."""
+    from flagdeploy.models.glm5_next import MoE
+
+    def zero_ffn(m):
+        if isinstance(m, MoE):
+            m.experts.down.zero_()
+            m.shared.down_proj.weight.zero_()
+        else:
+            m.down_proj.weight.zero_()
+
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.o_proj.weight.zero_()
+            zero_ffn(layer.mlp)
+        model.norm.fill_(1.0)
+        if model.mtp is None:
+            return
+        mtp, h = model.mtp, model.cfg.hidden_size
+        mtp.attn.o_proj.weight.zero_()
+        zero_ffn(mtp.mlp)
+        mtp.eh_proj.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+        for norm in (mtp.enorm, mtp.hnorm, mtp.input_norm, mtp.post_norm, mtp.head_norm):
+            norm.fill_(1.0)

@@ -180,3 +180,57 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     assert graphed.generate(prompts, params) == eager.generate(prompts, params)
     assert graphed.generate(prompts[:1], params) == eager.generate(prompts[:1], params)
     assert {b for b, _ in graphed.runner.graphs.graphs} == {1, 4}  # batch buckets (one table width here)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mtp_speculation_on_the_gpu_is_exact_and_accepts_an_agreeing_layer(tmp_path, dtype):
+    """Greedy MTP speculation with the verify and draft steps replayed as CUDA graphs: a random draft layer
+    gives speculation off's tokens (batched, one prompt long enough to chunk), and a layer built to agree
+    with its target (tests/conftest.py `agreeing_mtp_layer`) has nearly every draft accepted."""
+    from conftest import agreeing_mtp_layer
+
+    from flagdeploy.engine import SamplingParams
+    from flagdeploy.engine.speculative import SpeculativeConfig
+    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+
+    src = write_tiny_glm5_next(tmp_path / "glm", mtp=True, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 64, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    mtp3 = SpeculativeConfig(method="mtp", num_speculative_tokens=3)
+    opts = dict(max_num_seqs=4, block_size=4, dtype=dtype)
+    off, on = _engine(src, **opts), _engine(src, speculative=mtp3, **opts)
+    assert on.runner.verify_graphs is not None and on.proposer.graphs is not None
+    assert on.generate(prompts, params) == off.generate(prompts, params)
+    assert on.stats()["spec_decode_num_draft_tokens"] > 0
+    assert on.runner.verify_graphs.graphs and on.proposer.graphs.graphs
+    for engine in (off, on):
+        agreeing_mtp_layer(engine.model)
+    before = on.stats()
+    assert on.generate(prompts, params) == off.generate(prompts, params)
+    after = on.stats()
+    drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert drafted > 0 and accepted / drafted > 0.9
+
+
+def test_ngram_speculation_on_the_gpu_is_exact(tmp_path):
+    """Prompt-lookup drafts on a llama, verify rows through the decode graphs: speculation off's tokens."""
+    transformers = pytest.importorskip("transformers")
+    from flagdeploy.engine import SamplingParams
+    from flagdeploy.engine.speculative import SpeculativeConfig
+    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    write_word_tokenizer(tmp_path, 211)
+    loop = [5, 17, 42, 99, 3, 150, 7, 8]
+    prompts = [loop * 4, [3, 150, 7], loop * 2 + [8, 9, 11]]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4)
+    off, on = _engine(tmp_path, max_num_seqs=4), _engine(tmp_path, max_num_seqs=4, speculative=ngram)
+    assert on.runner.graphs is not None
+    assert on.generate(prompts, params) == off.generate(prompts, params)
+    assert on.stats()["spec_decode_num_draft_tokens"] > 0

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import generate_with_an_abort, graphs_on_the_cpu
+from conftest import agreeing_mtp_layer, generate_with_an_abort, graphs_on_the_cpu
 from safetensors import safe_open
 
 from flagdeploy.engine import EngineConfig, SamplingParams
@@ -42,12 +42,12 @@ def plain_dir(tmp_path_factory):
     return write_tiny_glm5_next(tmp_path_factory.mktemp("glm5_plain") / "ckpt", seed=3)
 
 
-def _engine(path, spec: SpeculativeConfig | None = None, **options) -> object:
+def _engine(path, spec: SpeculativeConfig | None = None, chip: str = "cpu", **options) -> object:
     cfg = {"max_model_len": 64, "block_size": 4, "max_num_seqs": 4, "weight_format": "dense",
            "kv_cache_memory": 64 << 20}
     cfg.update(options)
     return build_llm_engine(path, "safetensors", EngineConfig(speculative=spec or SpeculativeConfig(), **cfg),
-                            chip="cpu", progress=False)
+                            chip=chip, progress=False)
 
 
 def _stored(path, name: str) -> torch.Tensor:
@@ -194,40 +194,12 @@ def test_proposer_catch_up_and_chain_equal_a_standalone_computation(mtp_dir, mon
 
 # ---- through the engine ---------------------------------------------------------------------------------
 
-def _zero_block_outputs(model) -> None:
-    """Every block's output projection zero (attention o_proj, KDA o_proj, MLP / expert / shared-expert
-    down projections): each block adds nothing, the mHC mixing only rescales the identical streams, so
-    the target's next token is a function of the current token alone (final norm at 1). The MTP layer with
-    eh_proj = [I | 0], zero block outputs and unit norms computes the same function of its input token."""
-
-    def zero_ffn(m):
-        if isinstance(m, MoE):
-            m.experts.down.zero_()
-            m.shared.down_proj.weight.zero_()
-        else:
-            m.down_proj.weight.zero_()
-
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.attn.o_proj.weight.zero_()
-            zero_ffn(layer.mlp)
-        model.norm.fill_(1.0)
-        if model.mtp is None:
-            return
-        mtp, h = model.mtp, model.cfg.hidden_size
-        mtp.attn.o_proj.weight.zero_()
-        zero_ffn(mtp.mlp)
-        mtp.eh_proj.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
-        for norm in (mtp.enorm, mtp.hnorm, mtp.input_norm, mtp.post_norm, mtp.head_norm):
-            norm.fill_(1.0)
-
-
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 def test_an_agreeing_draft_layer_is_accepted(mtp_dir, graphed, monkeypatch):
     on = _engine(mtp_dir, MTP3)
     if graphed:  # the decode and verify steps through the graphs' code (a CPU stand-in replays them)
         graphs_on_the_cpu(on, monkeypatch)
-    _zero_block_outputs(on.model)
+    agreeing_mtp_layer(on.model)
     # speculation off: the target's greedy chain, the next token a function of the current one alone
     nxt: dict[int, int] = {}
 
@@ -303,15 +275,23 @@ def _recording_drafts(engine) -> list:
     return drafts
 
 
+# Over NCCL where two GPUs are lent (skipped elsewhere): the one-GPU engine is the reference there.
+CHIPS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                               reason="needs two CUDA devices (NCCL)"))]
+
+
+@pytest.mark.parametrize("chip", CHIPS)
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
-def test_the_draft_layer_splits_over_ranks_like_the_target(mtp_dir, reference, tp, ep):
+def test_the_draft_layer_splits_over_ranks_like_the_target(mtp_dir, reference, tp, ep, chip):
     """Under --tp / --ep every rank holds its shard of the MTP layer (heads, experts, vocabulary) and runs
     each catch-up and draft step rank 0's proposer plans (the hidden rows travel over the collective): the
     tokens are speculation off's and every draft is the one-process proposer's."""
-    one = _engine(mtp_dir, MTP3)
+    if chip != "cpu":
+        reference = _engine(mtp_dir, chip=chip).generate(PROMPTS, GREEDY)
+    one = _engine(mtp_dir, MTP3, chip=chip)
     want = _recording_drafts(one)
     assert one.generate(PROMPTS, GREEDY) == reference
-    split = _engine(mtp_dir, MTP3, tp=tp, ep=ep)
+    split = _engine(mtp_dir, MTP3, chip=chip, tp=tp, ep=ep)
     try:
         got = _recording_drafts(split)
         assert split.generate(PROMPTS, GREEDY) == reference

@@ -336,7 +336,9 @@ def dsa_indexer_topk(
     complete pool is compressed to one key (softmax over its positions of gate + ape, per channel).
     A query scores each pool as sum_h w_h Hi^-1/2 relu(q_h . key D^-1/2), keeps the best
     index_topk / P pools that end at or before it, and (select_tail) the tokens of its own
-    still-incomplete pool. Incomplete pools are never scored.
+    still-incomplete pool. Incomplete pools are never scored. Of equal scores (the relu gives 0.0 to a
+    pool every head scores below zero) the pools kept are torch.topk's choice, as in transformers, which
+    is the device's: backends may keep others there (the CUDA decode kernel keeps the lower index).
     """
     acc = _acc(q.dtype)
     p = ape.shape[0]
@@ -534,9 +536,15 @@ def _indexer_inputs(dtype, device, g):
 
 
 def _indexer_decode_inputs(dtype, device, g):
+    """Scores free of ties: of equal scores torch.topk keeps one it does not specify (the CUDA kernel the
+    lower index), and the relu makes exact zeros common with random inputs (a pool every head scores
+    below zero), so a backend could rightly keep another pool than the reference. Positive keys, head
+    weights and head 0's query give every pool a positive score, distinct ones almost surely."""
     b, s, hi, d, p = 3, 21, 3, 8, 4  # lengths: a pool boundary, a tail, and fewer pools than the top-k keeps
-    return (_randn(g, b, hi, d, dtype=dtype, device=device), _randn(g, b, hi, dtype=dtype, device=device),
-            _randn(g, b, s, d, dtype=dtype, device=device), _randn(g, b, s, d, dtype=dtype, device=device),
+    q, weights = _randn(g, b, hi, d, dtype=dtype, device=device), _randn(g, b, hi, dtype=dtype, device=device)
+    keys = _randn(g, b, s, d, dtype=dtype, device=device).abs()
+    q[:, 0] = q[:, 0].abs()
+    return (q, weights.abs() + 0.1, keys, _randn(g, b, s, d, dtype=dtype, device=device),
             _randn(g, p, d, dtype=dtype, device=device), torch.tensor([16, 19, 7], device=device), 8, True), {}
 
 
