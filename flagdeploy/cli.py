@@ -136,7 +136,21 @@ def node_options(command):
     return command
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """Every command's files: one the user named that cannot be written or read (a read-only or missing
+    folder, a file where a folder should be) is an error line naming it, not a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            if exc.filename is None:
+                raise
+            _fail(f"{exc.filename}: {exc.strerror or exc}. Check the path: its folder must exist and be writable "
+                  "by you, and nothing of that name may be in the way.")
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="flagdeploy")
 def main() -> None:
     """Take a model to the chips you own and serve it behind one OpenAI-compatible endpoint."""
@@ -145,14 +159,14 @@ def main() -> None:
 @main.command()
 @click.option("--model", "model", default=None, help="GGUF file, HF safetensors dir, hub id, or a bundled name (default: smollm2-135m-instruct).")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--chip", default=None, type=ChipParam(), metavar="CHIP",
               help="Chip catalog id (ascend910c, h20-141g, cpu, ...: profiles/chips.yaml) or a backend name (cpu, "
                    "cuda, ascend); runs on its backend (default: detected).")
-@click.option("--max-model-len", default=4096, show_default=True, type=int, help="Context window served (prompt + output).")
-@click.option("--max-num-seqs", default=16, show_default=True, type=int, help="Sequences decoded together.")
-@click.option("--max-num-batched-tokens", default=512, show_default=True, type=int, help="Token budget of one step (chunked prefill).")
-@click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV-cache block.")
+@click.option("--max-model-len", default=4096, show_default=True, type=click.IntRange(min=1), help="Context window served (prompt + output).")
+@click.option("--max-num-seqs", default=16, show_default=True, type=click.IntRange(min=1), help="Sequences decoded together.")
+@click.option("--max-num-batched-tokens", default=512, show_default=True, type=click.IntRange(min=1), help="Token budget of one step (chunked prefill).")
+@click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Tokens per KV-cache block.")
 @click.option("--kv-cache-memory", default="2GiB", show_default=True, help="Memory for the KV cache.")
 @memory_utilization_option
 @click.option("--weight-format", default="auto", show_default=True, type=click.Choice(["auto", "dense"]),
@@ -479,7 +493,10 @@ def _from_profile(ctx, path: str, **given):
     from flagdeploy.planner import Profile
 
     try:
-        prof = Profile.load(path)
+        prof = Profile.load(path)  # its errors name the file
+    except ValueError as exc:
+        _fail(str(exc))
+    try:
         backend = get_chip(prof.chip).backend
     except (FlagdeployError, ValueError, TypeError) as exc:
         _fail(f"{path}: {exc}")
@@ -621,12 +638,12 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 @click.option("--model", "model", required=True, help="Preset (glm-5.3-flash), a config.json, or a model directory.")
 @click.option("--chip", required=True, type=ChipParam(need_chip=True), metavar="CHIP",
               help="Chip catalog id, e.g. ascend910c, h200, h20-141g, l20 (profiles/chips.yaml).")
-@click.option("--devices", default=8, show_default=True, type=int, help="Devices per node.")
-@click.option("--nodes", default=1, show_default=True, type=int)
+@click.option("--devices", default=8, show_default=True, type=click.IntRange(min=1), help="Devices per node.")
+@click.option("--nodes", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--interconnect", default=None, type=click.Choice(["hccs", "nvlink", "pcie", "roce"]),
               help="Link between a node's devices (default: the chip's own).")
-@click.option("--max-model-len", default=32768, show_default=True, type=int)
-@click.option("--concurrency", default=16, show_default=True, type=int, help="Sequences served at once, each up to --max-model-len.")
+@click.option("--max-model-len", default=32768, show_default=True, type=click.IntRange(min=1))
+@click.option("--concurrency", default=16, show_default=True, type=click.IntRange(min=1), help="Sequences served at once, each up to --max-model-len.")
 @click.option("--objective", default="throughput", show_default=True, type=click.Choice(["throughput", "latency"]))
 @click.option("--mtp/--no-mtp", default=False, show_default=True,
               help="Speculative decoding with the model's multi-token-prediction layer: the ledger adds its weights, "
@@ -850,8 +867,8 @@ def install(chip, engine, dry_run, yes, download_only, offline, index_url, env_f
 @click.option("--chip", default="auto", show_default=True, type=ChipParam(allow_auto=True), metavar="CHIP",
               help="Chip catalog id, a backend name (the chip of it found here) or auto.")
 @click.option("--model", default=None, help="Also check that this model fits and that its weights fit on disk.")
-@click.option("--devices", default=None, type=int, help="Devices to plan the model on (default: a node's).")
-@click.option("--max-model-len", default=32768, show_default=True, type=int)
+@click.option("--devices", default=None, type=click.IntRange(min=1), help="Devices to plan the model on (default: a node's).")
+@click.option("--max-model-len", default=32768, show_default=True, type=click.IntRange(min=1))
 @click.option("--nodes", default=None, metavar="HOST[:PORT],...",
               help="Multi-node preflight: every node of the deployment, this one included, in rank order. Run "
                    "doctor with the same list on every node at about the same time.")
@@ -859,7 +876,7 @@ def install(chip, engine, dry_run, yes, download_only, offline, index_url, env_f
               help="This node's position in --nodes (default: the entry that is one of this host's addresses).")
 @click.option("--nic", default=None, metavar="IFNAME",
               help="Interface for the inter-node traffic (default: the one that routes to the first node).")
-@click.option("--port", default=29500, show_default=True, type=int,
+@click.option("--port", default=29500, show_default=True, type=click.IntRange(1, 65535),
               help="Rendezvous port for --nodes entries without one; each doctor listens on its own entry's.")
 @click.option("--timeout", "node_timeout", default=60.0, show_default=True, type=float,
               help="Seconds to wait for every peer of --nodes.")
@@ -900,7 +917,7 @@ def doctor(chip, model, devices, max_model_len, nodes, node_rank, nic, port, nod
 @click.option("--model", default=None, help="Model to serve (path, hub id or preset); the planner picks the layout.")
 @click.option("--profile", "profile_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Deploy this profile (`flagdeploy plan --emit profile`) instead of planning from --chip/--model.")
-@click.option("--devices", default=None, type=int, help="Devices per node (default: a node's).")
+@click.option("--devices", default=None, type=click.IntRange(min=1), help="Devices per node (default: a node's).")
 @click.option("--nodes", default=None, type=click.IntRange(min=1),
               help="Nodes to spread the model over (default 1, or the profile's): compose writes one file per host, "
                    "k8s a LeaderWorkerSet.")
@@ -910,7 +927,7 @@ def doctor(chip, model, devices, max_model_len, nodes, node_rank, nic, port, nod
                    "HCCL_SOCKET_IFNAME / NCCL_SOCKET_IFNAME); unset without it.")
 @click.option("--master-addr", default=None, metavar="ADDR",
               help="compose with several nodes: the address of the host that runs node 0, as the others reach it.")
-@click.option("--max-model-len", default=32768, show_default=True, type=int)
+@click.option("--max-model-len", default=32768, show_default=True, type=click.IntRange(min=1))
 @memory_utilization_option
 @click.option("--image", default=None, help="Container image (default: a digest placeholder to pin).")
 @click.option("-o", "--output", default=".", show_default=True, help="Directory to write the files into.")

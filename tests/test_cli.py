@@ -269,3 +269,40 @@ def test_serve_passes_the_chip_and_memory_share_to_a_launched_engine(monkeypatch
     assert entry.chip == "h20-141g"
     argv = launch_plan(entry, 9000).argv
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.8"
+
+
+# ---- what a first-hour user tried (the second exploratory pass) ------------------------------------------
+
+def test_a_preset_names_its_checkpoint_in_every_command(tmp_path):
+    """`--model glm-5.3-flash` is the planner's preset in plan/deploy and the checkpoint it describes in
+    serve/pull: deploy's profile carries the hub id (serve on it used to fail: "Unknown model source")."""
+    from flagdeploy.errors import FlagdeployError
+    from flagdeploy.loaders import source
+    from flagdeploy.planner import Profile
+
+    with pytest.raises(FlagdeployError, match="zai-org/GLM-5.3-Flash is not in the cache"):
+        source.resolve("glm-5.3-flash", download=False)
+    out = tmp_path / "d"
+    r = CliRunner().invoke(main, ["deploy", "docker", "--chip", "ascend910c", "--model", "glm-5.3-flash", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    profile = Profile.load(out / "profile.yaml")
+    assert (profile.model, profile.served_model_name) == ("zai-org/GLM-5.3-Flash", "glm-5.3-flash")
+
+
+def test_bad_values_and_files_are_error_lines_not_tracebacks(tmp_path):
+    runner = CliRunner()
+    for args in (["plan", "--model", "glm-5.3-flash", "--chip", "ascend910c", "--max-model-len", "0"],
+                 ["serve", "--port", "99999"], ["plan", "--model", "glm-5.3-flash", "--chip", "ascend910c",
+                                                "--devices", "-4"]):
+        r = runner.invoke(main, args)
+        assert r.exit_code == 2 and "is not in the range" in r.output, (args, r.output)
+    (tmp_path / "bad.yaml").write_text("a: [\n")
+    (tmp_path / "part.yaml").write_text("model: x\n")
+    for name, says in (("bad.yaml", "is not valid YAML"), ("part.yaml", "lacks the profile fields ['chip']")):
+        for command in (["deploy", "docker"], ["serve"]):
+            r = runner.invoke(main, [*command, "--profile", str(tmp_path / name)])
+            assert r.exit_code == 1 and says in r.output and r.exc_info[0] is SystemExit, (command, r.output)
+    (tmp_path / "file").write_text("")
+    r = runner.invoke(main, ["deploy", "docker", "--chip", "ascend910c", "--model", "glm-5.3-flash",
+                             "-o", str(tmp_path / "file" / "sub")])
+    assert r.exit_code == 1 and "Check the path" in r.output and r.exc_info[0] is SystemExit, r.output

@@ -100,7 +100,7 @@ def test_glm_bf16_on_two_a2_nodes_is_one_replica_over_both():
     head, worker = emit_nodes(profile, "vllm-ascend")
     for rank, launch in enumerate((head, worker)):
         reparsed(launch)
-        assert launch.argv[:3] == ["vllm", "serve", "glm-5.3-flash"]
+        assert launch.argv[:3] == ["vllm", "serve", "zai-org/GLM-5.3-Flash"]  # the checkpoint the preset describes
         assert has_flags(launch.argv, node_flags("vllm-multinode-one-replica", nodes=2, node_rank=rank,
                                                  head_addr="$HEAD_IP"))
         assert not {"--data-parallel-size", "--data-parallel-address", "--quantization"} & set(launch.argv)

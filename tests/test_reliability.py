@@ -414,3 +414,119 @@ def test_serve_help_recommends_the_key_variable() -> None:
 
     out = CliRunner().invoke(main, ["serve", "--help"], terminal_width=200).output
     assert "FLAGDEPLOY_API_KEY" in out and "--max-tokens-policy" in out
+
+
+# ---- 8: what the second hostile client found (types, vocabularies, hang-ups, envelopes) ------------------
+
+def _post(live: LiveServer, route: str, body: Any) -> httpx.Response:
+    return httpx.post(f"{live.url}{route}", headers=AUTH, json=body, timeout=60)
+
+
+@pytest.mark.parametrize("items, param", [
+    ([{"role": "user", "content": [{"type": "input_text", "text": 5}]}], "input[0].content[0].text"),
+    ([{"role": "user", "content": [{"type": "input_text", "text": ["a"]}]}], "input[0].content[0].text"),
+    ([{"role": "user", "content": 5}], "input[0].content"),
+    ([{"role": "assistant", "content": {"a": 1}}], "input[0].content"),
+    ([{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "x", "output": 5}],
+     "input[1].output"),
+    ([{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "x",
+                                          "output": [{"type": "input_text", "text": 5}]}], "input[1].output[0].text"),
+    ([{"role": "user", "content": "hi"}, {"type": "message", "role": "assistant",
+                                          "content": [{"type": "output_text", "text": 5}]}], "input[1].content[0].text"),
+    ([{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": 7}], "input[1].name"),
+    ([{"role": "user", "content": [{"type": "weird", "text": "hi"}]}], "input[0].content[0].type"),
+    ([{"role": "wizard", "content": "hi"}], "input[0].role"),
+    ([{"type": "item_reference", "id": "msg_1"}], "input[0]"),
+])
+def test_responses_items_of_the_wrong_shape_are_a_400_naming_the_field(live: LiveServer, items: Any, param: str) -> None:
+    """These were 500s (a text part's `text` that was no string reached a join)."""
+    r = _post(live, "/v1/responses", {"input": items, "max_output_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("route, body, where", [
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "weird"}]}]},
+     "messages[0].content[0].type"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema",
+                                                                  "json_schema": {"name": "x", "schema": "x"}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"messages": HI, "guided_choice": []}, "guided_choice"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "schema": [1]}}}, "text.format.schema"),
+    ("/v1/responses", {"input": "hi", "instructions": 5}, "instructions"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": SCHEMA}],
+                       "tool_choice": {"type": "function"}}, "tool_choice.name"),
+    ("/v1/responses", {"input": "hi", "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type"),
+    ("/v1/messages", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text"),
+    ("/v1/messages", {"messages": HI, "tools": [{"name": "f", "input_schema": SCHEMA}], "tool_choice": {"type": "tool"}},
+     "tool_choice.name"),
+    ("/v1/messages", {"messages": HI, "tool_choice": {"type": "weird"}}, "tool_choice.type"),
+])
+def test_wrong_vocabulary_is_a_400_naming_the_field(live: LiveServer, route: str, body: dict, where: str) -> None:
+    """Unknown roles and part types, a json_schema format without a schema object, an empty choice list, a
+    tool_choice without its name: refused, where they were dropped, answered "null" or named 'None'."""
+    message = _shape_ok(route, _post(live, route, {"max_tokens": 2, **body}))
+    assert where in message, message
+    if not route.startswith("/v1/messages"):
+        assert _post(live, route, {"max_tokens": 2, **body}).json()["error"]["param"] == where
+
+
+def test_an_empty_stop_string_stops_nothing(live: LiveServer) -> None:
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0)
+    want = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=8)
+    got = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=8, stop="")
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert len(got.choices[0].message.content) > 1
+
+
+def test_allowed_tools_restricts_the_tools_a_forced_call_may_name(live: LiveServer) -> None:
+    tools = [{"type": "function", "name": n, "parameters": SCHEMA} for n in ("weather", "time")]
+    r = _post(live, "/v1/responses", {"input": "What is the weather in Paris?", "tools": tools, "max_output_tokens": 48,
+                                      "tool_choice": {"type": "allowed_tools", "mode": "required",
+                                                      "tools": [{"type": "function", "name": "time"}]}})
+    assert r.status_code == 200, r.text
+    calls = [item for item in r.json()["output"] if item["type"] == "function_call"]
+    assert calls and {c["name"] for c in calls} == {"time"}
+
+
+def test_a_client_that_hangs_up_mid_body_is_no_server_error(live: LiveServer, http: httpx.Client,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """It used to be logged with a traceback and counted as a 500, one per connection (a slowloris
+    client filled the log and the 5xx rate)."""
+    import socket
+    from urllib.parse import urlparse
+
+    def count(status: str) -> float:
+        text = http.get("/metrics").text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name.endswith("http_requests_total") and s.labels.get("status") == status)
+
+    url = urlparse(live.url)
+    before = count("500")
+    with caplog.at_level(logging.ERROR):
+        for route in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
+            with socket.create_connection((url.hostname, url.port)) as sock:
+                sock.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                             "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"messages\"".encode())
+            time.sleep(0.3)
+    assert count("500") == before
+    assert not [rec for rec in caplog.records if rec.exc_info is not None]
+    assert http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1}).status_code == 200
+
+
+def test_routing_errors_and_encodings_answer_in_the_protocol_s_shape(live: LiveServer, http: httpx.Client) -> None:
+    for method, path, status in (("GET", "/v1/messages", 405), ("POST", "/v1/messages/batches", 404)):
+        r = http.request(method, path)
+        assert r.status_code == status and r.json()["type"] == "error", r.text
+    assert http.get("/v1/nothing").json()["error"]["message"].startswith("Invalid URL")
+    assert http.head("/health").status_code == 200
+    import gzip
+
+    r = http.post("/v1/chat/completions", content=gzip.compress(json.dumps({"messages": HI}).encode()),
+                  headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 415 and "uncompressed" in r.json()["error"]["message"]

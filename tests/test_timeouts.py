@@ -17,8 +17,7 @@ from flagdeploy.server import create_app
 LONG = {"model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 120, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def impatient(tmp_path_factory):
+def _server(tmp_path_factory, request_timeout: float):
     from flagdeploy.engine import build_engine
 
     root = tmp_path_factory.mktemp("tiny-model")
@@ -36,9 +35,23 @@ def impatient(tmp_path_factory):
         engines.append(engine)
         return engine
 
-    srv = _serve(create_app(load, ["tiny"], request_timeout=0.001))
+    srv = _serve(create_app(load, ["tiny"], request_timeout=request_timeout))
     assert _wait_ready(srv.url, timeout=60).status_code == 200
-    yield srv, engines[0]
+    return srv, engines[0]
+
+
+@pytest.fixture(scope="module")
+def impatient(tmp_path_factory):
+    srv, engine = _server(tmp_path_factory, 0.001)
+    yield srv, engine
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def mid_stream(tmp_path_factory):
+    """A limit that passes after the first tokens went out (steps take 50 ms, 120 tokens are asked for)."""
+    srv, engine = _server(tmp_path_factory, 0.5)
+    yield srv, engine
     srv.stop()
 
 
@@ -60,4 +73,25 @@ def test_timeouts_answer_408_and_free_the_engine(impatient):
         assert r.json()["error"]["code"] == "request_timeout"
     r = httpx.post(f"{srv.url}/v1/messages", json={**LONG, "max_tokens": 120}, timeout=30)
     assert r.status_code == 408 and r.json()["error"]["type"] == "timeout_error"
+    assert _idle(engine)
+
+
+def test_a_stream_cut_by_the_limit_still_ends_as_its_protocol_ends(mid_stream):
+    """After the 200 the limit is an error event, and then the stream's own end: `[DONE]` on the OpenAI
+    routes (clients that wait for it would wait forever), `response.failed` on /v1/responses."""
+    srv, engine = mid_stream
+    for route, body in (("/v1/chat/completions", {**LONG, "stream": True}),
+                        ("/v1/completions", {"model": "tiny", "prompt": "w5 w6", "max_tokens": 120, "ignore_eos": True,
+                                             "stream": True})):
+        r = httpx.post(f"{srv.url}{route}", json=body, timeout=30)
+        events = [e for e in r.text.split("\n\n") if e]
+        assert r.status_code == 200 and len(events) > 2, r.text
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "request_timeout"
+        assert events[-1] == "data: [DONE]"
+    r = httpx.post(f"{srv.url}/v1/responses", json={"model": "tiny", "input": "w5 w6", "max_output_tokens": 120,
+                                                     "stream": True}, timeout=30)
+    kinds = [line.removeprefix("event: ") for line in r.text.splitlines() if line.startswith("event: ")]
+    assert kinds[0] == "response.created" and kinds[-2:] == ["error", "response.failed"], kinds
+    failed = json.loads(r.text.strip().splitlines()[-1].removeprefix("data: "))["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "request_timeout"
     assert _idle(engine)

@@ -346,10 +346,8 @@ class Gateway:
 
     async def _error(self, send: Send, path: str, error: APIError) -> None:
         """An error in the route's protocol: Anthropic's shape on /v1/messages*, OpenAI's elsewhere."""
-        if path.startswith("/v1/messages"):
-            from flagdeploy.server.anthropic import error_response
-
-            response = error_response(error)
+        if path.startswith(errors.ANTHROPIC_PATHS):
+            response = errors.anthropic_response(error)
             await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
             await send({"type": "http.response.body", "body": response.body, "more_body": False})
         else:

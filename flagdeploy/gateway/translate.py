@@ -30,7 +30,7 @@ from starlette.types import Send
 from flagdeploy.server import errors
 from flagdeploy.server.answer import AnswerDelta
 from flagdeploy.server.anthropic import (MessagesRequest, StreamEnd, _input, _message, _signature, _tool_use_id,
-                                         error_response, message_events)
+                                         message_events)
 from flagdeploy.server.errors import APIError
 from flagdeploy.server.protocol import now
 from flagdeploy.server.responses import (ResponsesRequest, _call_item, _id, _message_item, _reasoning_item, _response,
@@ -241,7 +241,7 @@ class AnthropicDialect(Dialect):
             yield event.encode()
 
     async def send_error(self, send: Send, error: APIError) -> None:
-        response = error_response(error)
+        response = errors.anthropic_response(error)
         await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
         await send({"type": "http.response.body", "body": response.body, "more_body": False})
 

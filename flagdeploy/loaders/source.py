@@ -65,6 +65,7 @@ class BundledModel:
 
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+PRESETS_DIR = PROFILES_DIR / "presets"  # the planner's model configs; each names its checkpoint
 BUNDLED: dict[str, BundledModel] = {
     name: BundledModel(name=name, **{**spec, "aliases": tuple(spec.get("aliases", ()))})
     for name, spec in yaml.safe_load((PROFILES_DIR / "models.yaml").read_text()).items()
@@ -143,8 +144,21 @@ def _resolve(source: str | None, *, download: bool, progress: bool, refresh: boo
                 return src
     if _HUB_ID.match(text):
         return _from_hub(text, download=download, refresh=refresh)
+    if (hub_id := preset_source(text)) is not None:
+        return _from_hub(hub_id, download=download, refresh=refresh)
     raise ModelSourceError(f"Unknown model source {text!r}: it is not an existing path, a cached model name "
                            f"or a hub id. Expected {_EXPECTED}. Run `flagdeploy models` to see cached models.")
+
+
+def preset_source(name: str) -> str | None:
+    """The checkpoint a planner preset (profiles/presets/NAME.json) describes, as the hub id in its
+    `_source`: `--model glm-5.3-flash` names that checkpoint in `serve` and `pull` as in `plan` and
+    `deploy`, whose profiles then carry the hub id."""
+    path = PRESETS_DIR / f"{name.strip().lower()}.json"
+    if "/" in name or not path.is_file():
+        return None
+    source = json.loads(path.read_text()).get("_source")
+    return source if isinstance(source, str) else None
 
 
 def _bundled(text: str) -> BundledModel | None:

@@ -23,11 +23,10 @@ from functools import lru_cache
 from pathlib import Path
 
 from flagdeploy.errors import FlagdeployError
-from flagdeploy.profiles import PROFILES_DIR
+from flagdeploy.loaders.source import PRESETS_DIR
 
 from .shapes import checkpoint_tensors
 
-PRESETS_DIR = PROFILES_DIR / "presets"
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import yaml
@@ -79,10 +79,23 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        body = data.get("profile", data)
+        """A profile file (`plan --emit profile` writes them); what is wrong with it is a ValueError naming
+        the file, never a parser's or a constructor's traceback."""
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path} is not valid YAML: {exc}") from None
+        body = data.get("profile", data) if isinstance(data, dict) else None
+        if not isinstance(body, dict):
+            raise ValueError(f"{path} holds no profile (a mapping of fields such as model and chip); write one with "
+                             "`flagdeploy plan ... --emit profile`.")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(body) - known)
         if unknown:
             raise ValueError(f"{path}: unknown profile fields {unknown}; known fields: {sorted(known)}")
+        missing = sorted(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+                         and f.name not in body)
+        if missing:
+            raise ValueError(f"{path} lacks the profile fields {missing}; `flagdeploy plan ... --emit profile` writes "
+                             "a complete one.")
         return cls(**body)

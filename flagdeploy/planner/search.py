@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from flagdeploy.chips import Chip, get_chip
+from flagdeploy.loaders.source import preset_source
 
 from .cost import GIB, Estimate, Layout, Link, ModelFacts, Workload, estimate, interconnects, is_draft_layer, memory
 from .ledger import CacheShape, PlanInputError, WeightGroup, cache_shape, load_config, text_config, weight_groups
@@ -72,7 +73,9 @@ class Plan:
             raise PlanInputError("nothing fits, so there is no profile to emit; see the suggestions.")
         r, dtypes = self.request, {g.dtype for g in self.groups}
         quantization = "w8a8" if "int8" in dtypes else ("fp8" if "fp8" in dtypes else None)
-        return Profile(model=r.model, chip=self.chip.id, model_type=self.model_type, devices=r.devices, nodes=r.nodes,
+        checkpoint = preset_source(r.model)  # a preset's profile runs the checkpoint it describes, under its name
+        return Profile(model=checkpoint or r.model, served_model_name=r.model if checkpoint else None,
+                       chip=self.chip.id, model_type=self.model_type, devices=r.devices, nodes=r.nodes,
                        tp=e.layout.tp, dp=e.layout.dp, ep=e.layout.ep, pp=e.layout.pp, max_model_len=r.max_model_len,
                        max_num_seqs=max(1, r.concurrency // e.layout.dp),
                        kv_cache_dtype="auto" if r.kv_cache_dtype == "bf16" else r.kv_cache_dtype,

@@ -35,13 +35,14 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from flagdeploy.engine.sampling import RequestOutput
 
 from . import errors
 from .answer import AnswerDelta, AnswerParser, parse_answer
 from .engine_slot import EngineSlot
-from .errors import APIError
+from .errors import APIError, anthropic_response
 from .generation import ClientDisconnected, EventStream, Generation, unless_disconnected
 from .media import takes_media
 from .names import ModelNames, strip_context_suffix
@@ -49,20 +50,13 @@ from .pipeline import ServerSettings, chat_prompt, check_grammar, first_output, 
 from .protocol import SamplingFields, thinking_switch, thinking_template_kwargs
 from .reasoning import RequestReasoning
 from .tools import ToolPlan
-from .validate import ANTHROPIC, check_anthropic_tools, content_parts, parse_body, refuse_media
+from .validate import (ANTHROPIC, ANTHROPIC_ROLES, check_anthropic_tools, content_parts, one_of, read_body,
+                       refuse_media)
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
-
-# Anthropic's error type for each status (its documented table). Our 503 "still loading" (with
-# Retry-After) is transient like Anthropic's 529, so it is "overloaded"; a 503 without Retry-After
-# (the model failed to load) is an api_error.
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-                503: "overloaded_error", 529: "overloaded_error"}
-
 
 # ---- requests ------------------------------------------------------------------------------------
 
@@ -247,15 +241,6 @@ class MessagesRequest(_Lenient):
 # ---- errors --------------------------------------------------------------------------------------
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    """An APIError (raised by the shared code in OpenAI terms) in Anthropic's shape."""
-    kind = _ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
-    if exc.status == 503 and not exc.headers:
-        kind = "api_error"
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": exc.message}},
-                        status_code=exc.status, headers=exc.headers)
-
-
 class AnthropicRoute(APIRoute):
     """Every failure on these routes, auth (a dependency) included, answers in Anthropic's shape
     rather than the app-wide OpenAI envelope."""
@@ -267,27 +252,37 @@ class AnthropicRoute(APIRoute):
             try:
                 return await handler(request)
             except APIError as exc:
-                return error_response(exc)
+                return anthropic_response(exc)
             except RequestValidationError as exc:
-                return error_response(errors.from_validation(exc.errors()))
+                return anthropic_response(errors.from_validation(exc.errors()))
             except HTTPException as exc:
-                return error_response(APIError(exc.status_code, str(exc.detail)))
+                return anthropic_response(APIError(exc.status_code, str(exc.detail)))
+            except ClientDisconnect:  # hung up before its body arrived (errors._on_disconnect)
+                return Response(status_code=499)
             except Exception as exc:  # noqa: BLE001 - a 500 the SDK can read
                 log.error("unhandled error on %s", request.url.path, exc_info=exc)
-                return error_response(errors.server_error())
+                return anthropic_response(errors.server_error())
 
         return route
 
 
+_FIELDS = frozenset(name for m in (MessagesRequest, Message, Block) for name in m.model_fields)
+
+
 async def _parse(request: Request) -> MessagesRequest:
-    body = parse_body(await request.body(), ANTHROPIC)
+    body = await read_body(request, ANTHROPIC)
     try:
-        return MessagesRequest.model_validate(body)
+        req = MessagesRequest.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"])
+        # the most specific failure (a union's members fail each in its own way: `content` is no string,
+        # and its block 0's text is none either), its location without the union members' tags
+        first = errors.most_specific(exc.errors(include_url=False))
+        where = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or p in _FIELDS)
         message = f"{where}: {first['msg']}" if where else f"The request body is invalid: {first['msg']}"
         raise APIError(400, message) from None
+    for i, m in enumerate(req.messages):
+        one_of(m.role, ANTHROPIC_ROLES, f"messages.{i}.role")
+    return req
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -449,7 +444,7 @@ async def message_events(deltas: AsyncIterator[AnswerDelta], mid: str, model: st
                                                  "output_tokens": result.output_tokens}})
         yield _event("message_stop", {})
     except APIError as exc:
-        body = json.loads(error_response(exc).body)
+        body = json.loads(anthropic_response(exc).body)
         yield _event("error", {"error": body["error"]})
 
 

@@ -60,7 +60,7 @@ from .protocol import (
 from .reasoning import RequestReasoning, get_style
 from .responses import ResponsesRequest, responses_router
 from .tools import ToolPlan, get_parser
-from .validate import check_openai_tools, parse_body, refuse_media
+from .validate import check_chat_messages, check_openai_tools, check_response_format, read_body, refuse_media
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
     """Parse the body ourselves: any Content-Type (curl -d sends a form type), and every failure
     a 400 in the OpenAI envelope naming the field."""
-    body = parse_body(await request.body())
+    body = await read_body(request)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -111,7 +111,9 @@ def _output_grammar(req: ChatCompletionRequest) -> tuple[GrammarSpec | None, str
         return GrammarSpec("json_schema", schema), "guided_json"
     if req.guided_regex is not None:
         return GrammarSpec("regex", req.guided_regex), "guided_regex"
-    if req.guided_choice:
+    if req.guided_choice is not None:
+        if not req.guided_choice:
+            raise APIError(400, "guided_choice is empty: list the strings the answer may be.", param="guided_choice")
         return GrammarSpec("regex", "|".join(re.escape(c) for c in req.guided_choice)), "guided_choice"
     schema = req.response_format.schema() if req.response_format is not None else None
     return (GrammarSpec("json_schema", schema) if schema is not None else None), "response_format"
@@ -189,7 +191,7 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
     app.add_middleware(HTTPMetricsMiddleware, metrics=app_metrics)
     errors.install_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
@@ -225,6 +227,8 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
         model = names.resolve(req.model)
         engine = slot.get()
         cid = new_id("chatcmpl")
+        check_chat_messages(req.messages)
+        check_response_format(req.response_format)
         refuse_media(_chat_media(req), engine.input_modalities, model)
         check_openai_tools(req.tools, req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice)
                            else req.tool_choice)
@@ -330,7 +334,7 @@ def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
 async def _stream(gen: Generation, first: tuple[int, RequestOutput], render: Callable[[int, RequestOutput], str | None],
                   final_usage: Callable[[], str] | None, cid: str, prompt_param: str) -> AsyncIterator[str]:
     """The common body of both streams: outputs as events, then usage and [DONE]; a failure
-    mid-stream is one `data: {"error": ...}` event, after which the stream ends."""
+    mid-stream is one `data: {"error": ...}` event, then [DONE]."""
     try:
         item: tuple[int, RequestOutput] | None = first
         while item is not None:
@@ -346,6 +350,7 @@ async def _stream(gen: Generation, first: tuple[int, RequestOutput], render: Cal
         raise
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse(errors.from_generation(exc, prompt_param).body())
+        yield SSE_DONE  # then the end, as every stream ends (clients that wait for it would wait forever)
     finally:
         gen.close()
 

@@ -1,4 +1,4 @@
-"""The OpenAI error envelope, and the handlers that put every failure into it.
+"""The OpenAI and Anthropic error envelopes, and the handlers that put every failure into one of them.
 
 Clients key their behaviour on the status: the SDKs retry 408/409/429/5xx (twice by default),
 LangChain turns a 400 with `context_length_exceeded` into a context-overflow signal, and Dify shows
@@ -15,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flagdeploy.errors import PromptTooLongError
@@ -54,6 +56,26 @@ class APIError(Exception):
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# Anthropic's error type for each status (its documented table). Our 503 "still loading" (with
+# Retry-After) is transient like Anthropic's 529, so it is "overloaded"; a 503 without Retry-After
+# (the model failed to load) is an api_error.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                    413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+ANTHROPIC_PATHS = "/v1/messages"  # the routes whose clients (Claude Code, the anthropic SDK) read Anthropic's shape
+
+
+def anthropic_response(exc: APIError) -> JSONResponse:
+    """An APIError (raised by the shared code in OpenAI terms) in Anthropic's shape."""
+    kind = _ANTHROPIC_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
+    if exc.status == 503 and not exc.headers:
+        kind = "api_error"
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": exc.message}},
+                        status_code=exc.status, headers=exc.headers)
 
 
 # ---- the errors the routes raise -----------------------------------------------------------------
@@ -132,36 +154,44 @@ def from_generation(exc: BaseException, prompt_param: str) -> APIError:
     return server_error(str(exc) or type(exc).__name__)
 
 
-def from_validation(errors: Iterable[dict[str, Any]]) -> APIError:
-    """A 400 naming the first offending field, the way OpenAI reports a bad parameter."""
+def from_validation(errors: Iterable[dict[str, Any]], fields: frozenset[str] = _FIELDS) -> APIError:
+    """A 400 naming the first offending field, the way OpenAI reports a bad parameter. `fields`: the
+    request models' field names (other location parts are union members' tags, left out)."""
     errors = list(errors)
     if not errors:
         return APIError(400, "The request body is invalid.")
-    first = errors[0]
+    first = most_specific(errors)
     loc = [part for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return bad_json()
     if not loc and first.get("type") == "model_type":
         return APIError(400, "The request body must be a JSON object.")
-    param = _param(loc)
+    param = _param(loc, fields)
     message = first.get("msg", "invalid value")
     if param:
         message = f"Invalid value for '{param}': {message}"
         if first.get("type") == "missing":
             message = f"Missing required parameter: '{param}'."
-    more = len({_param([p for p in e.get("loc", ()) if p != "body"]) for e in errors}) - 1
+    more = len({_param([p for p in e.get("loc", ()) if p != "body"], fields) for e in errors}) - 1
     if more > 0:
         message += f" (and {more} more invalid field{'s' if more > 1 else ''})"
     return APIError(400, message, param=param)
 
 
-def _param(loc: list[Any]) -> str | None:
+def most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pydantic error deepest in the body (the first of those): where a value matches no member of a
+    union, each member fails, and the deepest names what is wrong (`content[0].text` is no string) where
+    the first would name another member (`content` is no string)."""
+    return max(errors, key=lambda e: len(e.get("loc", ())))
+
+
+def _param(loc: list[Any], fields: frozenset[str]) -> str | None:
     """`messages[0].content` from a pydantic location; union-member tags (`str`, `list[str]`) dropped."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _FIELDS:
+        elif part in fields:
             out += f".{part}" if out else str(part)
     return out or None
 
@@ -179,6 +209,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(ClientDisconnect, _on_disconnect)
     app.add_middleware(UnexpectedErrors)
 
 
@@ -191,15 +222,25 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
 
 
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Routing errors (unknown URL, wrong method) in the envelope, so SDKs show a readable message."""
+    """Routing errors (unknown URL, wrong method) in the envelope of the protocol the path belongs to,
+    so SDKs show a readable message."""
     if exc.status_code == 404:
         message = f"Invalid URL ({request.method} {request.url.path})"
     elif exc.status_code == 405:
         message = f"Method {request.method} is not allowed for {request.url.path}"
     else:
         message = str(exc.detail)
+    if request.url.path.startswith(ANTHROPIC_PATHS):
+        return anthropic_response(APIError(exc.status_code, message, headers=exc.headers))
     type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
     return JSONResponse(error_body(message, type_), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _on_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+    """The client hung up before its body arrived: nobody reads an answer, and it is no server error
+    (a slowloris client used to leave a traceback and a counted 500 per connection)."""
+    log.debug("client disconnected before sending its body: %s %s", request.method, request.url.path)
+    return Response(status_code=499)
 
 
 class UnexpectedErrors:

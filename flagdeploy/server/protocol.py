@@ -95,9 +95,9 @@ class SamplingFields(_Lenient):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        """The stop strings; an empty one stops nothing (it would match before the first character)."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [s for s in stops if s]
 
 
 # Arguments the server itself gives the template; a request may not override them.
@@ -138,9 +138,10 @@ class ResponseFormat(_Lenient):
             return {"type": "object"}
         if self.type != "json_schema":
             return None
-        spec = self.json_schema or {}
-        inner = spec.get("schema")
-        return inner if isinstance(inner, dict) else ({k: v for k, v in spec.items() if k not in ("name", "strict", "description")} or {"type": "object"})
+        spec = self.json_schema or {}  # checked before: validate.check_response_format
+        if "schema" in spec:
+            return spec["schema"]
+        return {k: v for k, v in spec.items() if k not in ("name", "strict", "description")} or {"type": "object"}
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -8,7 +8,8 @@ A request is turned into the chat path's pieces (template messages, tool plan, g
 generation and answer parsing), and the answer into Responses output items: a `reasoning` item
 when the model thought, a `message` with `output_text`, and one `function_call` per tool call.
 Streams are `event:`-framed and numbered (`sequence_number`), from `response.created` to exactly
-one `response.completed` (or `response.incomplete` when max_output_tokens cut it).
+one `response.completed` (or `response.incomplete` when max_output_tokens cut it, or an `error`
+and `response.failed` when the generation failed or ran past --request-timeout).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from .pipeline import ServerSettings, chat_prompt, check_grammar, first_output, 
 from .protocol import SamplingFields, now
 from .reasoning import RequestReasoning
 from .tools import ToolPlan
-from .validate import OPENAI, check_responses_tools, content_parts, parse_body, refuse_media
+from .validate import (OPENAI, check_responses_input, check_responses_tools, content_parts, read_body,
+                       refuse_media)
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
@@ -81,20 +83,30 @@ class ResponsesRequest(_Lenient):
     parallel_tool_calls: bool | None = None
 
     def function_tools(self) -> list[dict[str, Any]]:
-        """Function tools in the chat shape; built-in tools (web_search, ...) cannot run here."""
+        """Function tools in the chat shape, those `allowed_tools` names if it is the tool_choice;
+        built-in tools (web_search, ...) cannot run here."""
+        c = self.tool_choice
+        allowed = {t["name"] for t in c["tools"]} if isinstance(c, dict) and c["type"] == "allowed_tools" else None
         return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-                for t in self.tools or [] if t.get("type") == "function" and isinstance(t.get("name"), str)]
+                for t in self.tools or [] if t.get("type") == "function" and isinstance(t.get("name"), str)
+                and (allowed is None or t["name"] in allowed)]
 
     def choice(self) -> str | None:
-        if isinstance(self.tool_choice, dict):
-            return str(self.tool_choice.get("name"))
-        return self.tool_choice
+        """In the chat vocabulary (checked before: validate.check_responses_tools)."""
+        c = self.tool_choice
+        if isinstance(c, dict):
+            return c["name"] if c["type"] == "function" else c.get("mode", "auto")
+        return c
 
     def grammar(self) -> GrammarSpec | None:
         fmt = self.text.format if self.text is not None else None
         if fmt is None or fmt.type == "text":
             return None
-        return GrammarSpec("json_schema", fmt.schema_ if fmt.type == "json_schema" and fmt.schema_ else {"type": "object"})
+        if fmt.type == "json_schema" and fmt.schema_ is None:
+            raise APIError(400, "Missing required parameter: 'text.format.schema' (a json_schema format needs "
+                                "the schema; `{\"type\": \"json_object\"}` asks for any JSON object).",
+                           param="text.format.schema")
+        return GrammarSpec("json_schema", fmt.schema_ if fmt.type == "json_schema" else {"type": "object"})
 
     def media_parts(self) -> list[tuple[str, str]]:
         """(path, type) of every content part of the input items."""
@@ -141,11 +153,12 @@ class ResponsesRequest(_Lenient):
 
 
 def _item_text(content: Any) -> str:
+    """An item's text parts joined by newlines (their types were checked: validate.check_responses_input)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("text"))
+    return "\n".join(p["text"] for p in content if p.get("text"))
 
 
 def _item_content(content: Any, media: bool) -> str | list[dict[str, Any]]:
@@ -181,12 +194,18 @@ def _image_part(part: dict[str, Any]) -> dict[str, Any]:
     return {"type": "image_url", "image_url": image}
 
 
+# The request's field names (a location part that is none is a union member's tag, dropped from `param`)
+_FIELDS = frozenset(name for m in (ResponsesRequest, TextOptions, TextFormat) for name in m.model_fields) | {"schema"}
+
+
 async def _parse(request: Request) -> ResponsesRequest:
-    body = parse_body(await request.body())
+    body = await read_body(request)
     try:
-        return ResponsesRequest.model_validate(body)
+        req = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
-        raise errors.from_validation(exc.errors(include_url=False)) from None
+        raise errors.from_validation(exc.errors(include_url=False), _FIELDS) from None
+    check_responses_input(req.input)
+    return req
 
 
 # ---- output items --------------------------------------------------------------------------------
@@ -333,8 +352,11 @@ async def response_events(deltas: AsyncIterator[AnswerDelta], rid: str, model: s
         status, usage = end()
         done = _response(rid, created, model, req, ev.output, status, usage)
         yield ev.event("response.completed" if status == "completed" else "response.incomplete", response=done)
-    except APIError as exc:
+    except APIError as exc:  # the error, then the response as failed: a stream still ends in its final state
         yield ev.event("error", code=exc.code, message=exc.message, param=exc.param)
+        failed = _response(rid, created, model, req, ev.output, "failed", None)
+        yield ev.event("response.failed", response=failed | {"error": {"code": exc.code or exc.type,
+                                                                        "message": exc.message}})
 
 
 async def _stream(gen: Generation, first: tuple[int, RequestOutput], rid: str, model: str, req: ResponsesRequest,

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
+from starlette.requests import Request
 
 from . import errors
 from .errors import APIError
@@ -51,6 +52,16 @@ ANTHROPIC = PathStyle(anthropic=True)
 
 
 # ---- the body ------------------------------------------------------------------------------------
+
+
+async def read_body(request: Request, style: PathStyle = OPENAI) -> Any:
+    """The request's JSON body (`parse_body`), read only when it comes unencoded: a compressed body
+    would otherwise be "not JSON", a cause no client could guess."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError(415, f"The request body is sent with Content-Encoding {encoding!r}, which this server does "
+                            "not decode. Send the JSON body uncompressed.", code="unsupported_content_encoding")
+    return parse_body(await request.body(), style)
 
 
 def parse_body(raw: bytes, style: PathStyle = OPENAI) -> Any:
@@ -102,6 +113,96 @@ def _check_text(text: str, path: str) -> None:
 def _too_deep(where: str) -> APIError:
     return APIError(400, f"The request body nests deeper than {MAX_JSON_DEPTH} levels (at {where}). No request "
                          "needs that; flatten the JSON.")
+
+
+# ---- conversations -------------------------------------------------------------------------------
+# What the routes read from a conversation is checked for type and vocabulary before anything reads it:
+# a part of an unknown type was dropped without a word, a text that was no string failed as a 500, an
+# unknown role reached the chat template.
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+CHAT_PARTS = ("text", "image_url", "input_audio", "file", "refusal", "video_url", "audio_url")  # OpenAI's, vLLM's
+RESPONSES_ROLES = ("user", "assistant", "system", "developer")
+RESPONSES_PARTS = ("input_text", "output_text", "refusal", "input_image", "input_file", "input_audio")
+ANTHROPIC_ROLES = ("user", "assistant", "system")  # system inside messages: Claude Code >= 2.1.154
+
+
+def one_of(value: Any, allowed: tuple[str, ...], where: str) -> None:
+    if value not in allowed:
+        raise APIError(400, f"Invalid value for '{where}': {json.dumps(value)}. Supported values are: "
+                            f"{', '.join(repr(a) for a in allowed)}.", param=where)
+
+
+def check_chat_messages(messages: list[Any]) -> None:
+    """Chat's messages (`protocol.ChatMessage`): a known role each, content parts of known types."""
+    for i, m in enumerate(messages):
+        where = OPENAI.join("messages", i)
+        one_of(m.role, CHAT_ROLES, f"{where}.role")
+        for k, part in enumerate(m.content if isinstance(m.content, list) else []):
+            one_of(part.type, CHAT_PARTS, f"{where}.content[{k}].type")
+
+
+def check_responses_input(items: str | list[dict[str, Any]]) -> None:
+    """Responses' `input`: of the items this server reads (messages, function calls, their outputs) every
+    field it reads has its type; other items (reasoning, built-in tools' calls) carry nothing it reads.
+    An `item_reference` names an item stored by the server, and this one stores none."""
+    for i, item in enumerate([] if isinstance(items, str) else items):
+        where = OPENAI.join("input", i)
+        kind = item.get("type", "message")
+        if kind == "message":
+            one_of(item.get("role", "user"), RESPONSES_ROLES, f"{where}.role")
+            _responses_content(item.get("content"), f"{where}.content")
+        elif kind == "function_call":
+            _string(_required(item, "name", where), f"{where}.name")
+            _string(item.get("call_id") or _required(item, "id", where), f"{where}.call_id")
+            if item.get("arguments") is not None:
+                _string(item["arguments"], f"{where}.arguments")
+        elif kind == "function_call_output":
+            _string(_required(item, "call_id", where), f"{where}.call_id")
+            if not isinstance(item.get("output"), str):
+                _responses_content(_required(item, "output", where), f"{where}.output")
+        elif kind == "item_reference":
+            raise APIError(400, f"'{where}' is an item_reference, but this server stores no items (store=false): "
+                                "send the item itself in `input`.", param=where)
+
+
+def _responses_content(content: Any, where: str) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise APIError(400, f"Invalid type for '{where}': expected a string or an array of content parts, but got "
+                            f"{_json_type(content)} instead.", param=where)
+    for k, part in enumerate(content):
+        at = OPENAI.join(where, k)
+        part = _object(part, at)
+        kind = _required(part, "type", at)
+        one_of(kind, RESPONSES_PARTS, f"{at}.type")
+        key = "refusal" if kind == "refusal" else "text" if kind in ("input_text", "output_text") else None
+        if key is not None:
+            _string(_required(part, key, at), f"{at}.{key}")
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise APIError(400, f"Invalid type for '{where}': expected a string, but got {_json_type(value)} instead.",
+                       param=where)
+    return value
+
+
+def check_response_format(fmt: Any) -> None:
+    """Chat's `response_format` (`protocol.ResponseFormat`): a json_schema format carries its schema, as
+    `{"name", "schema": {...}}` (OpenAI) or as the schema itself (Dify), never a schema that is no object
+    (it used to constrain the answer to `null`)."""
+    if fmt is None or fmt.type != "json_schema":
+        return
+    if fmt.json_schema is None:
+        raise APIError(400, "Missing required parameter: 'response_format.json_schema' (a json_schema format needs "
+                            "`{\"name\": ..., \"schema\": {...}}`; `{\"type\": \"json_object\"}` asks for any JSON "
+                            "object).", param="response_format.json_schema")
+    if "schema" in fmt.json_schema and not isinstance(fmt.json_schema["schema"], dict):
+        raise APIError(400, "Invalid type for 'response_format.json_schema.schema': expected a JSON Schema object, "
+                            f"but got {_json_type(fmt.json_schema['schema'])} instead.",
+                       param="response_format.json_schema.schema")
 
 
 # ---- media ---------------------------------------------------------------------------------------
@@ -167,6 +268,22 @@ def check_responses_tools(tools: list[Any] | None, choice: Any) -> None:
         tool = _object(tool, where)
         if _required(tool, "type", where) == "function":
             _check_function(tool, where, "parameters", OPENAI, names)
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        one_of(kind, ("function", "allowed_tools"), "tool_choice.type")  # a built-in tool cannot run here
+        if kind == "function":
+            _string(_required(choice, "name", "tool_choice"), "tool_choice.name")
+        else:
+            one_of(choice.get("mode", "auto"), ("auto", "required"), "tool_choice.mode")
+            allowed = _required(choice, "tools", "tool_choice")
+            if not isinstance(allowed, list):
+                raise APIError(400, f"Invalid type for 'tool_choice.tools': expected an array, but got "
+                                    f"{_json_type(allowed)} instead.", param="tool_choice.tools")
+            for k, tool in enumerate(allowed):
+                where = OPENAI.join("tool_choice.tools", k)
+                _string(_required(_object(tool, where), "name", where), f"{where}.name")
+    elif choice is not None:
+        one_of(choice, ("none", "auto", "required"), "tool_choice")
     _check_choice(tools, choice, ("none", "auto"), "tool_choice")
 
 
@@ -180,7 +297,12 @@ def check_anthropic_tools(tools: list[Any] | None, choice: Any) -> None:
         if tool.get("type", "custom") == "custom":
             _required(tool, "input_schema", where)
             _check_function(tool, where, "input_schema", ANTHROPIC, names)
-    kind = choice.get("type") if isinstance(choice, dict) else None
+    kind = None
+    if choice is not None:
+        kind = _required(_object(choice, "tool_choice"), "type", "tool_choice")
+        one_of(kind, ("auto", "any", "tool", "none"), "tool_choice.type")
+        if kind == "tool":
+            _string(_required(choice, "name", "tool_choice"), "tool_choice.name")
     _check_choice(tools, kind, ("none", "auto", None), "tool_choice.type")
 
 
