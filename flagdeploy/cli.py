@@ -272,6 +272,15 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
                                            served_names=served_names, tp=tp, ep=ep, dp=dp)
         if not spec.enabled and speculative is None and speculative_config is None:
             spec = profile_spec  # the plan's `--mtp`, unless the command line says otherwise
+    if builtin and chip:
+        from flagdeploy import ops as fops
+        from flagdeploy.edge import implied_engine
+
+        if implied_engine(chip, engine) == "builtin":  # a missing device: one line here, not a loader traceback
+            try:
+                fops.require_device(fops.get_backend(chip), chip)
+            except FlagdeployError as exc:
+                _fail(str(exc))
     nodes = None
     if nnodes > 1:
         from flagdeploy.engine.nodes import NodeGroup
@@ -295,6 +304,16 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         from flagdeploy.gateway.replicas import builtin_replicas_entry
 
         _parse_bytes(kv_cache_memory)  # a bad size fails here, not K times in the replicas
+        if tp * ep > 1:  # so does a split the model cannot take (each replica used to be restarted on it)
+            from flagdeploy.engine import EngineConfig
+            from flagdeploy.engine.model_loading import check_split
+            from flagdeploy.loaders.source import resolve
+
+            try:
+                src = resolve(model, weights=load_format != "dummy")
+                check_split(src.path, src.format, EngineConfig(tp=tp, ep=ep))
+            except FlagdeployError as exc:
+                _fail(str(exc))
         entry = builtin_replicas_entry(
             model, dp, chip=chip, served_names=served_names, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, kv_cache_memory=kv_cache_memory,
@@ -761,7 +780,7 @@ def ops_check(chip, model_config, dtypes, as_json) -> None:
     from flagdeploy.ops.check import format_results
 
     try:
-        be = fops.get_backend(chip.value) if chip else fops.detect_backend()
+        be = fops.require_device(fops.get_backend(chip.value), chip.value) if chip else fops.detect_backend()
         results = _run_checks(be, model_config, dtypes)
     except (FlagdeployError, ValueError) as exc:
         _fail(str(exc))
@@ -833,8 +852,11 @@ def install(chip, engine, dry_run, yes, download_only, offline, index_url, env_f
         if dry_run:
             return
         if download_only:
+            if offline:
+                _fail("--download-only fetches wheels for another host and --offline installs from such a folder: "
+                      "give one of them")
             Path(download_only).mkdir(parents=True, exist_ok=True)
-            inst.download(plan, Path(download_only), index_url)
+            inst.download(plan, Path(download_only), index_url, everything=True)
             click.echo(f"downloaded into {download_only}; install there with `flagdeploy install --chip {chip_id} "
                        f"--offline {download_only}`")
             return
@@ -957,6 +979,10 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, nic, master_
                                          layout=parse_layout(layout) if layout else None))
             if layout and plan.chosen is None and plan.rejected:
                 _fail(f"--layout {layout}: {plan.rejected[0].reason}")
+            if plan.chosen is None:
+                _fail(f"nothing fits {model} on {devices or spec.devices_per_node} x {spec.id}"
+                      + "".join(f"\n  {s}" for s in plan.suggestions or ["(no layout was found either)"])
+                      + f"\n`flagdeploy plan --model {model} --chip {spec.id}` shows every layout and why it fails.")
             profile = plan.profile()
         paths = write(kind, profile, output, image=image, overwrite=overwrite, nic=nic, master_addr=master_addr)
         warnings = notes(kind, profile, nic=nic)

@@ -69,6 +69,7 @@ class InstallPlan:
     row: StackRow
     present: dict[str, str]  # package -> installed version (those the row names)
     to_install: list[str]  # pinned requirements not yet satisfied
+    requirements: list[str] = field(default_factory=list)  # the row's pinned requirements, flagdeploy's aside
     host_missing: list[tuple[str, str]] = field(default_factory=list)  # (what, how to install it)
     env: dict[str, str] = field(default_factory=dict)
     source: list[str] = field(default_factory=list)
@@ -111,8 +112,9 @@ def make_plan(info: SystemInfo, chip_id: str, engine: str = "builtin") -> Instal
         have = _installed(name)
         if have is not None:
             present[name] = have
-        if have is None or not req.specifier.contains(have, prereleases=True):
-            todo.append(str(req))
+        cpu_build = name == "torch" and chip.backend == "cuda" and have is not None and have.endswith("+cpu")
+        if have is None or cpu_build or not req.specifier.contains(have, prereleases=True):
+            todo.append(str(req))  # (a CPU build of torch cannot drive the chip, whatever its version)
     missing = []
     for key, what, how in _HOST.get(chip.backend, []):
         if not _host_present(info, key):
@@ -120,7 +122,10 @@ def make_plan(info: SystemInfo, chip_id: str, engine: str = "builtin") -> Instal
                 what = f"{what}: for CANN {row.cann_min}, Ascend HDK {', '.join(drivers)}"
             missing.append((what, how))
     env = _ENV.get(chip.backend, {"source": [], "vars": {}})
-    return InstallPlan(chip.id, chip.backend, row, present, todo, missing, dict(env["vars"]), list(env["source"]))
+    return InstallPlan(chip.id, chip.backend, row, present, todo,
+                       [f"{name}{spec}" for name, spec in row.packages.items() if name != "flagdeploy"], missing,
+                       dict(env["vars"]),
+                       list(env["source"]))
 
 
 def _host_present(info: SystemInfo, key: str) -> bool:
@@ -143,12 +148,15 @@ def _pip(args: list[str], what: str) -> None:
                            "--offline DIR with wheels from `flagdeploy install --download-only DIR`.")
 
 
-def download(plan: InstallPlan, dest: Path, index_url: str | None = None) -> None:
-    """Phase 1: every wheel the plan needs, with dependencies, into `dest` (also what --download-only does)."""
-    if not plan.to_install:
+def download(plan: InstallPlan, dest: Path, index_url: str | None = None, everything: bool = False) -> None:
+    """Phase 1: every wheel the plan needs, with dependencies, into `dest`. `everything` (--download-only):
+    every requirement of the stack, whatever this host has, since the wheels are for another host (all but
+    flagdeploy itself, which that host needs already to run `install --offline`)."""
+    wanted = plan.requirements if everything else plan.to_install
+    if not wanted:
         return
     extra = ["--index-url", index_url] if index_url else []
-    _pip(["download", "--dest", str(dest), *extra, *plan.to_install], "downloading the packages")
+    _pip(["download", "--dest", str(dest), *extra, *wanted], "downloading the packages")
 
 
 def install(plan: InstallPlan, wheels: Path) -> None:

@@ -360,6 +360,9 @@ def test_eval_baseline_and_ppl(live: LiveServer, tmp_path) -> None:
 
     rc, _, stderr = _cli("eval", "baseline", "compare", "nope", *common)
     assert rc == 1 and "no baseline 'nope'" in stderr and "ref" in stderr
+    rc, _, stderr = _cli("eval", "baseline", "save", "ref", *common, "--max-tokens", "6")  # never replaced silently
+    assert rc == 1 and "already saved" in stderr and "--overwrite" in stderr
+    assert json.loads((tmp_path / "baselines" / "ref.json").read_text()) == saved
 
     text = tmp_path / "t.txt"
     text.write_text("The capital of France is Paris. The capital of Germany is Berlin. " * 4)

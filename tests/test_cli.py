@@ -237,10 +237,11 @@ def test_install_and_doctor_take_a_backend_name_as_the_chip_found_here():
 
 
 def test_serve_takes_a_catalog_id_and_plans_on_that_chip(default_model, capsys):
-    """serve --chip ascend910c is accepted (the failure is the model's, not the chip's); the plan line serve
-    prints before loading is for the chip named, not the first chip of its backend."""
+    """serve --chip ascend910c is accepted as the catalog id of a chip of the ascend backend (the failure is
+    that this host has none); the plan line serve prints before loading is for the chip named, not the first
+    chip of its backend."""
     r = CliRunner().invoke(main, ["serve", "--chip", "ascend910c", "--port", "0", "--model", "/nonexistent/m.gguf"])
-    assert r.exit_code == 1 and "m.gguf" in r.output and "chip" not in r.output
+    assert r.exit_code == 1 and "no ascend910c device is visible to the ascend backend" in r.output, r.output
     from flagdeploy.cli import _print_plan
 
     _print_plan(default_model, "h20-141g", 4096, 4, 1 << 30, memory_utilization=0.8)
@@ -306,3 +307,14 @@ def test_bad_values_and_files_are_error_lines_not_tracebacks(tmp_path):
     r = runner.invoke(main, ["deploy", "docker", "--chip", "ascend910c", "--model", "glm-5.3-flash",
                              "-o", str(tmp_path / "file" / "sub")])
     assert r.exit_code == 1 and "Check the path" in r.output and r.exc_info[0] is SystemExit, r.output
+
+
+def test_a_missing_device_and_a_split_that_cannot_be_are_refused_before_anything_starts():
+    """serve and ops check on a chip this host lacks used to die in torch ("Expected one of cpu, cuda ...
+    device string: npu"); --dp replicas with a --tp the model cannot take were each restarted five times."""
+    runner = CliRunner()
+    for args in (["serve", "--chip", "ascend910c"], ["ops", "check", "--chip", "ascend910c"]):
+        r = runner.invoke(main, args)
+        assert r.exit_code == 1 and "no ascend910c device is visible" in r.output, (args, r.output)
+    r = runner.invoke(main, ["serve", "--tp", "2", "--dp", "2"])  # the default model: 9 heads
+    assert r.exit_code == 1 and "cannot be split with --tp 2" in r.output, r.output

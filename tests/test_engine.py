@@ -132,3 +132,52 @@ def test_tiny_temperatures_are_greedy(llm_engine):
     tiny = SamplingParams(max_tokens=6, temperature=1e-300, ignore_eos=True)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert llm_engine.generate([ids], tiny) == llm_engine.generate([ids], greedy)
+
+
+# ---- penalties, logit_bias, min_p (OpenAI's and vLLM's logits adjustments) ----------------------------------
+
+def test_penalties_and_bias_change_the_logits_as_vllm_does():
+    """One row by hand: repetition over prompt + output, then frequency and presence over the output, then
+    logit_bias; a row without any of them is the same tensor."""
+    import torch
+
+    from flagdeploy.engine.sampler import adjust_logits
+    from flagdeploy.engine.sequence import Sequence
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={4: -10.0})
+    seq = Sequence("a", [0, 1], p, 8)  # prompt: tokens 0 and 1
+    seq.token_ids += [3, 3]  # output: token 3 twice
+    plain = Sequence("b", [0], SamplingParams(), 8)
+    got = adjust_logits(logits, [seq, plain])
+    want = torch.tensor([2.0 / 2, -1.0 * 2, 0.5, 3.0 / 2 - 2 * 0.5 - 0.25, 1.0 - 10.0])
+    torch.testing.assert_close(got[0], want)
+    assert torch.equal(got[1], logits[1])
+    assert adjust_logits(logits, [plain, plain]) is logits
+
+
+def test_min_p_keeps_what_is_likely_enough():
+    import torch
+
+    from flagdeploy.engine.sampler import probs_for
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = probs_for(logits, SamplingParams(temperature=1.0, min_p=0.25))[0]  # keeps p >= 0.125
+    torch.testing.assert_close(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+
+
+def test_logit_bias_and_penalties_steer_greedy_decoding(llm_engine):
+    ids = _ids(llm_engine, "Count from one to ten in words.")
+    plain = llm_engine.generate([ids], GREEDY)[0]
+    forced = llm_engine.generate([ids], SamplingParams(max_tokens=4, temperature=0, logit_bias={plain[0]: -100.0,
+                                                                                                   7: 100.0}))[0]
+    assert forced == [7, 7, 7, 7]
+    banned = llm_engine.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                                       logit_bias={plain[0]: -100.0}))[0]
+    assert banned[0] != plain[0]
+    fresh = llm_engine.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                                      presence_penalty=2.0, frequency_penalty=2.0))[0]
+    assert len(set(fresh)) > len(set(plain))  # the penalties make it repeat itself less
+    with pytest.raises(ValueError, match="logit_bias takes token ids"):
+        llm_engine.add_request("bias-oov", ids, SamplingParams(logit_bias={llm_engine.model.cfg.vocab_size: 1.0}))
+    assert not llm_engine.has_work()

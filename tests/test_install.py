@@ -171,3 +171,18 @@ def test_verification_catches_a_vllm_ascend_build_for_another_family(tmp_path):
     (package / "_build_info.py").unlink()
     with pytest.raises(inst.InstallError, match="build record"):
         inst.probe(a3, env)
+
+
+def test_download_only_fetches_the_whole_stack_for_the_other_host(monkeypatch, tmp_path):
+    """The wheels are for an air-gapped host: what this host already has is fetched too (it used to be
+    skipped, leaving the folder empty), flagdeploy itself aside; a CPU build of torch is no CUDA stack."""
+    plan = inst.make_plan(detect(SYSTEMS / "cpu"), "cpu")
+    asked = []
+    monkeypatch.setattr(inst, "_pip", lambda args, what: asked.append(args))
+    inst.download(plan, tmp_path, everything=True)
+    assert any(a.startswith("torch") for a in asked[0]) and not any(a.startswith("flagdeploy") for a in asked[0])
+    monkeypatch.setattr(inst, "_installed", lambda name: "2.13.0+cpu" if name == "torch" else None)
+    assert any(r.startswith("torch") for r in inst.make_plan(detect(SYSTEMS / "h20"), "h20").to_install)
+    (tmp_path / "b").mkdir()
+    r = _cli("install", "--chip", "cpu", "--download-only", str(tmp_path / "a"), "--offline", str(tmp_path / "b"))
+    assert r.returncode == 1 and "give one of them" in r.stderr

@@ -122,6 +122,9 @@ class ScriptedEngine:
     def abort(self, request_id: str) -> None:
         pass
 
+    def check_params(self, params) -> None:
+        pass
+
     def stats(self) -> dict[str, int]:
         return {}
 

@@ -530,3 +530,23 @@ def test_routing_errors_and_encodings_answer_in_the_protocol_s_shape(live: LiveS
     r = http.post("/v1/chat/completions", content=gzip.compress(json.dumps({"messages": HI}).encode()),
                   headers={"content-type": "application/json", "content-encoding": "gzip"})
     assert r.status_code == 415 and "uncompressed" in r.json()["error"]["message"]
+
+
+def test_penalties_logit_bias_and_min_p_are_applied_or_refused(live: LiveServer) -> None:
+    """They were accepted and ignored, whatever their values."""
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0)
+    plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
+    first = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1, temperature=0,
+                                      logprobs=1).choices[0].logprobs.tokens[0]
+    assert plain.choices[0].text.startswith(first)
+    biased = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                       logit_bias={"28": 100})  # token 28 every time
+    assert biased.choices[0].text != plain.choices[0].text and len(set(biased.choices[0].text)) == 1
+    for extra, param in (({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+                         ({"logit_bias": {"5": 101}}, "logit_bias"), ({"frequency_penalty": 3}, "frequency_penalty"),
+                         ({"repetition_penalty": -1}, "repetition_penalty"), ({"min_p": 5}, "min_p")):
+        r = _post(live, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    ok = _post(live, "/v1/chat/completions", {"messages": HI, "max_tokens": 4, "presence_penalty": 1.5,
+                                              "repetition_penalty": 1.2, "min_p": 0.1, "temperature": 0.7})
+    assert ok.status_code == 200, ok.text

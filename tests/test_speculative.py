@@ -155,6 +155,22 @@ def test_seeded_sampled_requests_beside_greedy_ones_give_their_unspeculated_toke
     _assert_no_leaks(spec)
 
 
+def test_penalized_requests_do_not_speculate_and_keep_their_tokens(spec_engine, llm_engine):
+    """Penalties and logit_bias make row j's logits depend on the drafts before it: such a request takes
+    no drafts (beside one that does) and gives speculation off's tokens."""
+    spec, plain = spec_engine, llm_engine
+    p = _ids(spec, EDIT)
+    penalized = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, frequency_penalty=0.5,
+                               logit_bias={11: -5.0})
+    want = plain.generate([p], penalized)
+    before = spec.stats()["spec_decode_num_draft_tokens"]
+    assert spec.generate([p], penalized) == want
+    assert spec.stats()["spec_decode_num_draft_tokens"] == before
+    assert spec.generate([p, p], [penalized, GREEDY])[0] == want[0]
+    assert spec.stats()["spec_decode_num_draft_tokens"] > before  # the greedy one speculated beside it
+    _assert_no_leaks(spec)
+
+
 def test_quantized_single_stream_is_exact(default_model):
     """weight_format auto (int4 packed kernels, bf16 cache): verify rows stay in the packed kernel's
     bucket and each row's attention is computed as a lone decode row's, so the tokens are the same."""

@@ -385,8 +385,9 @@ def _baseline_options(f):
 @click.option("--top-logprobs", default=5, show_default=True, type=click.IntRange(min=0, max=20))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0: greedy.")
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--overwrite", is_flag=True, help="Replace a saved baseline of that name.")
 def baseline_save(name, base_url, model, api_key, progress, log_level, directory, limit, max_tokens, top_logprobs,
-                  temperature, seed) -> None:
+                  temperature, seed, overwrite) -> None:
     """Run the fixed prompt set and save every token and logprob as NAME."""
     from flagdeploy.bench.baseline import (
         baseline_path,
@@ -396,9 +397,12 @@ def baseline_save(name, base_url, model, api_key, progress, log_level, directory
     )
 
     try:
-        baseline_path(directory, name)
+        path = baseline_path(directory, name)
     except (BenchError, httpx.HTTPError) as exc:
         _fail(_why(exc))
+    if path.exists() and not overwrite:  # a baseline is what later runs are judged against: never replaced silently
+        _fail(f"a baseline {name!r} is already saved ({path}); compare against it with `flagdeploy eval baseline "
+              f"compare {name}`, save under another name, or pass --overwrite")
     ep = _connect(base_url, model, api_key, log_level, stream_check=None)
     base = new_baseline(ep, name, temperature=temperature, seed=seed, max_tokens=max_tokens, top_logprobs=top_logprobs)
     try:

@@ -82,8 +82,8 @@ class Endpoint:
         try:
             r = httpx.get(url, headers=self.headers, timeout=min(self.timeout, 30))
         except httpx.HTTPError as exc:
-            raise BenchError(f"cannot reach {url}: {exc.__class__.__name__}: {exc or 'no answer'}. Check --base-url "
-                             f"and that the server is running.") from None
+            raise BenchError(f"cannot reach {url}: {exc.__class__.__name__}: {exc or 'no answer'}. Check the URL "
+                             f"(--base-url; --a / --b for `bench ab`) and that the server is running.") from None
         if r.status_code in (401, 403):
             raise BenchError(f"{url} refused the API key (HTTP {r.status_code}); pass --api-key or set "
                              f"FLAGDEPLOY_API_KEY.")

@@ -107,6 +107,10 @@ class AsyncEngine:
         """Raise what `generate` would (empty, too long, ids outside the vocabulary) without queueing."""
         self.engine.check_prompt(prompt_token_ids)
 
+    def check_params(self, params: "SamplingParams") -> None:
+        """Raise what `generate` would for token ids outside the vocabulary in the sampling parameters."""
+        self.engine.check_params(params)
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream gets nothing more. It stays in flight until the engine thread
         has dropped it, so a burst of aborts cannot make room that is not there yet."""

@@ -19,7 +19,7 @@ from .lockstep import LockstepRunner, Workers
 from .model_runner import build_runner
 from .multimodal import MediaItem
 from .rejection import rejection_sample
-from .sampler import probs_for, sample
+from .sampler import adjust_logits, probs_for, sample
 from .sampling import RequestOutput, SamplingParams, TokenLogprob
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -138,11 +138,20 @@ class LLMEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"Prompt token ids must lie in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}.")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids in this model's vocabulary."""
+        vocab = self.model.cfg.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} takes token ids in [0, {vocab}); got {bad[:5]}.")
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     media: list[MediaItem] | None = None) -> None:
         """media: the prompt's images and videos (multimodal.py), their placeholders already expanded in
         `prompt_ids`; only for a model with an encoder (`input_modalities`)."""
         self.check_prompt(prompt_ids)
+        self.check_params(params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if media:
@@ -231,6 +240,7 @@ class LLMEngine:
         # Logprobs are the model's own distribution: taken before any grammar mask or temperature.
         want = [i for i, seq in enumerate(sampled_seqs) if seq.params.logprobs is not None]
         logprob_rows = logits[want].float().log_softmax(-1).cpu() if want else None
+        logits = adjust_logits(logits, sampled_seqs)  # penalties, logit_bias (such requests never speculate)
         if any(req.matcher is not None for req in reqs):
             allowed = torch.ones(logits.shape, dtype=torch.bool)
             for i, req in enumerate(reqs):
@@ -272,7 +282,8 @@ class LLMEngine:
         greedy ones (verified against the argmax) and sampled ones (temperature, top_k, top_p, seeded or
         not: verified by rejection sampling, `rejection.py`). Not requests with a grammar: row j's mask
         depends on the drafts before it, so the matcher would have to be advanced through the drafts and
-        rolled back past a rejection (llguidance's matcher is only stepped forward here). Not requests with
+        rolled back past a rejection (llguidance's matcher is only stepped forward here); nor requests with
+        penalties or a logit_bias (row j's adjustment depends on the drafts before it). Not requests with
         logprobs: a step reports them from row 0's log-softmax alone, one token per step; several accepted
         tokens would each need their own row's entry."""
         running = self.scheduler.running
@@ -284,7 +295,8 @@ class LLMEngine:
         seqs, limits = [], []
         for seq in running:
             p = seq.params
-            if seq.num_computed + 1 != seq.num_tokens or p.logprobs is not None or p.grammar is not None:
+            if (seq.num_computed + 1 != seq.num_tokens or p.logprobs is not None or p.grammar is not None
+                    or p.adjusts_logits):
                 continue
             k = min(k_max, seq.max_tokens - seq.num_output_tokens - 1)  # never past max_tokens / max_model_len
             if k > 0:

@@ -31,6 +31,12 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: the chosen token's logprob and the k most likely
     prompt_logprobs: int | None = None  # the same for every prompt token (perplexity, `echo`)
     grammar: "GrammarSpec | None" = None  # the output must match it (structured output, forced tools)
+    # OpenAI's and vLLM's logits adjustments (sampler.adjust_logits), greedy requests included
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # tokens of the prompt and output: positive logits / it, negative ones x it
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_p: float = 0.0  # sampled only: tokens below min_p x the top probability are dropped
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -41,10 +47,27 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1 turns it off), got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be between 0 and 1, got {self.min_p}")
+        for token, bias in self.logit_bias.items():
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias maps token ids (>= 0) to biases between -100 and 100, got {token}: {bias}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {k}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before the token is chosen (penalties, logit_bias): row j of a
+        verify step would then depend on the drafts before it, so such requests do not speculate."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

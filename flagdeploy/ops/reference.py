@@ -25,6 +25,12 @@ _TOL = {
 # Weight-only "A16" linears run their activations in 16 bits even in a float32 model (that is what the
 # packed kernels take), so float32 gets the 16-bit tolerance there.
 _TOL_A16 = {**_TOL, torch.float32: _TOL[torch.bfloat16]}
+# W8A8 quantises those 16-bit activations per token to int8; the float64 reference quantises the unrounded
+# float32 values, and about one activation in eight lies near enough to a step boundary that the two pick
+# neighbouring codes. Each such flip moves an output by (token scale x weight); at a hidden size of 4096 that
+# is an error of ~0.011 rms, and the largest of a 256 x 4096 output reaches 0.05 (`ops check --model
+# glm-5.3-flash` failed at 0.04-0.046). bf16 inputs are exact in float64: the same codes, the same tolerance.
+_TOL_A8 = {**_TOL_A16, torch.float32: Tolerance(atol=8e-2, rtol=3e-2)}
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: str, scale: float = 1.0):
@@ -379,7 +385,7 @@ for _spec in (
     OpSpec("linear_all_reduce", linear_all_reduce, _TOL, _linear_all_reduce_inputs, linear_all_reduce.__doc__),
     OpSpec("linear_w4a16", linear_w4a16, _TOL_A16, _w4_inputs, linear_w4a16.__doc__),
     OpSpec("linear_w8a16", linear_w8a16, _TOL_A16, _w8_inputs, linear_w8a16.__doc__),
-    OpSpec("linear_w8a8_dynamic", linear_w8a8_dynamic, _TOL_A16, _w8a8_inputs, linear_w8a8_dynamic.__doc__),
+    OpSpec("linear_w8a8_dynamic", linear_w8a8_dynamic, _TOL_A8, _w8a8_inputs, linear_w8a8_dynamic.__doc__),
     OpSpec("linear_fp8_block", linear_fp8_block, _TOL_A16, _fp8_inputs, linear_fp8_block.__doc__),
     OpSpec("embedding", embedding, _TOL, _embedding_inputs, "Row lookup in an embedding table."),
     OpSpec("rms_norm", rms_norm, _TOL, _norm_inputs, rms_norm.__doc__),

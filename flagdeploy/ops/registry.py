@@ -147,6 +147,18 @@ def get_backend(name: str) -> Backend:
     return bes[choice.backend]
 
 
+def require_device(be: Backend, chip: str | None = None) -> Backend:
+    """`be`, once its chip is seen on this host: without it, loading fails deep in torch ("Expected one of
+    cpu, cuda, ... device string: npu", "Torch not compiled with CUDA enabled")."""
+    if not _safe_detect(be):
+        name = chip or be.name
+        raise UnknownChipError(f"no {name} device is visible to the {be.name} backend on this host. Check the driver "
+                               f"and runtime install (`flagdeploy install --chip {name}`), the device nodes and the "
+                               f"visibility variables (`flagdeploy doctor --chip {name}` names the usual traps), or "
+                               f"leave --chip out to use what this host has.")
+    return be
+
+
 def detect_backend() -> Backend:
     """The best backend whose chip is present; the cpu backend always is."""
     present = [be for be in backends().values() if _safe_detect(be)]

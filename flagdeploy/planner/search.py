@@ -225,6 +225,10 @@ def make_plan(req: PlanRequest) -> Plan:
             notes.append(f"{chip.id} has no FP8 matmuls: planned with the weights converted by policy {policy.name!r} "
                          f"(run `flagdeploy quantize SRC -o DST --chip {chip.id}` first)")
     groups = weight_groups(config, policy=policy, include_mtp=req.mtp)
+    if policy is not None and any(g.dtype == "fp8" for g in groups) and not chip.supports("fp8"):
+        raise PlanInputError(f"policy {policy.name!r} keeps FP8 weights, but {chip.id} has no FP8 matmuls (`flagdeploy "
+                             f"quantize` refuses it for this chip too). Plan with a policy that converts them, e.g. "
+                             f"--policy {default_policy_name(chip)}, or leave --policy out.")
     cache = cache_shape(config, include_mtp=req.mtp)
     facts = model_facts(config, groups)
     if req.mtp and not cache.has_draft_layer:

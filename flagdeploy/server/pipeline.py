@@ -193,10 +193,21 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed: int | None, defa
             stop=req.stop_list(),
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0,
+            logit_bias=req.token_biases(),
             **engine_fields,
         )
     except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+        raise APIError(400, str(exc), param=_param_of(str(exc))) from None
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a SamplingParams complaint names (its messages open with the field's name)."""
+    name = message.split(" ", 1)[0]
+    return name if name in SamplingFields.model_fields else None
 
 
 def make_jobs(engine: "AsyncEngine", settings: ServerSettings, req: SamplingFields, requested_max: int | None,
@@ -222,6 +233,10 @@ def make_jobs(engine: "AsyncEngine", settings: ServerSettings, req: SamplingFiel
             seed = None if req.seed is None else req.seed + i
             index = p * n + i
             params = sampling_params(req, max_tokens, seed, settings.default_temperature, **engine_fields)
+            try:
+                engine.check_params(params)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param=_param_of(str(exc))) from None
             jobs.append(Job(index, p, prompt_ids, params, f"{stem}-{index}", media))
     return jobs
 

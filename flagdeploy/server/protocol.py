@@ -89,6 +89,19 @@ class SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
     user: str | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)  # vLLM's
+    min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's keys) -> bias in [-100, 100]
+
+    def token_biases(self) -> dict[int, float]:
+        """`logit_bias` with int keys; a key that is no token id is a 400 naming it."""
+        try:
+            return {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            bad = next(k for k in self.logit_bias or {} if not k.strip().lstrip("-").isdigit())
+            raise ValueError(f"logit_bias keys are token ids, but {bad!r} is not one") from None
 
     @property
     def include_usage(self) -> bool:
