@@ -38,7 +38,9 @@ class ChipParam(click.ParamType):
     one with the same error and a close match.
 
     need_chip: the command needs one chip's own figures (memory, bandwidth), so a backend name that several
-    chips share is refused with their ids; allow_auto: 'auto' (the detected device) passes as the string."""
+    chips share is refused with their ids. 'auto' is the device detected here everywhere: allow_auto passes
+    it on as the string (install and doctor detect on their own, from a --root too); elsewhere it becomes
+    the backend `ops.detect_backend()` picks."""
 
     name = "chip"
 
@@ -51,8 +53,12 @@ class ChipParam(click.ParamType):
 
         if isinstance(value, ChipChoice):
             return value
-        if self.allow_auto and str(value).strip().lower() == "auto":
-            return "auto"
+        if str(value).strip().lower() == "auto":
+            if self.allow_auto:
+                return "auto"
+            from flagdeploy import ops
+
+            value = ops.detect_backend().name
         try:
             try:
                 choice = resolve_chip(str(value))
@@ -64,8 +70,7 @@ class ChipParam(click.ParamType):
                 chip = choice.require_chip()
                 choice = ChipChoice(chip.id, chip.backend, chip)
         except UnknownChipError as exc:
-            auto = " Or pass --chip auto to use the device detected here." if self.allow_auto else ""
-            self.fail(f"{exc}{auto}", param, ctx)
+            self.fail(f"{exc} Or pass --chip auto to use the device detected here.", param, ctx)
         return choice
 
 
@@ -193,9 +198,10 @@ def main() -> None:
               help="Requests allowed to wait for a free sequence slot; past it, new requests get 429 (OpenAI) / "
                    "529 (Anthropic) with Retry-After instead of queueing; a request larger than --max-num-seqs + "
                    "this (n choices) gets 400. -1: unbounded.")
-@click.option("--max-tokens-policy", default="error", show_default=True, type=click.Choice(["error", "clamp"]),
+@click.option("--max-tokens-policy", default="auto", show_default=True, type=click.Choice(["auto", "error", "clamp"]),
               help="A max_tokens that cannot fit the context after the prompt: error: 400 with the numbers (as "
-                   "OpenAI and vLLM answer); clamp: generate what fits (for clients that send one large value).")
+                   "OpenAI and vLLM answer); clamp: generate what fits (for clients that send one large value); "
+                   "auto: clamp on /v1/messages (Claude Code asks every model for 32,000), error elsewhere.")
 @click.option("--profile", "profile_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A deployment profile (`flagdeploy plan --emit profile`); options given here override it.")
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1),

@@ -318,3 +318,11 @@ def test_a_missing_device_and_a_split_that_cannot_be_are_refused_before_anything
         assert r.exit_code == 1 and "no ascend910c device is visible" in r.output, (args, r.output)
     r = runner.invoke(main, ["serve", "--tp", "2", "--dp", "2"])  # the default model: 9 heads
     assert r.exit_code == 1 and "cannot be split with --tp 2" in r.output, r.output
+
+
+def test_chip_auto_is_the_detected_device_in_every_command():
+    runner = CliRunner()
+    for args in (["ops", "list", "--chip", "auto"], ["plan", "--model", "glm-5.3-flash", "--chip", "auto"],
+                 ["install", "--chip", "auto", "--dry-run"]):
+        r = runner.invoke(main, args)
+        assert r.exit_code == 0, (args, r.output)

@@ -234,3 +234,26 @@ def test_ngram_speculation_on_the_gpu_is_exact(tmp_path):
     assert on.runner.graphs is not None
     assert on.generate(prompts, params) == off.generate(prompts, params)
     assert on.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_penalties_and_logit_bias_on_the_gpu(tmp_path):
+    """The logits adjustments run on the GPU's logits (graphed decode steps): a +100 bias forces its token,
+    penalties change the greedy tokens, and a request without them keeps its tokens beside one with them."""
+    transformers = pytest.importorskip("transformers")
+    from flagdeploy.engine import SamplingParams
+    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    write_word_tokenizer(tmp_path, 211)
+    engine = _engine(tmp_path, max_num_seqs=4)
+    assert engine.runner.graphs is not None
+    prompt, greedy = [5, 17, 42, 99, 3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = engine.generate([prompt], greedy)[0]
+    forced = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias={7: 100.0})
+    penalized = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=2.0,
+                               repetition_penalty=1.5)
+    out = engine.generate([prompt, prompt, prompt], [forced, penalized, greedy])
+    assert out[0] == [7, 7, 7, 7] and out[2] == plain and out[1] != plain

@@ -354,10 +354,11 @@ def test_max_tokens_beyond_the_context_is_a_400_with_the_numbers(live: LiveServe
     assert "maximum context length is 1024 tokens" in body["message"] and "5000 in the completion" in body["message"]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=1024)
+    # the Anthropic route generates what fits (--max-tokens-policy auto): Claude Code asks every model for 32,000
     claude = anthropic.Anthropic(base_url=live.url, api_key=API_KEY, max_retries=0)
-    with pytest.raises(anthropic.BadRequestError) as aexc:
-        claude.messages.create(model=MODEL, max_tokens=4096, messages=HI)
-    assert "maximum context length is 1024 tokens" in aexc.value.body["error"]["message"]
+    with claude.messages.stream(model=MODEL, max_tokens=32000, messages=HI) as stream:  # as Claude Code asks
+        answer = stream.get_final_message()
+    assert answer.content and answer.usage.input_tokens + answer.usage.output_tokens <= 1024
     r = httpx.post(f"{live.url}/v1/responses", headers=AUTH, json={"input": "Hi", "max_output_tokens": 4096})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
     # what fits is served
@@ -365,14 +366,20 @@ def test_max_tokens_beyond_the_context_is_a_400_with_the_numbers(live: LiveServe
 
 
 def test_clamp_policy_generates_what_fits() -> None:
-    """--max-tokens-policy clamp: the same request is served with what room the context leaves."""
-    engine = SimpleNamespace(max_model_len=64)
+    """--max-tokens-policy clamp: the same request is served with what room the context leaves; auto (the
+    default) clamps on the Anthropic route only; error refuses on every route."""
+    engine = SimpleNamespace(max_model_len=64, check_params=lambda params: None)
     prompt = [[1] * 10]
-    clamp = make_jobs(engine, ServerSettings(max_tokens_policy="clamp"), SamplingFields(), 5000, prompt, "c")
-    assert clamp[0].params.max_tokens == 54
-    with pytest.raises(APIError) as exc:
-        make_jobs(engine, ServerSettings(), SamplingFields(), 5000, prompt, "e")
-    assert exc.value.status == 400 and "10 in the prompt, 5000 in the completion" in exc.value.message
+    for policy, anthropic_route, clamps in (("clamp", False, True), ("auto", True, True), ("auto", False, False),
+                                            ("error", True, False)):
+        settings = ServerSettings(max_tokens_policy=policy)
+        if clamps:
+            jobs = make_jobs(engine, settings, SamplingFields(), 5000, prompt, "c", anthropic=anthropic_route)
+            assert jobs[0].params.max_tokens == 54
+            continue
+        with pytest.raises(APIError) as exc:
+            make_jobs(engine, settings, SamplingFields(), 5000, prompt, "e", anthropic=anthropic_route)
+        assert exc.value.status == 400 and "10 in the prompt, 5000 in the completion" in exc.value.message
 
 
 # ---- an unexpected failure: one 500, logged once -------------------------------------------------------

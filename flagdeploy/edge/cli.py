@@ -52,7 +52,7 @@ def export_onnx_cmd(model, output, weights, target, block_size, int4_method, ove
 
 def serve_onnx(*, model, host, port, chip, max_model_len, max_num_seqs, kv_cache_memory, served_names, api_key,
                default_temperature, reasoning_parser, max_waiting, tool_call_parser, request_timeout, log_level,
-               max_tokens_policy: str = "error", weights: str = "int4") -> None:
+               max_tokens_policy: str = "auto", weights: str = "int4") -> None:
     """`serve --engine onnxruntime`: the same server as the builtin engine, with the ONNX engine in this process."""
     from pathlib import Path
 

@@ -521,7 +521,8 @@ def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
         stops = sampling.stop_list()
         grammar = check_grammar(engine, tools.grammar(engine.tokenizer), "tool_choice") if tools is not None else None
         gen = settings.generation(engine, make_jobs(engine, settings, sampling, req.max_tokens, [prompt], mid,
-                                                    media=media, grammar=grammar), overload_status=529)
+                                                    media=media, anthropic=True, grammar=grammar),
+                                  overload_status=529)
         if req.stream:
             first = await first_output(request, gen, "messages")
             if first is None:

@@ -152,7 +152,7 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
                api_key: str | None = None, default_temperature: float = 0.0,
                reasoning_parser: str | None = None, max_waiting: int | None = None,
                tool_call_parser: str = "auto", request_timeout: float | None = None,
-               max_tokens_policy: MaxTokensPolicy = "error", media: MediaSettings | None = None) -> FastAPI:
+               max_tokens_policy: MaxTokensPolicy = "auto", media: MediaSettings | None = None) -> FastAPI:
     """The server app. `load_engine` runs on a background thread at startup; until it returns,
     /ready and the inference routes answer 503.
 
@@ -161,7 +161,8 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
     `tool_call_parser` names the convention tool calls are read in (tool_parsers.yaml), or "auto"
     to take it from the model's chat template. `request_timeout` (seconds, None: none) aborts a
     generation that runs longer: 408 before the first byte, an error event in a stream after it.
-    `max_tokens_policy` ("error" or "clamp") answers a max_tokens that cannot fit after the prompt.
+    `max_tokens_policy` ("auto", "error" or "clamp") answers a max_tokens that cannot fit after the prompt
+    (pipeline.ServerSettings).
     `media`: the allowed media hosts, items per request and fetch limits for a model that takes images
     and video (server/media.py; default: data: URLs only, no count limit).
 

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 MAX_CHOICES = 128  # engine requests one HTTP request may start (prompts x n): a queue, not a flood
 
-MaxTokensPolicy = Literal["error", "clamp"]
+MaxTokensPolicy = Literal["auto", "error", "clamp"]
 
 
 @dataclass(frozen=True)
@@ -48,16 +48,21 @@ class ServerSettings:
     """What the operator chose at startup that every generation route applies (see create_app).
 
     `max_tokens_policy`: what a `max_tokens` that cannot fit after the prompt gets: "error" (a 400 with
-    the numbers, as OpenAI and vLLM answer) or "clamp" (generate what fits: for clients that send one
-    large value to every model)."""
+    the numbers, as OpenAI and vLLM answer), "clamp" (generate what fits: for clients that send one
+    large value to every model), or "auto": clamp on the Anthropic route, whose main client does just
+    that (Claude Code asks every model for 32,000 tokens), error on the OpenAI routes."""
 
     default_temperature: float = 0.0
     style: ReasoningStyle | None = None
     max_waiting: int | None = None
     tool_call_parser: str = "auto"
     request_timeout: float | None = None
-    max_tokens_policy: MaxTokensPolicy = "error"
+    max_tokens_policy: MaxTokensPolicy = "auto"
     media: MediaSettings = MediaSettings()
+
+    def clamps(self, anthropic: bool) -> bool:
+        """Whether a max_tokens that cannot fit is cut to what fits on this route (else a 400)."""
+        return self.max_tokens_policy == "clamp" or (self.max_tokens_policy == "auto" and anthropic)
 
     def generation(self, engine: "AsyncEngine", jobs: list[Job], overload_status: int = 429) -> Generation:
         """The request's engine requests, admitted (or refused: backpressure) and submitted, with no
@@ -212,7 +217,7 @@ def _param_of(message: str) -> str | None:
 
 def make_jobs(engine: "AsyncEngine", settings: ServerSettings, req: SamplingFields, requested_max: int | None,
               prompts: list[list[int]], stem: str, max_tokens_param: str = "max_tokens", prompt_param: str = "messages",
-              media: list[MediaItem] | None = None, **engine_fields: Any) -> list[Job]:
+              media: list[MediaItem] | None = None, anthropic: bool = False, **engine_fields: Any) -> list[Job]:
     """One engine request per (prompt, choice); choice i of a seeded request uses seed + i so that
     the n answers differ yet the whole request is reproducible. Without `requested_max`: whatever fits.
     `media`: the items of a chat prompt (one prompt), shared by its choices (the encoder cache sees
@@ -226,7 +231,7 @@ def make_jobs(engine: "AsyncEngine", settings: ServerSettings, req: SamplingFiel
         room = engine.max_model_len - len(prompt_ids)
         if room < 1:
             raise errors.from_generation(PromptTooLongError(len(prompt_ids), engine.max_model_len), prompt_param)
-        if requested_max is not None and requested_max > room and settings.max_tokens_policy == "error":
+        if requested_max is not None and requested_max > room and not settings.clamps(anthropic):
             raise errors.max_tokens_too_large(engine.max_model_len, len(prompt_ids), requested_max, max_tokens_param)
         max_tokens = room if requested_max is None else min(requested_max, room)
         for i in range(n):
