@@ -710,7 +710,7 @@ def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, 
         req = PlanRequest(model, chip.value, devices, nodes=nodes, interconnect=interconnect,
                           max_model_len=max_model_len, concurrency=concurrency, objective=objective, mtp=mtp,
                           num_speculative_tokens=num_speculative_tokens or 3, acceptance_length=acceptance_length,
-                          policy=policy, layout=parse_layout(layout) if layout else None,
+                          policy=policy, layout=parse_layout(layout) if layout is not None else None,
                           kv_cache_dtype=kv_cache_dtype, memory_utilization=memory_utilization)
         result = make_plan(req)
         if emit and result.chosen:
@@ -982,7 +982,7 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, nic, master_
             spec = chip.chip
             plan = make_plan(PlanRequest(model, spec.id, devices or spec.devices_per_node, nodes=nodes or 1,
                                          max_model_len=max_model_len, memory_utilization=memory_utilization,
-                                         layout=parse_layout(layout) if layout else None))
+                                         layout=parse_layout(layout) if layout is not None else None))
             if layout and plan.chosen is None and plan.rejected:
                 _fail(f"--layout {layout}: {plan.rejected[0].reason}")
             if plan.chosen is None:

@@ -11,13 +11,18 @@ from .search import Plan
 
 
 def parse_layout(text: str) -> Layout:
-    """`tp=4,ep=4,dp=1` (missing keys default to 1)."""
+    """`tp=4,ep=4,dp=1` (missing keys default to 1; each key at most once, at least one)."""
     fields = {}
     for part in filter(None, text.replace(" ", "").split(",")):
         key, _, value = part.partition("=")
         if key not in ("tp", "dp", "ep", "pp") or not value.isdigit() or int(value) < 1:
             raise ValueError(f"{part!r} in --layout: write it as tp=4,dp=2,ep=8,pp=1 (positive integers)")
+        if key in fields:
+            raise ValueError(f"--layout {text!r} gives {key} twice; give each of tp, dp, ep, pp at most once")
         fields[key] = int(value)
+    if not fields:
+        raise ValueError(f"--layout {text!r} is empty; write it as tp=4,dp=2,ep=8,pp=1, or leave it out to let the "
+                         "planner choose")
     return Layout(**fields)
 
 

@@ -37,7 +37,8 @@ def get_style(name: str | None) -> ReasoningStyle | None:
     try:
         return REASONING_PARSERS[name]
     except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}") from None
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}, "
+                         "or none (off)") from None
 
 
 def prompt_opens_reasoning(prompt: str, style: ReasoningStyle) -> bool:
