@@ -235,8 +235,8 @@ def _comment(lines: list[str]) -> str:
 
 
 def _layout(profile: Profile) -> str:
-    return (f"{profile.model} on {profile.nodes} x {profile.chip}: tp={profile.tp} dp={profile.dp} ep={profile.ep} "
-            f"pp={profile.pp}")
+    return (f"{profile.model} on {profile.nodes} node(s) x {profile.devices} {profile.chip}: tp={profile.tp} "
+            f"dp={profile.dp} ep={profile.ep} pp={profile.pp}")
 
 
 def _docker(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str) -> dict[str, str]:
@@ -254,7 +254,7 @@ def _docker(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str)
     lines.append(" ".join(map(q, [image, *c["serve"]])))
     body = " \\\n  ".join(["exec docker run -d", *lines])
     script = ("#!/bin/sh\n"
-              f"# {profile.model} on {profile.chip}: tp={profile.tp} dp={profile.dp} pp={profile.pp}, port {profile.port}.\n"
+              f"# {_layout(profile)}, port {profile.port}.\n"
               "# The server answers /health once alive and /ready once the weights are loaded.\n"
               "set -eu\n"
               'HERE=$(cd "$(dirname "$0")" && pwd)\n'
@@ -467,8 +467,10 @@ _RENDERERS = {"docker": _docker, "compose": _compose, "k8s": _k8s}
 
 
 def write(kind: str, profile: Profile, out_dir: str | Path, *, overwrite: bool = False, **kw) -> list[Path]:
-    """Write render()'s files into out_dir. Each file goes to a temporary name and is then renamed, so a reader
-    never sees half a manifest; existing files are refused (all checked before any is written) unless overwrite."""
+    """Write render()'s files into out_dir. Every file is first written whole under a temporary name, and only
+    then are they renamed into place, so a failed write (a full disk) leaves the old set untouched rather than
+    half of a new one, and a reader never sees half a manifest; existing files are refused (all checked before
+    any is written) unless overwrite."""
     files = render(kind, profile, **kw)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -476,17 +478,20 @@ def write(kind: str, profile: Profile, out_dir: str | Path, *, overwrite: bool =
     existing = [str(p) for p in targets if p.exists()]
     if existing and not overwrite:
         raise FileExistsError(f"refusing to overwrite {', '.join(existing)} (pass --overwrite to replace them)")
-    for path, text in targets.items():
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=out)
-        try:
+    staged: dict[Path, str] = {}
+    try:
+        for path, text in targets.items():
+            fd, staged[path] = tempfile.mkstemp(prefix=f".{path.name}.", dir=out)
             with os.fdopen(fd, "w") as f:
                 f.write(text)
-            os.chmod(tmp, 0o755 if path.suffix == ".sh" else 0o644)
+            os.chmod(staged[path], 0o755 if path.suffix == ".sh" else 0o644)
+        for path, tmp in staged.items():
             if overwrite:
                 os.replace(tmp, path)
             else:
                 os.link(tmp, path)  # fails if the file appeared since the check: never clobbers
-        finally:
+    finally:
+        for tmp in staged.values():
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return list(targets)

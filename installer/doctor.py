@@ -88,8 +88,11 @@ def run(info: SystemInfo, chip_id: str, model: str | None = None, devices: int |
     if plan.to_install:
         out.append(Finding("warn", f"packages missing or at other versions: {', '.join(plan.to_install)}",
                            "the matrix row pins what is known to work together", f"flagdeploy install --chip {chip.id}"))
-    if model:
-        out += _model(chip, model, devices or chip.devices_per_node, max_model_len, cache_dir)
+    if model:  # planned on what this host has, where it was detected (the catalog's figures are nominal)
+        found = next((a for a in info.accelerators if a.chip == chip.id), None)
+        memory = (found.memory_gib if found else None) or (info.memory_gib if chip.backend == "cpu" else None)
+        out += _model(chip, model, devices or (found.count if found else chip.devices_per_node), max_model_len,
+                      cache_dir, memory)
     if nodes:
         out += run_nodes(info, chip.id, nodes, **node_options)
     if not any(f.level != "ok" for f in out):
@@ -105,10 +108,12 @@ def run_nodes(info: SystemInfo, chip_id: str, nodes: str, **options) -> list[Fin
     return preflight(info, chip_id, nodes, **options)
 
 
-def _model(chip, model: str, devices: int, max_model_len: int, cache_dir: Path | None) -> list[Finding]:
+def _model(chip, model: str, devices: int, max_model_len: int, cache_dir: Path | None,
+           memory_gib: float | None = None) -> list[Finding]:
     from flagdeploy.planner import PlanRequest, make_plan
 
-    plan = make_plan(PlanRequest(model, chip.id, devices, max_model_len=max_model_len, concurrency=1))
+    plan = make_plan(PlanRequest(model, chip.id, devices, max_model_len=max_model_len, concurrency=1,
+                                 memory_gib=memory_gib))
     out = []
     if plan.chosen is None:
         out.append(Finding("fail", f"{plan.model_name} does not fit on {devices} x {chip.id} at --max-model-len "

@@ -186,3 +186,11 @@ def test_download_only_fetches_the_whole_stack_for_the_other_host(monkeypatch, t
     (tmp_path / "b").mkdir()
     r = _cli("install", "--chip", "cpu", "--download-only", str(tmp_path / "a"), "--offline", str(tmp_path / "b"))
     assert r.returncode == 1 and "give one of them" in r.stderr
+
+
+def test_doctor_plans_the_model_on_the_memory_found_here():
+    """On a CPU host the fit is judged on its RAM (the fixture's 31 GiB), not the catalog's nominal figure (it
+    said 230.4 GiB were available on a 24 GiB box)."""
+    r = _cli("doctor", "--chip", "cpu", "--model", "glm-5.3-flash", "--root", str(SYSTEMS / "cpu"))
+    assert "does not fit on 1 x cpu" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "28.0 GiB is available" in r.stdout + r.stderr, r.stdout + r.stderr  # 90% of 31.1 GiB
