@@ -906,3 +906,21 @@ def test_an_engine_without_a_counting_route_is_a_clear_400():
     with pytest.raises(APIError) as exc:
         asyncio.run(run())
     assert exc.value.status == 400 and "no route that counts tokens" in exc.value.message
+
+
+def test_translations_check_a_request_as_the_builtin_routes_do():
+    """What the builtin /v1/responses and /v1/messages refuse, the translation to an upstream refuses with the
+    same 400 (it skipped the item, role and tool checks, and a text that was no string became a 500)."""
+    from flagdeploy.gateway.translate import AnthropicDialect, ResponsesDialect
+    from flagdeploy.server.errors import APIError
+
+    cases = [(ResponsesDialect, {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+              "input[0].content[0].text"),
+             (ResponsesDialect, {"input": "hi", "tool_choice": {"type": "function"}}, "tool_choice.name"),
+             (AnthropicDialect, {"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 5}, "messages.0.role"),
+             (AnthropicDialect, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                                 "tool_choice": {"type": "weird"}}, "tool_choice.type")]
+    for dialect, body, where in cases:
+        with pytest.raises(APIError) as exc:
+            dialect("m").chat_request(body)
+        assert exc.value.status == 400 and where in exc.value.message, exc.value.message

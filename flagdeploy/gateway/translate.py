@@ -24,17 +24,18 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator
 
-from pydantic import ValidationError
 from starlette.types import Send
 
 from flagdeploy.server import errors
 from flagdeploy.server.answer import AnswerDelta
 from flagdeploy.server.anthropic import (MessagesRequest, StreamEnd, _input, _message, _signature, _tool_use_id,
                                          message_events)
+from flagdeploy.server.anthropic import validated_request as anthropic_request
 from flagdeploy.server.errors import APIError
 from flagdeploy.server.protocol import now
 from flagdeploy.server.responses import (ResponsesRequest, _call_item, _id, _message_item, _reasoning_item, _response,
                                          response_events, usage_body)
+from flagdeploy.server.responses import validated_request as responses_request
 
 from .normalize import StopMatcher, matched_stop
 
@@ -71,13 +72,6 @@ class Dialect:
 
 
 PASSTHROUGH = Dialect()
-
-
-def _validated(model: type, body: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise errors.from_validation(exc.errors(include_url=False)) from None
 
 
 async def _answer_deltas(payloads: AsyncIterator[str], state: dict[str, Any]) -> AsyncIterator[AnswerDelta]:
@@ -177,7 +171,7 @@ class AnthropicDialect(Dialect):
         self.matcher: StopMatcher | None = None
 
     def chat_request(self, body: dict[str, Any]) -> dict[str, Any]:
-        req: MessagesRequest = _validated(MessagesRequest, body)
+        req: MessagesRequest = anthropic_request(body)
         self.request = body
         tools = req.function_tools()
         self.stops = [s for s in req.stop_sequences or [] if s]
@@ -257,7 +251,7 @@ class ResponsesDialect(Dialect):
         self.req: ResponsesRequest | None = None
 
     def chat_request(self, body: dict[str, Any]) -> dict[str, Any]:
-        req: ResponsesRequest = _validated(ResponsesRequest, body)
+        req: ResponsesRequest = responses_request(body)
         if req.previous_response_id:
             raise APIError(400, "previous_response_id is not supported: this server keeps no response state. "
                                 "Send the whole conversation as `input`.", param="previous_response_id")

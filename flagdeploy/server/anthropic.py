@@ -269,8 +269,9 @@ class AnthropicRoute(APIRoute):
 _FIELDS = frozenset(name for m in (MessagesRequest, Message, Block) for name in m.model_fields)
 
 
-async def _parse(request: Request) -> MessagesRequest:
-    body = await read_body(request, ANTHROPIC)
+def validated_request(body: Any) -> MessagesRequest:
+    """A Messages body as the request every reader may trust (this route and the gateway's translation):
+    its fields' types, the roles and the tools checked, each failure a 400 naming the field."""
     try:
         req = MessagesRequest.model_validate(body)
     except ValidationError as exc:
@@ -282,7 +283,12 @@ async def _parse(request: Request) -> MessagesRequest:
         raise APIError(400, message) from None
     for i, m in enumerate(req.messages):
         one_of(m.role, ANTHROPIC_ROLES, f"messages.{i}.role")
+    check_anthropic_tools(req.tools, req.tool_choice)
     return req
+
+
+async def _parse(request: Request) -> MessagesRequest:
+    return validated_request(await read_body(request, ANTHROPIC))
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -505,7 +511,6 @@ def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
         model = strip_context_suffix(req.model) if req.model and req.model.strip() else names.canonical
         engine = slot.get()
         refuse_media(req.media_parts(), engine.input_modalities, model)
-        check_anthropic_tools(req.tools, req.tool_choice)
         tools = tool_plan(engine, req.function_tools(), req.choice(), settings.tool_call_parser)
         prompt, prompt_text, media = await chat_prompt(
             engine, req.template_messages(structured=tools is not None, media=takes_media(engine)), req.template_kwargs(),

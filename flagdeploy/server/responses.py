@@ -198,14 +198,20 @@ def _image_part(part: dict[str, Any]) -> dict[str, Any]:
 _FIELDS = frozenset(name for m in (ResponsesRequest, TextOptions, TextFormat) for name in m.model_fields) | {"schema"}
 
 
-async def _parse(request: Request) -> ResponsesRequest:
-    body = await read_body(request)
+def validated_request(body: Any) -> ResponsesRequest:
+    """A Responses body as the request every reader may trust (this route and the gateway's translation):
+    its fields' types, the input items and the tools checked, each failure a 400 naming the field."""
     try:
         req = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
         raise errors.from_validation(exc.errors(include_url=False), _FIELDS) from None
     check_responses_input(req.input)
+    check_responses_tools(req.tools, req.tool_choice)
     return req
+
+
+async def _parse(request: Request) -> ResponsesRequest:
+    return validated_request(await read_body(request))
 
 
 # ---- output items --------------------------------------------------------------------------------
@@ -409,7 +415,6 @@ def responses_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
         engine: "AsyncEngine" = slot.get()
         rid = _id("resp")
         refuse_media(req.media_parts(), engine.input_modalities, model)
-        check_responses_tools(req.tools, req.tool_choice)
         tools = tool_plan(engine, req.function_tools(), req.choice(), settings.tool_call_parser)
         prompt, prompt_text, media = await chat_prompt(engine, req.messages(media=takes_media(engine)),
                                                        req.template_kwargs(), tools, "input", settings.media)
