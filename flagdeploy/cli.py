@@ -597,7 +597,11 @@ def _print_held(model, device: str, ranks: int) -> None:
 
 
 def _check_port(host: str, port: int) -> None:
+    """Fail early if another process listens there. SO_REUSEADDR as uvicorn binds: the connections of a server
+    that just died wait out TIME_WAIT (~60 s) on the port, and a plain bind took them for a listener (a --dp
+    replica killed outright could then never be restarted)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:

@@ -924,3 +924,40 @@ def test_translations_check_a_request_as_the_builtin_routes_do():
         with pytest.raises(APIError) as exc:
             dialect("m").chat_request(body)
         assert exc.value.status == 400 and where in exc.value.message, exc.value.message
+
+
+def test_a_gateway_in_front_of_flagdeploy_answers_as_flagdeploy_does():
+    """`serve --upstream` to a builtin server (and --dp replicas, which are the same): what the second hostile
+    pass found there. Claude Code's max_tokens 32000 is served with what fits (it was the chat route's 400);
+    a lone surrogate is a 400 in the route's shape (the upstream request failed to encode: a plain 500);
+    a wrong method is a 405, a compressed body a 415, as the builtin app answers."""
+    from flagdeploy.engine import build_engine
+    from flagdeploy.server import create_app
+
+    upstream = _serve(create_app(lambda: build_engine(max_model_len=512, max_num_seqs=2, kv_cache_memory=32 << 20),
+                                 ["smollm2"]))
+    gateway = None
+    try:
+        assert _wait_ready(upstream.url, timeout=180).status_code == 200
+        gateway = _serve(_attached([upstream.url], ["smollm2"]))
+        assert _wait_ready(gateway.url).status_code == 200
+        claude = anthropic.Anthropic(base_url=gateway.url, api_key=API_KEY, max_retries=0)
+        with claude.messages.stream(model="smollm2[1m]", max_tokens=32000,
+                                    messages=[{"role": "user", "content": "Hi"}]) as stream:
+            answer = stream.get_final_message()
+        assert answer.content and answer.usage.output_tokens < 512
+        auth = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+        for route, body in (("/v1/chat/completions", '{"model":"smollm2","messages":[{"role":"user","content":"\\ud800"}]}'),
+                            ("/v1/messages", '{"model":"smollm2","max_tokens":5,"messages":[{"role":"user","content":"\\ud800"}]}')):
+            r = httpx.post(f"{gateway.url}{route}", content=body, headers=auth)
+            assert r.status_code == 400 and "surrogate" in r.text, r.text
+            assert ("type" in r.json()) == route.startswith("/v1/messages")  # Anthropic's shape there
+        assert httpx.get(f"{gateway.url}/v1/chat/completions", headers=auth).status_code == 405
+        r = httpx.get(f"{gateway.url}/v1/messages", headers=auth)
+        assert r.status_code == 405 and r.json()["type"] == "error"
+        r = httpx.post(f"{gateway.url}/v1/chat/completions", content=b"\x1f\x8b", headers=auth | {"content-encoding": "gzip"})
+        assert r.status_code == 415
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        upstream.stop()

@@ -18,7 +18,6 @@ URLs, http(s) URLs of the allowed hosts, at most the limit per modality).
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from flagdeploy.server.auth import presented_key
 from flagdeploy.server.names import normalize_model_name, strip_context_suffix
 from flagdeploy.server.errors import APIError
 from flagdeploy.server.protocol import ModelCard, ModelList, now
+from flagdeploy.server.validate import ANTHROPIC, OPENAI, check_content_encoding, parse_body
 from flagdeploy.units import parse_bytes
 
 from .balancer import Balancer, Replica
@@ -222,6 +222,8 @@ class Gateway:
                 await _send_json(send, 200, self._models().model_dump())
         elif method == "POST" and path in PROXIED + TRANSLATED + (COUNT_TOKENS,):
             await self._model_route(scope, receive, send, path)
+        elif path in PROXIED + TRANSLATED + (COUNT_TOKENS,) and self.inner is None:  # as the builtin app answers
+            await self._error(send, path, APIError(405, f"Method {method} is not allowed for {path}"))
         elif path == "/metrics":
             await self._metrics(scope, receive, send)
         elif self.inner is not None:
@@ -233,10 +235,13 @@ class Gateway:
 
     async def _model_route(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         raw = await _read_body(receive)
+        problem = None  # what is wrong with the body as such, answered as the builtin routes answer it
         try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # answered as a body that is not JSON
-            body = None
+            encoding = dict(scope["headers"]).get(b"content-encoding", b"").decode("latin-1")
+            check_content_encoding(encoding)
+            body = parse_body(raw, ANTHROPIC if path.startswith(errors.ANTHROPIC_PATHS) else OPENAI)
+        except APIError as exc:  # not JSON, too deep, a lone surrogate (it broke the upstream request), compressed
+            body, problem = None, exc
         name = body.get("model") if isinstance(body, dict) else None
         pool = self._pool_for(name if isinstance(name, str) else None)
         if pool is None:
@@ -244,13 +249,15 @@ class Gateway:
                 await self._replay(scope, raw, receive, send)
             elif not await self._authorized(scope, send, path):
                 return
-            elif not isinstance(body, dict):
-                await self._error(send, path, errors.bad_json() if body is None
-                                  else APIError(400, "The request body must be a JSON object."))
+            elif problem is not None or not isinstance(body, dict):
+                await self._error(send, path, problem or APIError(400, "The request body must be a JSON object."))
             else:
                 await self._error(send, path, errors.model_not_found(name if isinstance(name, str) else ""))
             return
         if not await self._authorized(scope, send, path):
+            return
+        if problem is not None:
+            await self._error(send, path, problem)
             return
         if path == COUNT_TOKENS and pool.engine == "builtin" and isinstance(body, dict):
             await self._to_builtin_replica(pool, path, body, send)  # our engine counts tokens

@@ -361,11 +361,13 @@ def _error_fields(body: Any) -> tuple[str | None, str | None, str | None, Any]:
     return None, None, None, None
 
 
-def upstream_error(status: int, body: Any) -> APIError:
-    """Our APIError for an upstream's error answer (status and parsed body, or its text).
+def upstream_error(status: int, body: Any, headers: Any = None) -> APIError:
+    """Our APIError for an upstream's error answer (status and parsed body, or its text; `headers` its
+    response headers).
 
     4xx keep their status (the client's request is at fault, whichever engine said so), except 422
-    which becomes 400. 5xx become 503 with Retry-After: the engine failed, not the request.
+    which becomes 400; a 429's Retry-After stays with it (the SDKs wait that long). 5xx become 503 with
+    Retry-After: the engine failed, not the request.
     """
     message, type_, param, code = _error_fields(body)
     code = code if isinstance(code, str) else None  # vLLM puts the HTTP status number in `code`
@@ -374,9 +376,10 @@ def upstream_error(status: int, body: Any) -> APIError:
         if status == 400 and message and ("context length" in message.lower() or "context window" in message.lower()
                                           or "maximum context" in message.lower()) and not code:
             code = "context_length_exceeded"
+        retry = (headers or {}).get("retry-after") if status == 429 else None
         return APIError(status, message or f"The engine refused the request (HTTP {status}).",
                         type=type_ if type_ and type_ != "BadRequestError" else "invalid_request_error",
-                        param=param, code=code)
+                        param=param, code=code, headers={"Retry-After": retry} if retry else None)
     detail = f": {message}" if message else ""
     return APIError(503, f"The model's engine failed to answer (upstream HTTP {status}{detail}). Retry shortly.",
                     type="service_unavailable_error", code="upstream_error",

@@ -144,6 +144,17 @@ class Proxy:
                     upstream.report_failure(str(exc))
                     await send_error(send, upstream_unavailable(model, f"{type(exc).__name__}: {exc}"))
                     return
+                if dialect.clamps_max_tokens and response.status_code == 400 and "max_tokens" in body:
+                    raw = await until_disconnect(receive, response.aread())
+                    await _close(response)
+                    error = upstream_error(400, parse_body(raw), response.headers)
+                    if error.code != "context_length_exceeded":
+                        await send_error(send, error)
+                        return
+                    # the client's max_tokens cannot fit after the prompt (Claude Code asks every model for
+                    # 32,000): asked again without it, the engine generates what fits, as the builtin route does
+                    body = {k: v for k, v in body.items() if k != "max_tokens"}
+                    continue
                 try:
                     await self._answer(response, model, path, bool(body.get("stream")), wants_usage, upstream,
                                        receive, send, release, dialect)
@@ -173,7 +184,7 @@ class Proxy:
         if response.status_code >= 400:
             raw = await until_disconnect(receive, response.aread())
             release()
-            error = upstream_error(response.status_code, parse_body(raw))
+            error = upstream_error(response.status_code, parse_body(raw), response.headers)
             if response.status_code >= 500:
                 log.warning("%s: %s answered %d: %s", model, upstream.url, response.status_code, raw[:300])
             await _send_error(send, error)
@@ -242,10 +253,12 @@ async def _events(response: httpx.Response, normalizer: StreamNormalizer, model:
             yield out
     except httpx.TimeoutException:
         yield _error_event(f"The engine serving `{model}` sent nothing for the read timeout; the answer is cut short.")
+        yield "[DONE]"  # an OpenAI stream ends so, error or not (the builtin routes' streams too)
     except httpx.HTTPError as exc:
         upstream.report_failure(str(exc))
         yield _error_event(f"The engine serving `{model}` broke off the stream ({type(exc).__name__}). "
                            "Retry the request.")
+        yield "[DONE]"
 
 
 def _error_event(message: str) -> str:

@@ -48,6 +48,7 @@ class Dialect:
     upstream_path: str | None = None  # None: the client's path
     client_stream: bool | None = None  # whether the client gets a stream; None: as the upstream request
     wants_prompt_count = False  # the proxy counts the prompt into `input_tokens` before sending
+    clamps_max_tokens = False  # a max_tokens that cannot fit after the prompt: ask again without it
     input_tokens: int | None = None
     request: dict[str, Any] | None = None  # the client's body, in its own protocol
 
@@ -162,6 +163,7 @@ class AnthropicDialect(Dialect):
     matched here (`normalize.StopMatcher`) on a stream, whatever the client asked for."""
 
     upstream_path = "/v1/chat/completions"
+    clamps_max_tokens = True  # as the builtin route under --max-tokens-policy auto: Claude Code asks for 32,000
 
     def __init__(self, model: str, engine_says_stop: bool = False):
         self.model = model
@@ -235,6 +237,8 @@ class AnthropicDialect(Dialect):
             yield event.encode()
 
     async def send_error(self, send: Send, error: APIError) -> None:
+        if error.status == 429:  # a full queue is Anthropic's 529 overloaded_error, as the builtin route answers
+            error = APIError(529, error.message, error.type, error.param, error.code, error.headers)
         response = errors.anthropic_response(error)
         await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
         await send({"type": "http.response.body", "body": response.body, "more_body": False})

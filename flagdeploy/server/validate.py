@@ -55,13 +55,17 @@ ANTHROPIC = PathStyle(anthropic=True)
 
 
 async def read_body(request: Request, style: PathStyle = OPENAI) -> Any:
-    """The request's JSON body (`parse_body`), read only when it comes unencoded: a compressed body
-    would otherwise be "not JSON", a cause no client could guess."""
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    """The request's JSON body (`parse_body`), read only when it comes unencoded."""
+    check_content_encoding(request.headers.get("content-encoding", ""))
+    return parse_body(await request.body(), style)
+
+
+def check_content_encoding(encoding: str) -> None:
+    """A compressed body would otherwise be "not JSON", a cause no client could guess."""
+    encoding = encoding.strip().lower()
     if encoding not in ("", "identity"):
         raise APIError(415, f"The request body is sent with Content-Encoding {encoding!r}, which this server does "
                             "not decode. Send the JSON body uncompressed.", code="unsupported_content_encoding")
-    return parse_body(await request.body(), style)
 
 
 def parse_body(raw: bytes, style: PathStyle = OPENAI) -> Any:
