@@ -113,6 +113,10 @@ def _plan_tensor(name: str, entry: TensorEntry, scale, policy: Policy, chip: Chi
     if scheme == "w8a16" and group and entry.shape[1] % group:
         raise QuantizeError(f"{name} has {entry.shape[1]} input channels, not a multiple of the w8a16 group size "
                             f"{group} (rule {rule.match!r}); pick a group size that divides it, or 0 for per channel.")
+    if scheme == "keep" and fp8 and not formats.KEEPS_FP8[fmt]:
+        raise QuantizeError(f"the {fmt} format has no way to describe FP8 weights with block scales, but policy "
+                            f"{policy.name!r} keeps the FP8 tensor {name} (rule {rule.match!r}). Use a policy that "
+                            f"converts FP8 weights (bf16 or w8a8_dynamic), or --format flagdeploy.")
     if scheme not in formats.CARRIES[fmt]:
         raise QuantizeError(f"the {fmt} format cannot carry scheme {scheme!r} ({name}, rule {rule.match!r}); it carries "
                             f"{', '.join(formats.CARRIES[fmt])}. Use --format flagdeploy or change the policy.")

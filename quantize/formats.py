@@ -20,6 +20,7 @@ import torch
 FORMATS = ("flagdeploy", "vllm-ascend")
 # Which schemes each format can carry (the others need a runtime that format's loader does not have).
 CARRIES = {"flagdeploy": ("keep", "bf16", "w8a8_dynamic", "w8a16", "fp8"), "vllm-ascend": ("keep", "bf16", "w8a8_dynamic")}
+KEEPS_FP8 = {"flagdeploy": True, "vllm-ascend": False}  # whether `keep` may carry an FP8 tensor and its block scales
 DESCRIPTION_FILE = "quant_model_description.json"
 _ASCEND_TYPE = {"w8a8_dynamic": "W8A8_DYNAMIC"}
 

@@ -326,3 +326,22 @@ def test_chip_auto_is_the_detected_device_in_every_command():
                  ["install", "--chip", "auto", "--dry-run"]):
         r = runner.invoke(main, args)
         assert r.exit_code == 0, (args, r.output)
+
+
+def test_the_port_check_is_not_fooled_by_a_dead_server_s_connections():
+    """A server killed outright leaves its connections in TIME_WAIT on the port for about a minute; the check
+    before listening took them for a listener, so a --dp replica could not be restarted."""
+    import socket
+
+    from flagdeploy.cli import _check_port
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the server's side closes first: its end of the connection waits in TIME_WAIT
+    client.close()
+    listener.close()
+    _check_port("127.0.0.1", port)  # no SystemExit
+    with socket.create_server(("127.0.0.1", 0)) as busy, pytest.raises(SystemExit):
+        _check_port("127.0.0.1", busy.getsockname()[1])

@@ -178,6 +178,14 @@ def test_fp8_chip_keeps_the_checkpoint_as_published(src, tmp_path):
     torch.testing.assert_close(_logits(dst), _logits(src), atol=0, rtol=0)
 
 
+def test_vllm_ascend_cannot_carry_kept_fp8(src, tmp_path):
+    """Its description file has no FP8 type (the weights were labelled FLOAT and the block size lost, so the
+    output could not load): a policy that keeps FP8 is refused before anything is written."""
+    with pytest.raises(QuantizeError, match="no way to describe FP8 weights"):
+        quantize(src, tmp_path / "va8", chip="h200", fmt="vllm-ascend", progress=False)
+    assert not (tmp_path / "va8").exists()
+
+
 def test_vllm_ascend_layout(src, tmp_path):
     dst = tmp_path / "va"
     quantize(src, dst, chip="ascend910c", fmt="vllm-ascend", progress=False)

@@ -473,6 +473,8 @@ def test_responses_items_of_the_wrong_shape_are_a_400_naming_the_field(live: Liv
     ("/v1/messages", {"messages": HI, "tools": [{"name": "f", "input_schema": SCHEMA}], "tool_choice": {"type": "tool"}},
      "tool_choice.name"),
     ("/v1/messages", {"messages": HI, "tool_choice": {"type": "weird"}}, "tool_choice.type"),
+    ("/v1/messages", {"messages": HI, "system": [{"type": "text", "text": "Be brief."}, {"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}, "system.1"),
 ])
 def test_wrong_vocabulary_is_a_400_naming_the_field(live: LiveServer, route: str, body: dict, where: str) -> None:
     """Unknown roles and part types, a json_schema format without a schema object, an empty choice list, a

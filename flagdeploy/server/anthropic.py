@@ -283,6 +283,10 @@ def validated_request(body: Any) -> MessagesRequest:
         raise APIError(400, message) from None
     for i, m in enumerate(req.messages):
         one_of(m.role, ANTHROPIC_ROLES, f"messages.{i}.role")
+    for k, block in enumerate(req.system if isinstance(req.system, list) else []):
+        if block.type != "text":  # Anthropic's system takes text blocks only; an image there was dropped unseen
+            raise APIError(400, f"system.{k}: the system prompt takes text blocks only, but this one is "
+                                f"{block.type!r}. Put it in a user message.")
     check_anthropic_tools(req.tools, req.tool_choice)
     return req
 
