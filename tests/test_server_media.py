@@ -240,3 +240,18 @@ def test_the_builtin_limit_holds_for_a_modality_the_operator_left_out():
     with pytest.raises(APIError, match=f"image={BUILTIN_LIMITS['image']}"):
         MediaSettings().checked_policy().check(body)
     MediaSettings(MediaPolicy({"image": 32})).checked_policy().check(body)  # the operator's own limit wins
+
+
+def test_media_that_cannot_fit_are_refused_before_the_rest_is_decoded(server):
+    """The first image already fills more positions than the context (160 here): refused at once, the second
+    never decoded; on /v1/responses the error names `input`, that route's field."""
+    url, _ = server
+    big = _data_url(_picture(560, 560, 4))
+    with pytest.raises(openai.BadRequestError) as exc:
+        _openai(url).chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": big}}, {"type": "image_url", "image_url": {"url": big}}]}])
+    err = exc.value.body
+    assert err["code"] == "context_length_exceeded" and "first 1 image(s)" in err["message"], err
+    r = httpx.post(f"{url}/v1/responses", json={"model": "m", "max_output_tokens": 2, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": big}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text

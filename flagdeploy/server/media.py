@@ -111,7 +111,7 @@ async def prepare(engine: "AsyncEngine", messages: list[dict[str, Any]],
         if isinstance(content, list):
             message = {**message, "content": _flatten(content, processor, refs, as_parts)}
         flat.append(message)
-    loaded = await asyncio.to_thread(_load_all, processor, refs, settings)
+    loaded = await asyncio.to_thread(_load_all, processor, refs, settings, engine.max_model_len)
     return flat, MediaPrompt(loaded)
 
 
@@ -139,9 +139,11 @@ def _flatten(content: list[Any], processor, refs: list[tuple[str, str]], as_part
     return out if as_parts else "".join(out)
 
 
-def _load_all(processor, refs: list[tuple[str, str]], settings: MediaSettings) -> list[_Loaded]:
-    """Fetch, decode and lay out each medium (a worker thread: this is the slow part)."""
-    loaded, seen = [], {"image": 0, "video": 0}
+def _load_all(processor, refs: list[tuple[str, str]], settings: MediaSettings, max_model_len: int) -> list[_Loaded]:
+    """Fetch, decode and lay out each medium (a worker thread: this is the slow part). Once the media laid
+    out so far fill more positions than the context holds the request is refused, before the rest is
+    decoded (16 blank 4096 x 4096 PNGs, 46 KB of body, took 40 s and 2 GB to be refused as too long)."""
+    loaded, seen, positions = [], {"image": 0, "video": 0}, 0
     for medium, url in refs:
         seen[medium] += 1
         what = f"{medium.capitalize()} {seen[medium]} of this request"
@@ -158,4 +160,10 @@ def _load_all(processor, refs: list[tuple[str, str]], settings: MediaSettings) -
             raise APIError(400, f"{what} could not be prepared for the model: {exc}.", param="messages",
                            code="media_unprocessable") from None
         loaded.append(_Loaded(medium, f"{medium}:{content_hash(data)}", inputs, stamps))
+        positions += inputs.num_tokens
+        if positions >= max_model_len:
+            raise APIError(400, f"The prompt is too long: its first {len(loaded)} image(s) and video(s) alone fill "
+                                f"{positions} positions, and this model's context is {max_model_len} tokens. Send "
+                                "fewer or smaller images and videos.", param="messages",
+                           code="context_length_exceeded")
     return loaded

@@ -123,6 +123,13 @@ def text_size(value: Any) -> int:
     return total
 
 
+def _in_field(exc: APIError, param: str) -> APIError:
+    """A media error (server/media.py names `messages`) in the route's own field (Responses: `input`)."""
+    if exc.param == "messages":
+        exc.param = param
+    return exc
+
+
 async def chat_prompt(engine: "AsyncEngine", messages: list[dict[str, Any]],
                       template_kwargs: dict[str, Any] | None = None, tools: ToolPlan | None = None,
                       param: str = "messages", media: MediaSettings | None = None
@@ -136,7 +143,10 @@ async def chat_prompt(engine: "AsyncEngine", messages: list[dict[str, Any]],
     kwargs = dict(template_kwargs or {})
     loaded = None
     if media is not None and takes_media(engine):
-        messages, loaded = await prepare_media(engine, messages, media)
+        try:
+            messages, loaded = await prepare_media(engine, messages, media)
+        except APIError as exc:
+            raise _in_field(exc, param) from None
     if tools is not None:
         messages = tools.messages(messages)
         kwargs["tools"] = tools.template_tools()
@@ -145,7 +155,10 @@ async def chat_prompt(engine: "AsyncEngine", messages: list[dict[str, Any]],
     def render() -> tuple[list[int], str, list[MediaItem] | None]:
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         if loaded is not None:
-            ids, items = loaded.expand(engine, text)
+            try:
+                ids, items = loaded.expand(engine, text)
+            except APIError as exc:
+                raise _in_field(exc, param) from None
             return ids, text, items
         return engine.tokenizer.encode(text), text, None  # the template already carries the special tokens
 
