@@ -550,28 +550,18 @@ def _print_plan(src, chip: str | None, max_model_len: int, max_num_seqs: int, kv
     by --chip, else the first catalog chip of the backend), in the planner's terms (the inverse of
     `Profile.builtin_layout`). The weights are reported after loading (`_print_held`): what the backend holds
     depends on its kernels, not only on the checkpoint."""
-    import json
-
     from flagdeploy import ops
     from flagdeploy.chips import all_chips, resolve_chip
     from flagdeploy.planner import PlanRequest, make_plan
     from flagdeploy.planner.cost import Layout
+    from flagdeploy.planner.ledger import source_config
     from flagdeploy.planner.report import serve_line
 
     try:
         choice = resolve_chip(chip) if chip else None
         backend = ops.get_backend(chip) if chip else ops.detect_backend()
         spec = choice.chip if choice and choice.chip else next(c for c in all_chips() if c.backend == backend.name)
-        if src.format == "gguf":
-            from flagdeploy.loaders import gguf_reader
-
-            c = gguf_reader.read_config(gguf_reader.open_gguf(src.path))
-            config = {"model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-                      "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-                      "head_dim": c.head_dim, "vocab_size": c.vocab_size, "tie_word_embeddings": c.tie_word_embeddings,
-                      "attention_bias": c.attention_bias, "torch_dtype": "float32"}
-        else:
-            config = json.loads((src.path / "config.json").read_text())
+        config = source_config(src)
         layout = Layout(tp=tp, dp=ep, ep=tp * ep if ep > 1 else 1)
         # a host CPU's memory is this machine's (the catalog's figure is nominal)
         host = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1) if spec.backend == "cpu" else None

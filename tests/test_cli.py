@@ -345,3 +345,11 @@ def test_the_port_check_is_not_fooled_by_a_dead_server_s_connections():
     _check_port("127.0.0.1", port)  # no SystemExit
     with socket.create_server(("127.0.0.1", 0)) as busy, pytest.raises(SystemExit):
         _check_port("127.0.0.1", busy.getsockname()[1])
+
+
+def test_plan_takes_every_model_source_serve_takes(default_model):
+    """--model means one thing in every command: the bundled model and a GGUF file plan too (they were
+    "no model ... pass a preset", and a GGUF a UTF-8 decoding error)."""
+    for model in ("smollm2-135m-instruct", str(default_model.path)):
+        r = CliRunner().invoke(main, ["plan", "--model", model, "--chip", "h200", "--devices", "1"])
+        assert r.exit_code == 0 and "0.13B params" in r.output, (model, r.output)

@@ -8,6 +8,8 @@ a token is drawn from; `sample` (one row per sequence) and speculative rejection
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flagdeploy import ops
@@ -25,7 +27,7 @@ def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     rows = logits.float() / params.temperature
     if params.min_p:  # relative to the most likely token, after temperature (vLLM's order)
         top = rows.max(-1, keepdim=True).values
-        rows = rows.masked_fill(rows < top + torch.log(torch.tensor(params.min_p)), float("-inf"))
+        rows = rows.masked_fill(rows < top + math.log(params.min_p), float("-inf"))
     if params.top_k:
         kth = torch.topk(rows, min(params.top_k, rows.shape[-1]), dim=-1).values[..., -1:]
         rows = rows.masked_fill(rows < kth, float("-inf"))

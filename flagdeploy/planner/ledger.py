@@ -42,21 +42,44 @@ def presets() -> list[str]:
 
 
 def load_config(model: str) -> tuple[str, dict]:
-    """(name, HF config dict) from a preset name, a config.json, or a model directory."""
+    """(name, HF config dict) from a preset name, a config.json, a model directory, or any model source that
+    `serve` takes and that is on this disk (a GGUF file, the bundled or a cached model): `--model` means one
+    thing in every command."""
     path = Path(model)
     if (PRESETS_DIR / f"{model.lower()}.json").exists():
         path = PRESETS_DIR / f"{model.lower()}.json"
     elif path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise PlanInputError(f"no model {model!r}: pass a preset ({', '.join(presets())}), a config.json, or a model "
-                             f"directory that has one.")
+    if not path.is_file() or path.suffix == ".gguf":
+        from flagdeploy.loaders.source import resolve
+
+        try:
+            src = resolve(model, download=False, weights=False)
+        except FlagdeployError:
+            raise PlanInputError(f"no model {model!r}: pass a preset ({', '.join(presets())}), a config.json, a "
+                                 f"model directory that has one, a GGUF file, or a model in the cache (`flagdeploy "
+                                 f"models`).") from None
+        return src.name, source_config(src)
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise PlanInputError(f"{path} is not valid JSON ({exc}).") from exc
     name = path.stem if path.parent == PRESETS_DIR else (path.parent.name if path.name == "config.json" else path.stem)
     return name, config
+
+
+def source_config(src) -> dict:
+    """The HF config of a resolved model source (`loaders.source.ModelSource`): its config.json, or for a
+    GGUF the llama config its metadata describes."""
+    if src.format != "gguf":
+        return json.loads((Path(src.path) / "config.json").read_text())
+    from flagdeploy.loaders import gguf_reader
+
+    c = gguf_reader.read_config(gguf_reader.open_gguf(src.path))
+    return {"model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
+            "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.attention_bias, "torch_dtype": "float32"}
 
 
 def text_config(config: dict) -> dict:
