@@ -657,7 +657,8 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 @click.option("--model", "model", required=True, help="Preset (glm-5.3-flash), a config.json, or a model directory.")
 @click.option("--chip", required=True, type=ChipParam(need_chip=True), metavar="CHIP",
               help="Chip catalog id, e.g. ascend910c, h200, h20-141g, l20 (profiles/chips.yaml).")
-@click.option("--devices", default=8, show_default=True, type=click.IntRange(min=1), help="Devices per node.")
+@click.option("--devices", default=None, type=click.IntRange(min=1),
+              help="Devices per node (default: a node's, as deploy and doctor take it).")
 @click.option("--nodes", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--interconnect", default=None, type=click.Choice(["hccs", "nvlink", "pcie", "roce"]),
               help="Link between a node's devices (default: the chip's own).")
@@ -701,8 +702,8 @@ def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, 
     if not mtp and (num_speculative_tokens is not None or acceptance_length is not None):
         _fail("--num-speculative-tokens and --acceptance-length describe MTP speculative decoding: add --mtp")
     try:
-        req = PlanRequest(model, chip.value, devices, nodes=nodes, interconnect=interconnect,
-                          max_model_len=max_model_len, concurrency=concurrency, objective=objective, mtp=mtp,
+        req = PlanRequest(model, chip.value, devices or chip.chip.devices_per_node, nodes=nodes,
+                          interconnect=interconnect, max_model_len=max_model_len, concurrency=concurrency, objective=objective, mtp=mtp,
                           num_speculative_tokens=num_speculative_tokens or 3, acceptance_length=acceptance_length,
                           policy=policy, layout=parse_layout(layout) if layout is not None else None,
                           kv_cache_dtype=kv_cache_dtype, memory_utilization=memory_utilization)

@@ -320,9 +320,9 @@ def test_a_missing_device_and_a_split_that_cannot_be_are_refused_before_anything
     assert r.exit_code == 1 and "cannot be split with --tp 2" in r.output, r.output
 
 
-def test_chip_auto_is_the_detected_device_in_every_command():
+def test_chip_auto_is_the_detected_device_in_every_command(default_model):
     runner = CliRunner()
-    for args in (["ops", "list", "--chip", "auto"], ["plan", "--model", "glm-5.3-flash", "--chip", "auto"],
+    for args in (["ops", "list", "--chip", "auto"], ["plan", "--model", "smollm2-135m-instruct", "--chip", "auto"],
                  ["install", "--chip", "auto", "--dry-run"]):
         r = runner.invoke(main, args)
         assert r.exit_code == 0, (args, r.output)
