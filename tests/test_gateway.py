@@ -946,6 +946,11 @@ def test_a_gateway_in_front_of_flagdeploy_answers_as_flagdeploy_does():
                                     messages=[{"role": "user", "content": "Hi"}]) as stream:
             answer = stream.get_final_message()
         assert answer.content and answer.usage.output_tokens < 512
+        # prompt tokens counted by the upstream's own /tokenize (vLLM's route), as on vLLM: exact
+        ask = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}
+        counted = httpx.post(f"{gateway.url}/v1/messages/count_tokens", json=ask, headers={"x-api-key": API_KEY})
+        direct = httpx.post(f"{upstream.url}/v1/messages/count_tokens", json=ask)
+        assert counted.status_code == 200 and counted.json() == direct.json(), counted.text
         auth = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
         for route, body in (("/v1/chat/completions", '{"model":"smollm2","messages":[{"role":"user","content":"\\ud800"}]}'),
                             ("/v1/messages", '{"model":"smollm2","max_tokens":5,"messages":[{"role":"user","content":"\\ud800"}]}')):

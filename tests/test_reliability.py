@@ -559,3 +559,15 @@ def test_penalties_logit_bias_and_min_p_are_applied_or_refused(live: LiveServer)
     ok = _post(live, "/v1/chat/completions", {"messages": HI, "max_tokens": 4, "presence_penalty": 1.5,
                                               "repetition_penalty": 1.2, "min_p": 0.1, "temperature": 0.7})
     assert ok.status_code == 200, ok.text
+
+
+def test_tokenize_counts_what_a_chat_completion_would(live: LiveServer, http: httpx.Client) -> None:
+    """vLLM's /tokenize: a chat rendered as a chat completion renders it (its prompt_tokens), or a prompt."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+    counted = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+    usage = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()["usage"]
+    assert counted["count"] == usage["prompt_tokens"] == len(counted["tokens"]) and counted["max_model_len"] == 1024
+    prompt = http.post("/tokenize", json={"prompt": "Hello there"}).json()
+    assert prompt["count"] == len(prompt["tokens"]) > 1
+    assert http.post("/tokenize", json={"prompt": "x", "messages": messages}).status_code == 400
+    assert httpx.post(f"{live.url}/tokenize", json={"prompt": "x"}).status_code == 401  # behind the key

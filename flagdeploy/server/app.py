@@ -32,6 +32,7 @@ from .pipeline import (
     ServerSettings,
     chat_prompt,
     check_grammar,
+    check_length_bound,
     encode_text,
     first_output,
     make_jobs,
@@ -52,6 +53,7 @@ from .protocol import (
     ModelCard,
     ModelList,
     NamedToolChoice,
+    TokenizeRequest,
     ToolCall,
     Usage,
     new_id,
@@ -296,12 +298,33 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
                                             finish_reason=_finish_reason(gen.finals[job.index])))
         return JSONResponse(Completion(id=cid, model=model, choices=choices, usage=_usage(gen)).model_dump())
 
+    @app.post("/tokenize", dependencies=[Depends(auth)])
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's route (at the root, as vLLM serves it): the token ids of a prompt or of a chat as a chat
+        completion renders it. A gateway in front of this server counts prompts with it, as it does on vLLM."""
+        req: TokenizeRequest = await _parse(request, TokenizeRequest)
+        names.resolve(req.model)
+        engine = slot.get()
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "Send `prompt` (a text) or `messages` (a chat), one of them.", param="prompt")
+        if req.messages is not None:
+            check_chat_messages(req.messages)
+            check_openai_tools(req.tools, None)
+            tools = tool_plan(engine, req.tools, None, settings.tool_call_parser)
+            ids, _, _ = await chat_prompt(engine, [m.to_template() for m in req.messages], req.template_kwargs(), tools)
+        elif req.add_special_tokens:
+            ids = await encode_text(engine, req.prompt, "prompt")
+        else:
+            check_length_bound(engine, len(req.prompt), "prompt")
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
+
     app.include_router(v1)
     app.include_router(anthropic_router(slot, names, auth, settings))
     app.include_router(responses_router(slot, names, auth, settings))
     _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
                            "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": MessagesRequest,
-                           "/v1/responses": ResponsesRequest})
+                           "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest})
     return app
 
 

@@ -188,6 +188,21 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_Lenient):
+    """vLLM's `/tokenize`: a `prompt`, or chat `messages` (with `tools`, `chat_template_kwargs`) rendered by
+    the model's chat template as a chat completion renders them (the generation prompt always added)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # a prompt's BOS; a rendered chat carries its own special tokens
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
@@ -361,5 +376,5 @@ def request_field_names() -> frozenset[str]:
     """Every field name of the request models: lets error reporting tell a field in a validation
     error's location from pydantic's union-member tags (`str`, `list[str]`, ...)."""
     models = (ChatCompletionRequest, CompletionRequest, ChatMessage, ContentPart, StreamOptions, ResponseFormat,
-              NamedToolChoice, FunctionChoice)
+              NamedToolChoice, FunctionChoice, TokenizeRequest)
     return frozenset(name for m in models for name in m.model_fields)
