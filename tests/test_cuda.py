@@ -48,6 +48,20 @@ def _engine(path, **kw):
     return build_llm_engine(path, "safetensors", EngineConfig(**cfg), chip="cuda", progress=False)
 
 
+def _tiny_llama(path):
+    """A random 3-layer llama (vocabulary 211) saved at `path` with a word tokenizer; the transformers model."""
+    transformers = pytest.importorskip("transformers")
+    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(path)
+    write_word_tokenizer(path, 211)
+    return model
+
+
 def test_glm5_next_on_the_gpu_matches_transformers_on_the_gpu(tmp_path):
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Glm5NextForConditionalGeneration"):
@@ -98,17 +112,9 @@ def test_glm5_next_decode_graphs_match_eager_and_transformers(tmp_path):
 
 
 def test_llama_on_the_gpu_matches_transformers_on_the_gpu(tmp_path):
-    transformers = pytest.importorskip("transformers")
     from flagdeploy.engine import SamplingParams
-    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
 
-    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    ref.save_pretrained(tmp_path)
-    write_word_tokenizer(tmp_path, 211)
-    ref = ref.cuda()
+    ref = _tiny_llama(tmp_path).cuda()
     engine = _engine(tmp_path)
     ids = [5, 17, 42, 99, 3, 150, 7, 8, 9, 11]
     with torch.no_grad():
@@ -164,15 +170,9 @@ def test_fp8_glm5_next_keeps_fp8_weights_on_the_gpu(tmp_path):
 
 def test_cuda_graph_decode_matches_eager(tmp_path):
     """Decode steps replayed as CUDA graphs give the eager engine's tokens, padded batches included."""
-    transformers = pytest.importorskip("transformers")
     from flagdeploy.engine import SamplingParams
-    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
 
-    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    write_word_tokenizer(tmp_path, 211)
+    _tiny_llama(tmp_path)
     prompts = [[5, 17, 42, 99], [3, 150, 7], [8, 9, 11, 12, 13, 14, 15]]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     graphed, eager = _engine(tmp_path, max_num_seqs=4), _engine(tmp_path, cuda_graphs=False)
@@ -216,16 +216,10 @@ def test_mtp_speculation_on_the_gpu_is_exact_and_accepts_an_agreeing_layer(tmp_p
 
 def test_ngram_speculation_on_the_gpu_is_exact(tmp_path):
     """Prompt-lookup drafts on a llama, verify rows through the decode graphs: speculation off's tokens."""
-    transformers = pytest.importorskip("transformers")
     from flagdeploy.engine import SamplingParams
     from flagdeploy.engine.speculative import SpeculativeConfig
-    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
 
-    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    write_word_tokenizer(tmp_path, 211)
+    _tiny_llama(tmp_path)
     loop = [5, 17, 42, 99, 3, 150, 7, 8]
     prompts = [loop * 4, [3, 150, 7], loop * 2 + [8, 9, 11]]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -239,15 +233,9 @@ def test_ngram_speculation_on_the_gpu_is_exact(tmp_path):
 def test_penalties_and_logit_bias_on_the_gpu(tmp_path):
     """The logits adjustments run on the GPU's logits (graphed decode steps): a +100 bias forces its token,
     penalties change the greedy tokens, and a request without them keeps its tokens beside one with them."""
-    transformers = pytest.importorskip("transformers")
     from flagdeploy.engine import SamplingParams
-    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
 
-    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    write_word_tokenizer(tmp_path, 211)
+    _tiny_llama(tmp_path)
     engine = _engine(tmp_path, max_num_seqs=4)
     assert engine.runner.graphs is not None
     prompt, greedy = [5, 17, 42, 99, 3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
