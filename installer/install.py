@@ -69,7 +69,6 @@ class InstallPlan:
     row: StackRow
     present: dict[str, str]  # package -> installed version (those the row names)
     to_install: list[str]  # pinned requirements not yet satisfied
-    requirements: list[str] = field(default_factory=list)  # the row's pinned requirements, flagdeploy's aside
     host_missing: list[tuple[str, str]] = field(default_factory=list)  # (what, how to install it)
     env: dict[str, str] = field(default_factory=dict)
     source: list[str] = field(default_factory=list)
@@ -122,10 +121,7 @@ def make_plan(info: SystemInfo, chip_id: str, engine: str = "builtin") -> Instal
                 what = f"{what}: for CANN {row.cann_min}, Ascend HDK {', '.join(drivers)}"
             missing.append((what, how))
     env = _ENV.get(chip.backend, {"source": [], "vars": {}})
-    return InstallPlan(chip.id, chip.backend, row, present, todo,
-                       [f"{name}{spec}" for name, spec in row.packages.items() if name != "flagdeploy"], missing,
-                       dict(env["vars"]),
-                       list(env["source"]))
+    return InstallPlan(chip.id, chip.backend, row, present, todo, missing, dict(env["vars"]), list(env["source"]))
 
 
 def _host_present(info: SystemInfo, key: str) -> bool:
@@ -152,7 +148,8 @@ def download(plan: InstallPlan, dest: Path, index_url: str | None = None, everyt
     """Phase 1: every wheel the plan needs, with dependencies, into `dest`. `everything` (--download-only):
     every requirement of the stack, whatever this host has, since the wheels are for another host (all but
     flagdeploy itself, which that host needs already to run `install --offline`)."""
-    wanted = plan.requirements if everything else plan.to_install
+    wanted = ([r for r in plan.row.requirements() if Requirement(r).name != "flagdeploy"] if everything
+              else plan.to_install)
     if not wanted:
         return
     extra = ["--index-url", index_url] if index_url else []
