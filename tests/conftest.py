@@ -107,6 +107,21 @@ def graphs_on_the_cpu(engine, monkeypatch):
         engine.proposer.forwards.graphs = StepGraphs(engine.proposer.forwards._step)
 
 
+def write_tiny_llama(path, **config):
+    """A random llama (vocabulary 211, 2 KV heads; `config`: the other LlamaConfig fields) saved at `path`
+    with a word tokenizer, seeded 0; returns the transformers model (eval mode), the tests' reference."""
+    import transformers
+
+    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+
+    cfg = transformers.LlamaConfig(vocab_size=211, num_key_value_heads=2, **config)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(path)
+    write_word_tokenizer(path, 211)
+    return model
+
+
 def agreeing_mtp_layer(model) -> None:
     """Make a glm5_next target and its MTP layer agree. Every block's output projection zero (attention
     o_proj, KDA o_proj, MLP / expert / shared-expert down projections): each block adds nothing, the mHC

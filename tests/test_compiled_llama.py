@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import write_tiny_llama
 
 from flagdeploy import ops
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine.cuda_graphs import DecodeInputs
 from flagdeploy.engine.llm_engine import LLMEngine
 from flagdeploy.engine.loader import build_llm_engine, load_model
-from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
 from flagdeploy.models.linear import Linear
 from flagdeploy.ops.weights import Int4Weight
 
@@ -29,13 +29,8 @@ CONFIG = dict(max_model_len=64, max_num_seqs=4, block_size=4, compile=True)
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
-    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    hf.save_pretrained(path)
-    write_word_tokenizer(path, 211)
-    return path, hf
+    return path, write_tiny_llama(path, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=128)
 
 
 @pytest.fixture(autouse=True)

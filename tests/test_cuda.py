@@ -49,17 +49,12 @@ def _engine(path, **kw):
 
 
 def _tiny_llama(path):
-    """A random 3-layer llama (vocabulary 211) saved at `path` with a word tokenizer; the transformers model."""
-    transformers = pytest.importorskip("transformers")
-    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+    """The 3-layer random llama of this file's llama tests (tests/conftest.py `write_tiny_llama`)."""
+    pytest.importorskip("transformers")
+    from conftest import write_tiny_llama
 
-    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    model.save_pretrained(path)
-    write_word_tokenizer(path, 211)
-    return model
+    return write_tiny_llama(path, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                            num_attention_heads=8, max_position_embeddings=512)
 
 
 def test_glm5_next_on_the_gpu_matches_transformers_on_the_gpu(tmp_path):
