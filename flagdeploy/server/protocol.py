@@ -118,6 +118,11 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prom
                                        "return_dict", "continue_final_message", "chat_template"})
 
 
+def _unreserved(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A request's template variables without those the server gives the template itself."""
+    return {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
+
+
 def thinking_switch(thinking: Any) -> bool | None:
     """`thinking: {"type": "enabled"|"adaptive"|"disabled"}` (Anthropic, Zhipu) as on/off."""
     kind = thinking.get("type") if isinstance(thinking, dict) else None
@@ -181,7 +186,7 @@ class ChatCompletionRequest(SamplingFields):
         if self.reasoning_effort is not None:
             kwargs["reasoning_effort"] = self.reasoning_effort
         kwargs.update(self.chat_template_kwargs or {})
-        return {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
+        return _unreserved(kwargs)
 
     def requested_max_tokens(self) -> int | None:
         """LangChain sends only `max_completion_tokens`; it wins when both are present."""
@@ -200,7 +205,7 @@ class TokenizeRequest(_Lenient):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def template_kwargs(self) -> dict[str, Any]:
-        return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+        return _unreserved(self.chat_template_kwargs or {})
 
 
 class CompletionRequest(SamplingFields):
