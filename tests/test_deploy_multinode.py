@@ -164,7 +164,7 @@ def test_lws_group_and_node_commands(make):
         assert flag(argv, "--nnodes") == str(profile.nodes) and flag(argv, "--node-rank") == rank
         assert flag(argv, "--master-addr") == "$(LWS_LEADER_ADDRESS)" and flag(argv, "--master-port") == "29500"
         assert c["image"] == "registry.example/flagdeploy@sha256:abc"
-        assert env_of(c)["FLAGDEPLOY_CACHE"] == "/root/.cache/flagdeploy"
+        assert env_of(c)["FLAGDEPLOY_CACHE"] == "/home/flagdeploy/.cache/flagdeploy"
         assert {"name": "profile", "mountPath": "/etc/flagdeploy", "readOnly": True} in c["volumeMounts"]
     # Both templates mount the ConfigMap that carries the profile, nodes included.
     assert Profile(**yaml.safe_load(cm["data"]["profile.yaml"])["profile"]) == profile
@@ -372,7 +372,7 @@ def test_compose_writes_one_file_per_host(make):
         env = svc["environment"]
         assert all(env[k] == "eth1" for k in ["GLOO_SOCKET_IFNAME", *vendor_vars])
         assert "./profile.yaml:/etc/flagdeploy/profile.yaml:ro" in svc["volumes"]
-        assert "/data/models:/root/.cache/flagdeploy" in svc["volumes"]
+        assert "/data/models:/home/flagdeploy/.cache/flagdeploy" in svc["volumes"]
         assert svc["shm_size"] == "16g"
         if profile.chip == "ascend910c":  # every die of this host, counted from 0 on each host
             assert env["ASCEND_RT_VISIBLE_DEVICES"] == ",".join(map(str, range(int(count))))
