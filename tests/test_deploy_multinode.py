@@ -452,7 +452,8 @@ def test_cli_plans_over_nodes_and_writes_a_leaderworkerset(tmp_path):
 def test_cli_deploys_a_profile_file_and_refuses_clearly(tmp_path):
     h200().save(tmp_path / "p.yaml")
     p = str(tmp_path / "p.yaml")
-    r = run_cli("compose", "--profile", p, "--master-addr", "10.0.0.11", "--nic", "eth0", "-o", str(tmp_path / "c"))
+    r = run_cli("compose", "--profile", p, "--master-addr", "10.0.0.11", "--nic", "eth0", "--image", "reg.example/fd:1.0.0",
+                "-o", str(tmp_path / "c"))
     assert r.exit_code == 0, r.output
     assert sorted(x.name for x in (tmp_path / "c").iterdir()) == ["compose.node0.yaml", "compose.node1.yaml",
                                                                  "profile.yaml"]
