@@ -258,12 +258,16 @@ def _dockerfile(rec: Recipe, spec: dict[str, Any], backend: str) -> str:
     return "\n".join(out) + "\n"
 
 
+# Kept out of the build context: what the wheel does not need, and files that may hold secrets. The tree's own
+# .dockerignore (for the legacy builder) lists the same.
+IGNORE = (".git", ".venv", "**/__pycache__", "**/*.pyc", "*.egg-info", "build", "dist", ".pytest_cache", "tests",
+          "benchmarks", "docs", "**/.env", "**/*.pem", "**/*.key", "**/.netrc")
+
+
 def _dockerignore() -> str:
     """BuildKit reads <Dockerfile>.dockerignore beside the Dockerfile: keeps the context small and secrets out."""
-    return "\n".join([
-        "# beside the Dockerfile: BuildKit (docker >= 23) reads it for this Dockerfile's build context",
-        ".git", ".venv", "**/__pycache__", "**/*.pyc", "*.egg-info", "build", "dist", "tests", "benchmarks",
-        "**/.env", "**/*.pem", "**/*.key", "**/.netrc", ""])
+    return "\n".join(["# beside the Dockerfile: BuildKit (docker >= 23) reads it for this Dockerfile's build context",
+                      *IGNORE, ""])
 
 
 def write(rec: Recipe, out_dir: str | Path, *, overwrite: bool = False) -> list[Path]:

@@ -354,3 +354,20 @@ def test_the_deploy_files_mount_the_cache_where_the_image_has_its_volume():
     docs = {d["kind"]: d for d in yaml.safe_load_all(render("k8s", profile)["deployment.yaml"])}
     (c,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert {"name": "cache", "mountPath": CACHE} in c["volumeMounts"]
+
+
+def test_the_tree_ignores_what_the_recipe_ignores_and_keeps_what_it_copies():
+    lines = [x for x in (ROOT / ".dockerignore").read_text().splitlines() if x and not x.startswith("#")]
+    assert tuple(lines) == img.IGNORE
+    assert not set(img._data()["builder"]["tree"]) & set(img.IGNORE)
+
+
+def test_the_docs_name_every_base_and_say_nothing_was_built():
+    doc = (ROOT / "docs" / "images.md").read_text()
+    assert "No image was built from these recipes" in doc
+    for family, engine in sorted(WITH_RECIPE):
+        base = img.recipe(a_chip(family, engine), engine).base
+        short = base if base in doc else base.split(":")[0] + ":" + base.split(":")[1].split("-")[0]
+        assert short in doc, base
+    readme = (ROOT / "README.md").read_text()
+    assert "`flagdeploy deploy image --chip X" in readme
