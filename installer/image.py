@@ -244,7 +244,8 @@ def _dockerfile(rec: Recipe, spec: dict[str, Any], backend: str) -> str:
         out.append(f"COPY {rec.wheel.name} {WHEELS}/")
     out.append(_run(f"{pip} {WHEELS}/flagdeploy-*.whl {' '.join(map(q, pins))}", f"rm -rf {WHEELS}"))
     script = _entry_script(sources)
-    out.append("RUN f=\"$(command -v flagdeploy)\" && printf '%s\\n' \\\n    "
+    # In place of pip's console script (or in /usr/local/bin where the base keeps its scripts off PATH).
+    out.append("RUN f=\"$(command -v flagdeploy || echo /usr/local/bin/flagdeploy)\" && printf '%s\\n' \\\n    "
                + " \\\n    ".join(q(line) for line in script) + ' > "$f" && chmod 0755 "$f"')
     out.append(_run(f"(getent group {gid} >/dev/null || groupadd --gid {gid} {user['name']})",
                     f"(getent passwd {uid} >/dev/null || useradd --uid {uid} --gid {gid} --home-dir {home} "

@@ -140,6 +140,10 @@ def check_recipe(rec: img.Recipe, chip: str) -> None:
     assert args_of(final, "CMD")[0].startswith('["serve"') and args_of(final, "EXPOSE") == ["8000"]
     script = entry_script(final)
     assert all(s in script[2] for s in sources) if sources else not any("set_env" in s for s in script)
+    # Every RUN is valid for the /bin/sh that runs it (Debian's and Ubuntu's: dash, POSIX; syntax only).
+    for run in args_of(builder, "RUN") + args_of(final, "RUN"):
+        out = subprocess.run(["sh", "-n", "-c", run], capture_output=True, text=True)
+        assert out.returncode == 0, (run, out.stderr)
     # Nothing secret: no such variable or argument, no credentials in a URL.
     names = [kv.split("=", 1)[0] for e in args_of(final, "ENV") + args_of(final, "ARG") for kv in shlex.split(e)]
     assert not [n for n in names if SECRET_NAME.search(n)]
@@ -371,3 +375,21 @@ def test_the_docs_name_every_base_and_say_nothing_was_built():
         assert short in doc, base
     readme = (ROOT / "README.md").read_text()
     assert "`flagdeploy deploy image --chip X" in readme
+
+
+def test_the_offline_stack_check_passes_only_on_exactly_the_pinned_versions():
+    """The engine images' check, with this interpreter standing in for the image's: its flags (no index, no deps)
+    accept installed versions that meet the pins, a local build label included (2.13.0+cpu for torch==2.13.0),
+    and fail, changing nothing, on any other."""
+    import torch
+
+    final = parse(img.recipe("ascend910c", "vllm-ascend").files["Dockerfile"])[-1]
+    flags = pip_installs(final)[0][:3]
+    assert flags == ["--no-cache-dir", "--no-index", "--no-deps"]
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    public = torch.__version__.split("+")[0]
+    for pins, ok in (([f"torch=={public}", "pyyaml>=5"], True), ([f"torch=={public}", "torch-npu==2.10.0.post4"], False),
+                     (["torch==0.0.1"], False)):
+        out = subprocess.run([sys.executable, "-m", "pip", "install", *flags, *pins], capture_output=True, text=True,
+                             env=env, timeout=120)
+        assert (out.returncode == 0) == ok, out.stdout + out.stderr
