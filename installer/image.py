@@ -165,8 +165,8 @@ def _check_wheel(wheel: str | Path) -> Path:
     if not path.is_file():
         raise ImageRecipeError(f"--wheel {path}: no such file")
     if not _WHEEL.fullmatch(path.name):
-        raise ImageRecipeError(f"--wheel {path}: not a flagdeploy wheel (expected flagdeploy-<version>-py3-none-any.whl, "
-                               "as `pip wheel --no-deps <source tree>` names it)")
+        raise ImageRecipeError(f"--wheel {path}: not a flagdeploy wheel (expected "
+                               "flagdeploy-<version>-py3-none-any.whl, as `pip wheel --no-deps <tree>` names it)")
     return path
 
 
@@ -200,9 +200,11 @@ def _dockerfile(rec: Recipe, spec: dict[str, Any], backend: str) -> str:
     pins = _pins(row, spec)
     sources, env = runtime_env(backend)
     build = f"docker build -f <DIR>/Dockerfile -t {rec.tag} " + ("<DIR>" if rec.wheel else "<flagdeploy source tree>")
+    engine_flag = "" if row.engine == "builtin" else f" --engine {row.engine}"
     head = [f"flagdeploy {__version__} for {row.family}, engine {row.engine}: written by `flagdeploy deploy image "
-            f"--chip {rec.chip}{'' if row.engine == 'builtin' else ' --engine ' + row.engine}`.",
-            f"Stack (installer/matrix.yaml, as `flagdeploy install --dry-run --chip {rec.chip}` prints it): "
+            f"--chip {rec.chip}{engine_flag}`.",
+            f"Stack (installer/matrix.yaml, as `flagdeploy install --dry-run --chip {rec.chip}{engine_flag}` prints "
+            "it): "
             f"{' '.join(pins) or 'none'} + flagdeploy; versions from: {row.source}",
             f"Base: {rec.base}, Python {spec['base_python']}; from: {spec['base_source']}."]
     if row.cann_min:
