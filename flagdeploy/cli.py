@@ -934,7 +934,7 @@ def doctor(chip, model, devices, max_model_len, nodes, node_rank, nic, port, nod
 
 
 @main.command()
-@click.argument("kind", type=click.Choice(["docker", "compose", "k8s"]))
+@click.argument("kind", type=click.Choice(["docker", "compose", "k8s", "image"]))
 @click.option("--chip", default=None, type=ChipParam(need_chip=True), metavar="CHIP",
               help="Chip catalog id, e.g. ascend910c, h200, h20-141g (with --model; or give --profile).")
 @click.option("--model", default=None, help="Model to serve (path, hub id or preset); the planner picks the layout.")
@@ -952,16 +952,34 @@ def doctor(chip, model, devices, max_model_len, nodes, node_rank, nic, port, nod
               help="compose with several nodes: the address of the host that runs node 0, as the others reach it.")
 @click.option("--max-model-len", default=32768, show_default=True, type=click.IntRange(min=1))
 @memory_utilization_option
-@click.option("--image", default=None, help="Container image (default: a digest placeholder to pin).")
+@click.option("--image", default=None, metavar="REF",
+              help="Container image to run, e.g. one built from `deploy image` (default: a digest placeholder to pin).")
+@click.option("--engine", default=None,
+              type=click.Choice(["builtin", "vllm-ascend", "vllm", "sglang", "mindie", "onnxruntime"]),
+              help="image: the matrix stack to build (default builtin; the chip's edge engine for edge chips).")
+@click.option("--wheel", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="image: build from this flagdeploy wheel instead of the source tree (copied beside the Dockerfile).")
 @click.option("-o", "--output", default=".", show_default=True, help="Directory to write the files into.")
 @click.option("--overwrite", is_flag=True)
 def deploy(kind, chip, model, profile_file, devices, nodes, layout, nic, master_addr, max_model_len, memory_utilization,
-           image, output, overwrite) -> None:
-    """Container and Kubernetes artefacts that run `flagdeploy serve` with the planner's profile."""
+           image, engine, wheel, output, overwrite) -> None:
+    """Container and Kubernetes artefacts that run `flagdeploy serve` with the planner's profile; `image`: the
+    Dockerfile of an image to run them with (flagdeploy plus the chip's pinned stack)."""
     from flagdeploy.installer.deploy import notes, write
     from flagdeploy.planner import PlanRequest, Profile, make_plan
     from flagdeploy.planner.report import parse_layout
 
+    if kind == "image":
+        given = [f"--{n.replace('_', '-')}" for n, v in (("model", model), ("profile", profile_file), ("devices", devices),
+                 ("nodes", nodes), ("layout", layout), ("nic", nic), ("master_addr", master_addr), ("image", image)) if v]
+        if given:
+            raise click.UsageError(f"`deploy image` builds an image for a chip: {', '.join(given)} belong to "
+                                   "docker/compose/k8s")
+        if not chip:
+            raise click.UsageError("give --chip: the chip the image is for (e.g. cpu, h200, ascend910c)")
+        return _deploy_image(chip.chip.id, engine, wheel, output, overwrite)
+    if engine not in (None, "builtin") or wheel:
+        raise click.UsageError("--engine and --wheel are options of `deploy image`")
     if profile_file and (chip or model or devices or layout):
         raise click.UsageError("--profile already names the chip, model, devices and layout: drop "
                                "--chip/--model/--devices/--layout, or drop --profile to plan here")
@@ -993,6 +1011,28 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, nic, master_
         click.echo(f"wrote {p}")
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
+    if image is None:
+        from flagdeploy.installer.deploy import PLACEHOLDER_IMAGE
+
+        click.echo(f"warning: no --image given: the files name the placeholder {PLACEHOLDER_IMAGE}; build an image with "
+                   f"`flagdeploy deploy image --chip {profile.chip}` and render again with --image REF", err=True)
+
+
+def _deploy_image(chip_id: str, engine: str | None, wheel: str | None, output: str, overwrite: bool) -> None:
+    """`deploy image`: the recipe's files, then the one command that builds them."""
+    from flagdeploy.installer import image as img
+
+    try:
+        rec = img.recipe(chip_id, engine, wheel=wheel)
+        paths = img.write(rec, output, overwrite=overwrite)
+    except (FlagdeployError, ValueError, FileExistsError) as exc:
+        _fail(str(exc))
+    for p in paths:
+        click.echo(f"wrote {p}")
+    if rec.unconfirmed:
+        click.echo(f"warning: not backed by a stored source yet: {', '.join(rec.unconfirmed)} (see the Dockerfile's "
+                   "header)", err=True)
+    click.echo(f"build it with: {rec.build_command(output)}")
 
 
 @main.command()

@@ -38,6 +38,9 @@ PLACEHOLDER_IMAGE = "REPLACE-ME@sha256:<digest>"
 STARTUP_BUDGET_S = 45 * 60
 _PROBE_PERIOD_S = 10
 DATA = Path(__file__).with_name("containers.yaml")
+# The host directory mounted on the container's model cache (containers.yaml common.container_cache), kept across
+# restarts. The images of `deploy image` run as a non-root uid (common.user): it must be writable by that uid.
+HOST_CACHE = "/var/cache/flagdeploy"
 # LeaderWorkerSet (kubernetes-sigs/lws): its API, the labels it puts on every pod and the variables it injects
 # into every container (api/leaderworkerset/v1/leaderworkerset_types.go).
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
@@ -199,7 +202,7 @@ def notes(kind: str, profile: Profile, *, nic: str | None = None) -> list[str]:
             "(the same name on every node)."]
 
 
-def render(kind: str, profile: Profile, *, image: str | None = None, cache_dir: str = "/root/.cache/flagdeploy",
+def render(kind: str, profile: Profile, *, image: str | None = None, cache_dir: str = HOST_CACHE,
            nic: str | None = None, master_addr: str | None = None) -> dict[str, str]:
     """File name -> content for `kind`; `cache_dir` is the host directory holding downloaded models, shared
     across restarts so a redeploy does not download the checkpoint again. Always includes profile.yaml.
@@ -256,6 +259,8 @@ def _docker(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str)
     script = ("#!/bin/sh\n"
               f"# {_layout(profile)}, port {profile.port}.\n"
               "# The server answers /health once alive and /ready once the weights are loaded.\n"
+              f"# Images from `flagdeploy deploy image` run as uid {c['user']['uid']}: {cache_dir} must be writable by it "
+              f"(sudo install -d -o {c['user']['uid']} -g {c['user']['gid']} {cache_dir}).\n"
               "set -eu\n"
               'HERE=$(cd "$(dirname "$0")" && pwd)\n'
               f"{body}\n")

@@ -58,6 +58,13 @@ _HOST = {
 }
 
 
+def runtime_env(backend: str) -> tuple[list[str], dict[str, str]]:
+    """What the environment file of `install` holds for a backend: the scripts to source first and the variables
+    to export (image recipes bake the same into the image)."""
+    env = _ENV.get(backend, {"source": [], "vars": {}})
+    return list(env["source"]), dict(env["vars"])
+
+
 class InstallError(FlagdeployError):
     """The stack could not be installed or verified; the message says which step and how to retry."""
 
@@ -120,8 +127,8 @@ def make_plan(info: SystemInfo, chip_id: str, engine: str = "builtin") -> Instal
             if key == "ascend_driver" and row.cann_min and (drivers := hdk.drivers_for(row.cann_min)):
                 what = f"{what}: for CANN {row.cann_min}, Ascend HDK {', '.join(drivers)}"
             missing.append((what, how))
-    env = _ENV.get(chip.backend, {"source": [], "vars": {}})
-    return InstallPlan(chip.id, chip.backend, row, present, todo, missing, dict(env["vars"]), list(env["source"]))
+    source, env = runtime_env(chip.backend)
+    return InstallPlan(chip.id, chip.backend, row, present, todo, missing, env, source)
 
 
 def _host_present(info: SystemInfo, key: str) -> bool:

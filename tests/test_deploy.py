@@ -53,7 +53,7 @@ def test_docker_ascend_has_every_device_node_and_driver_mount():
     volumes = pairs(argv, "-v")
     for m in ASCEND_MOUNTS:
         assert f"{m}:{m}:ro" in volumes
-    assert f"{CACHE}:/root/.cache/flagdeploy" in volumes
+    assert f"{CACHE}:/home/flagdeploy/.cache/flagdeploy" in volumes
     assert "$HERE/profile.yaml:/etc/flagdeploy/profile.yaml:ro" in volumes
     assert pairs(argv, "-p") == ["8100:8100"]
     assert int(pairs(argv, "--shm-size")[0].rstrip("g")) >= 16
@@ -82,7 +82,7 @@ def test_compose_ascend_devices_mounts_and_command():
     assert svc["devices"] == [f"{d}:{d}" for d in [f"/dev/davinci{i}" for i in range(8)] + ASCEND_FIXED]
     for m in ASCEND_MOUNTS:
         assert f"{m}:{m}:ro" in svc["volumes"]
-    assert f"{CACHE}:/root/.cache/flagdeploy" in svc["volumes"]
+    assert f"{CACHE}:/home/flagdeploy/.cache/flagdeploy" in svc["volumes"]
     assert "./profile.yaml:/etc/flagdeploy/profile.yaml:ro" in svc["volumes"]
     assert svc["ports"] == ["8100:8100"] and svc["shm_size"] == "16g"
     assert svc["command"][:4] == ["flagdeploy", "serve", "--profile", "/etc/flagdeploy/profile.yaml"]

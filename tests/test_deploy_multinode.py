@@ -164,7 +164,7 @@ def test_lws_group_and_node_commands(make):
         assert flag(argv, "--nnodes") == str(profile.nodes) and flag(argv, "--node-rank") == rank
         assert flag(argv, "--master-addr") == "$(LWS_LEADER_ADDRESS)" and flag(argv, "--master-port") == "29500"
         assert c["image"] == "registry.example/flagdeploy@sha256:abc"
-        assert env_of(c)["FLAGDEPLOY_CACHE"] == "/root/.cache/flagdeploy"
+        assert env_of(c)["FLAGDEPLOY_CACHE"] == "/home/flagdeploy/.cache/flagdeploy"
         assert {"name": "profile", "mountPath": "/etc/flagdeploy", "readOnly": True} in c["volumeMounts"]
     # Both templates mount the ConfigMap that carries the profile, nodes included.
     assert Profile(**yaml.safe_load(cm["data"]["profile.yaml"])["profile"]) == profile
@@ -372,7 +372,7 @@ def test_compose_writes_one_file_per_host(make):
         env = svc["environment"]
         assert all(env[k] == "eth1" for k in ["GLOO_SOCKET_IFNAME", *vendor_vars])
         assert "./profile.yaml:/etc/flagdeploy/profile.yaml:ro" in svc["volumes"]
-        assert "/data/models:/root/.cache/flagdeploy" in svc["volumes"]
+        assert "/data/models:/home/flagdeploy/.cache/flagdeploy" in svc["volumes"]
         assert svc["shm_size"] == "16g"
         if profile.chip == "ascend910c":  # every die of this host, counted from 0 on each host
             assert env["ASCEND_RT_VISIBLE_DEVICES"] == ",".join(map(str, range(int(count))))
@@ -452,7 +452,8 @@ def test_cli_plans_over_nodes_and_writes_a_leaderworkerset(tmp_path):
 def test_cli_deploys_a_profile_file_and_refuses_clearly(tmp_path):
     h200().save(tmp_path / "p.yaml")
     p = str(tmp_path / "p.yaml")
-    r = run_cli("compose", "--profile", p, "--master-addr", "10.0.0.11", "--nic", "eth0", "-o", str(tmp_path / "c"))
+    r = run_cli("compose", "--profile", p, "--master-addr", "10.0.0.11", "--nic", "eth0", "--image", "reg.example/fd:1.0.0",
+                "-o", str(tmp_path / "c"))
     assert r.exit_code == 0, r.output
     assert sorted(x.name for x in (tmp_path / "c").iterdir()) == ["compose.node0.yaml", "compose.node1.yaml",
                                                                  "profile.yaml"]
