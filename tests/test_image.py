@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -239,11 +240,11 @@ def test_entry_script_runs_flagdeploy_with_or_without_a_leading_flagdeploy(tmp_p
         assert out.stdout.split() == ["-m", "flagdeploy", "serve", "--profile", "/p.yaml"]
 
 
-def test_the_builder_copies_everything_pyproject_packages():
+def test_the_builder_copies_everything_setup_packages():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    dirs = set(project["tool"]["setuptools"]["package-dir"].values())
+    dirs = set(runpy.run_path(str(ROOT / "setup.py"))["ROOTS"].values())
     tree = img._data()["builder"]["tree"]
-    assert set(tree) == dirs | {"pyproject.toml", project["project"]["readme"]}
+    assert set(tree) == dirs | {"pyproject.toml", "setup.py", project["project"]["readme"]}
 
 
 def test_the_builder_stage_builds_a_wheel_from_what_it_copies(tmp_path):
