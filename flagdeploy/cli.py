@@ -681,7 +681,11 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: chosen, alternatives, rejected.")
 @click.option("--emit", default=None, type=click.Choice(["profile", "vllm", "vllm-ascend", "sglang", "mindie"]),
               help="Print the profile YAML, or the launch command of that engine, for the chosen layout "
-                   "(with --nodes N: each node's command, under a `# node R of N` heading).")
+                   "(with --nodes N: each node's command, under a `# node R of N` heading); an engine here ranks "
+                   "only the layouts it runs, as --engine does.")
+@click.option("--engine", default=None, type=click.Choice(["builtin", "vllm", "vllm-ascend", "sglang", "mindie"]),
+              help="Rank only the layouts this engine runs (over several nodes they differ: profiles/engines.yaml "
+                   "`layouts`); the profile records it. Default: every layout, or the --emit engine.")
 @click.option("--master-addr", "head_addr", default="$HEAD_IP", show_default=True,
               help="With --nodes and --emit: node 0's address as the other nodes reach it (default: a shell variable).")
 @click.option("--nic", default="$NIC", show_default=True,
@@ -691,7 +695,7 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
                    "out, which breaks HCCL init there (vllm-ascend #16754).")
 def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, objective, mtp, num_speculative_tokens,
          acceptance_length, policy, kv_cache_dtype, memory_utilization, limit_mm_per_prompt, allowed_media_domains,
-         layout, as_json, emit, head_addr, nic, npu_direct_roce) -> None:
+         layout, as_json, emit, engine, head_addr, nic, npu_direct_roce) -> None:
     """Will it fit, and how to split it: TP x DP x EP x PP layouts for a model on a chip."""
     import dataclasses
     import json
@@ -701,12 +705,16 @@ def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, 
 
     if not mtp and (num_speculative_tokens is not None or acceptance_length is not None):
         _fail("--num-speculative-tokens and --acceptance-length describe MTP speculative decoding: add --mtp")
+    if emit not in (None, "profile"):
+        if engine not in (None, emit):
+            raise click.UsageError(f"--emit {emit} launches {emit}: drop --engine {engine}, or emit that engine")
+        engine = emit
     try:
         req = PlanRequest(model, chip.value, devices or chip.chip.devices_per_node, nodes=nodes,
                           interconnect=interconnect, max_model_len=max_model_len, concurrency=concurrency, objective=objective, mtp=mtp,
                           num_speculative_tokens=num_speculative_tokens or 3, acceptance_length=acceptance_length,
                           policy=policy, layout=parse_layout(layout) if layout is not None else None,
-                          kv_cache_dtype=kv_cache_dtype, memory_utilization=memory_utilization)
+                          kv_cache_dtype=kv_cache_dtype, memory_utilization=memory_utilization, engine=engine)
         result = make_plan(req)
         if emit and result.chosen:
             from flagdeploy.planner.emit import emit as emit_engine
