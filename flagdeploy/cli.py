@@ -953,6 +953,11 @@ def doctor(chip, model, devices, max_model_len, nodes, node_rank, nic, port, nod
               help="Nodes to spread the model over (default 1, or the profile's): compose writes one file per host, "
                    "k8s a LeaderWorkerSet.")
 @click.option("--layout", default=None, help="Deploy exactly this layout, e.g. tp=8,dp=2,ep=16 (as `plan --layout`).")
+@click.option("--engine", default=None, type=click.Choice(["builtin", "vllm", "vllm-ascend", "sglang"]),
+              help="What the containers run: flagdeploy's own engine, or an external engine's own launch (over "
+                   "several nodes its multi-node mode). Default: the profile's engine, else the first of the chip's "
+                   "(profiles/engines.yaml `deploy`: vllm-ascend then builtin on Ascend, builtin then vllm, sglang "
+                   "on NVIDIA) that runs a layout that fits.")
 @click.option("--nic", default=None, metavar="IFACE",
               help="With several nodes: the network interface the nodes talk over (GLOO_SOCKET_IFNAME and "
                    "HCCL_SOCKET_IFNAME / NCCL_SOCKET_IFNAME); unset without it.")
@@ -963,10 +968,11 @@ def doctor(chip, model, devices, max_model_len, nodes, node_rank, nic, port, nod
 @click.option("--image", default=None, help="Container image (default: a digest placeholder to pin).")
 @click.option("-o", "--output", default=".", show_default=True, help="Directory to write the files into.")
 @click.option("--overwrite", is_flag=True)
-def deploy(kind, chip, model, profile_file, devices, nodes, layout, nic, master_addr, max_model_len, memory_utilization,
-           image, output, overwrite) -> None:
-    """Container and Kubernetes artefacts that run `flagdeploy serve` with the planner's profile."""
-    from flagdeploy.installer.deploy import notes, write
+def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic, master_addr, max_model_len,
+           memory_utilization, image, output, overwrite) -> None:
+    """Container and Kubernetes artefacts that run the planner's profile: `flagdeploy serve`, or an external
+    engine's own launch (vLLM, vLLM-Ascend, SGLang; over several nodes their multi-node modes)."""
+    from flagdeploy.installer.deploy import deploy_engines, engine_problem, notes, write
     from flagdeploy.planner import PlanRequest, Profile, make_plan
     from flagdeploy.planner.report import parse_layout
 
@@ -981,26 +987,60 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, nic, master_
             if nodes is not None and nodes != profile.nodes:
                 _fail(f"{profile_file} is laid out for {profile.nodes} node(s), not --nodes {nodes}: plan it again "
                       f"(`flagdeploy plan --nodes {nodes} --emit profile`) or drop --nodes")
+            engine = engine or profile.engine
+            if engine is None:  # the first of the chip's engines that runs this layout (else the first, which says why)
+                order = deploy_engines(profile.chip) or ["builtin"]
+                engine = next((e for e in order if engine_problem(profile, e) is None), order[0])
         else:
-            spec = chip.chip
-            plan = make_plan(PlanRequest(model, spec.id, devices or spec.devices_per_node, nodes=nodes or 1,
-                                         max_model_len=max_model_len, memory_utilization=memory_utilization,
-                                         layout=parse_layout(layout) if layout is not None else None))
-            if layout and plan.chosen is None and plan.rejected:
-                _fail(f"--layout {layout}: {plan.rejected[0].reason}")
-            if plan.chosen is None:
-                _fail(f"nothing fits {model} on {devices or spec.devices_per_node} x {spec.id}"
-                      + "".join(f"\n  {s}" for s in plan.suggestions or ["(no layout was found either)"])
-                      + f"\n`flagdeploy plan --model {model} --chip {spec.id}` shows every layout and why it fails.")
-            profile = plan.profile()
-        paths = write(kind, profile, output, image=image, overwrite=overwrite, nic=nic, master_addr=master_addr)
+            profile, engine = _deploy_plan(chip.chip, model, devices, nodes or 1, layout, engine, max_model_len,
+                                           memory_utilization)
+        paths = write(kind, profile, output, image=image, overwrite=overwrite, nic=nic, master_addr=master_addr,
+                      engine=engine)
         warnings = notes(kind, profile, nic=nic)
     except (FlagdeployError, ValueError, FileExistsError) as exc:
         _fail(str(exc))
     for p in paths:
         click.echo(f"wrote {p}")
+    layout_text = f"tp={profile.tp},dp={profile.dp},ep={profile.ep},pp={profile.pp}"
+    click.echo(f"engine: {engine}, layout {layout_text} on {profile.nodes} node(s) x {profile.devices} {profile.chip}"
+               + ("" if profile_file else " (--engine and --layout choose others; `flagdeploy plan ... --engine E` "
+                                          "ranks what an engine runs)"), err=True)
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
+
+
+def _deploy_plan(spec, model, devices, nodes, layout, engine, max_model_len, memory_utilization):
+    """deploy's profile and engine: the planner's best layout for `engine`, or without one for the first engine of
+    the chip's (engines.yaml `deploy`) that runs a layout that fits and renders. Nothing fitting is one error
+    naming why (memory, or the layouts the engines run) and the `plan` command that shows every layout."""
+    from flagdeploy.installer.deploy import deploy_engines, engine_problem
+    from flagdeploy.planner import PlanRequest, make_plan
+    from flagdeploy.planner.report import parse_layout
+
+    per_node = devices or spec.devices_per_node
+    order = [engine] if engine else (deploy_engines(spec.id) or ["builtin"])
+    tried = []
+    for name in order:
+        plan = make_plan(PlanRequest(model, spec.id, per_node, nodes=nodes, max_model_len=max_model_len,
+                                     memory_utilization=memory_utilization, engine=name,
+                                     layout=parse_layout(layout) if layout is not None else None))
+        if plan.chosen is not None:
+            profile = plan.profile()
+            why = engine_problem(profile, name)
+            if why is None:
+                return profile, name
+            tried.append((name, [why]))
+        else:
+            first = [r.reason for r in plan.rejected[:1] if layout and "does not run this layout" not in r.reason]
+            tried.append((name, first + plan.suggestions))
+    where = f"{model} on {nodes} node(s) x {per_node} {spec.id}" + (f" with --layout {layout}" if layout else "")
+    engines = " or ".join(name for name, _ in tried)
+    lines = [f"nothing that {engines} runs fits {where}"]
+    for name, reasons in tried:
+        lines += [f"  {name}: {r}" for r in reasons or ["no layout was found either"]]
+    plan_cmd = (f"flagdeploy plan --model {model} --chip {spec.id} --devices {per_node} --nodes {nodes} "
+                f"--engine {tried[0][0]}")
+    _fail("\n".join(lines) + f"\n`{plan_cmd}` shows every layout and why it is refused.")
 
 
 @main.command()

@@ -34,7 +34,7 @@ from flagdeploy.planner.profile import Profile
 from flagdeploy.profiles import PROFILES_DIR
 
 __all__ = ["ENGINES", "LAYOUT_ENGINES", "EmitError", "Launch", "chip_engines", "emit", "emit_nodes", "emit_worker",
-           "engine_form", "layout_refusal"]
+           "engine_data", "engine_form", "layout_refusal", "shell_word"]
 
 ENGINES_FILE = PROFILES_DIR / "engines.yaml"
 # Names usable in `when` and templates besides the Profile fields (see the engines.yaml header).
@@ -88,12 +88,12 @@ class Launch:
         for path, content in self.files.items():
             lines += [f"cat > {shlex.quote(path)} <<'EOF'", content.rstrip("\n"), "EOF"]
         lines += self.setup
-        lines.append(" ".join([f"{k}={_shell_word(v)}" for k, v in self.env.items()]
-                              + [_shell_word(a) for a in self.argv]))
+        lines.append(" ".join([f"{k}={shell_word(v)}" for k, v in self.env.items()]
+                              + [shell_word(a) for a in self.argv]))
         return "\n".join(lines) + "\n"
 
 
-def _shell_word(text: str) -> str:
+def shell_word(text: str) -> str:
     """shlex.quote, except that a word made of shell variables and safe characters is double-quoted ("$NIC")."""
     if _SHELL_REF.search(text) and _EXPANDABLE.match(text):
         return f'"{text}"'
@@ -161,10 +161,13 @@ def layout_refusal(profile: Profile, engine: str) -> str | None:
 
 def chip_engines(chip: str) -> list[str]:
     """The engines of LAYOUT_ENGINES that run on `chip` at all: those no reject rule that names only the engine
-    and the chip (engine, backend, vendor, chip) refuses, e.g. vllm-ascend off Ascend."""
+    and the chip (engine, backend, vendor, chip) refuses, e.g. vllm-ascend off Ascend; the chip's `deploy` order
+    first."""
     c = get_chip(chip)
+    deploy = _spec()["deploy"]
+    first = deploy["engines_by_backend"].get(c.backend, deploy["engines"])  # deploy's order for the chip first
     out = []
-    for engine in LAYOUT_ENGINES:
+    for engine in dict.fromkeys([*first, *LAYOUT_ENGINES]):
         ctx = {"engine": engine, "backend": c.backend, "vendor": c.vendor, "chip": c.id}
         if not any("reject" in r and set(r["when"]) <= set(ctx) and all(_match(ctx[k], v) for k, v in r["when"].items())
                    for r in _spec()["rules"]):
@@ -248,7 +251,7 @@ def _node_launch(profile: Profile, engine: str, rank: int, head_addr: str, nic: 
     node = {"node_rank": rank, "node_ip": "$NODE_IP", "head_addr": head_addr, "nic": nic,
             "npu_direct_roce": npu_direct_roce}
     launch = _emit(profile, engine, node, symbols or {})
-    words = [w for w in (*launch.env.values(), *launch.argv) if _shell_word(w).startswith('"')]  # expanded
+    words = [w for w in (*launch.env.values(), *launch.argv) if shell_word(w).startswith('"')]  # expanded
     names = dict.fromkeys(m.group(1) for w in words for m in _SHELL_REF.finditer(w))
     names = [n for n in names if n not in ("NODE_RANK", "DP_START_RANK") or not symbols]
     launch.setup = [f': "${{{n}:?set {n} to {SHELL_VARIABLES.get(n, "its value on this node")}}}"'
