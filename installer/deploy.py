@@ -604,8 +604,8 @@ def _external(kind: str, profile: Profile, engine: str, needs: ContainerNeeds, i
                                      "ports": [{"name": "http", "containerPort": profile.port}],
                                      "env": [{"name": k, "value": v} for k, v in env(launch, k8s=True).items()],
                                      **_k8s_probes(health), "volumeMounts": mounts}
-        if needs.k8s_resource:
-            container["resources"] = {"limits": {needs.k8s_resource: needs.count}}
+        if needs.k8s_resource:  # a quantity as a string, the form the API server returns
+            container["resources"] = {"limits": {needs.k8s_resource: str(needs.count)}}
         deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
                       "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": labels},
                                "template": {"metadata": {"labels": labels},
