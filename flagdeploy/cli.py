@@ -1017,7 +1017,12 @@ def _deploy_plan(spec, model, devices, nodes, layout, engine, max_model_len, mem
     from flagdeploy.planner import PlanRequest, make_plan
     from flagdeploy.planner.report import parse_layout
 
+    from flagdeploy.planner.emit import chip_engines
+
     per_node = devices or spec.devices_per_node
+    if engine and engine not in chip_engines(spec.id):
+        _fail(f"{engine} does not run on {spec.id} (profiles/engines.yaml rules); engines for it: "
+              f"{', '.join(e for e in chip_engines(spec.id) if e in ('builtin', 'vllm', 'vllm-ascend', 'sglang'))}")
     order = [engine] if engine else (deploy_engines(spec.id) or ["builtin"])
     tried = []
     for name in order:

@@ -294,3 +294,27 @@ def test_one_node_external_engine_files(tmp_path):
     r = deploy_cli("docker", "--chip", "h200", "--model", "glm-5.3-flash", "--engine", "vllm", "-o", str(tmp_path))
     assert r.exit_code == 0, r.output
     assert Profile.load(tmp_path / "profile.yaml").engine == "vllm" and "engine: vllm" in r.output
+
+
+def test_deploy_a_profile_takes_its_engine_or_the_first_that_runs_it(tmp_path):
+    plan = make_plan(PlanRequest("glm-5.3-flash", "ascend910c", 16, nodes=2, layout=None))
+    plain = plan.profile()
+    assert plain.engine is None and plain.pp > 1  # planned for no engine in particular: pipeline stages
+    plain.save(tmp_path / "p.yaml")
+    r = deploy_cli("k8s", "--profile", str(tmp_path / "p.yaml"), "-o", str(tmp_path / "a"))
+    assert r.exit_code == 0, r.output
+    assert "engine: vllm-ascend" in r.output and Profile.load(tmp_path / "a" / "profile.yaml").engine == "vllm-ascend"
+    r = deploy_cli("k8s", "--profile", str(tmp_path / "p.yaml"), "--engine", "builtin", "-o", str(tmp_path / "b"))
+    assert r.exit_code == 1 and "pipeline stages" in r.output and "--engine vllm-ascend" in r.output
+    builtin = make_plan(PlanRequest("glm-5.3-flash", "ascend910c", 16, nodes=2, engine="builtin")).profile()
+    builtin.save(tmp_path / "b.yaml")
+    r = deploy_cli("k8s", "--profile", str(tmp_path / "b.yaml"), "-o", str(tmp_path / "c"))
+    assert r.exit_code == 0 and "engine: builtin" in r.output, r.output
+    lws = docs_of((tmp_path / "c" / "leaderworkerset.yaml").read_text())["LeaderWorkerSet"]
+    assert templates(lws)[0]["spec"]["containers"][0]["command"][:2] == ["flagdeploy", "serve"]
+
+
+def test_an_engine_that_does_not_run_on_the_chip_is_refused_up_front(tmp_path):
+    r = deploy_cli("k8s", "--chip", "h200", "--model", "glm-5.3-flash", "--nodes", "2", "--engine", "vllm-ascend",
+                   "-o", str(tmp_path))
+    assert r.exit_code == 1 and "vllm-ascend does not run on h200" in r.output and "builtin, vllm, sglang" in r.output
