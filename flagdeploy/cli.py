@@ -973,8 +973,7 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic,
     """Container and Kubernetes artefacts that run the planner's profile: `flagdeploy serve`, or an external
     engine's own launch (vLLM, vLLM-Ascend, SGLang; over several nodes their multi-node modes)."""
     from flagdeploy.installer.deploy import deploy_engines, engine_problem, notes, write
-    from flagdeploy.planner import PlanRequest, Profile, make_plan
-    from flagdeploy.planner.report import parse_layout
+    from flagdeploy.planner import Profile
 
     if profile_file and (chip or model or devices or layout):
         raise click.UsageError("--profile already names the chip, model, devices and layout: drop "

@@ -361,7 +361,8 @@ def _compose_nodes(profile: Profile, needs: ContainerNeeds, image: str, cache_di
     return files
 
 
-def _k8s_volumes(name: str, needs: ContainerNeeds, cache_dir: str, profile: bool = True) -> tuple[list[dict], list[dict]]:
+def _k8s_volumes(name: str, needs: ContainerNeeds, cache_dir: str,
+                 profile: bool = True) -> tuple[list[dict], list[dict]]:
     """A pod's volumes and the server container's mounts: the profile's ConfigMap (unless `profile` is false: an
     external engine takes its flags on the command line), the model cache, /dev/shm and the driver files."""
     c = _data()["common"]
@@ -566,7 +567,8 @@ def _external(kind: str, profile: Profile, engine: str, needs: ContainerNeeds, i
     extra = [str(x) for kv in (spec.get("container_flags") or {}).items() for x in kv]
     health = spec.get("health", "/health")
     visible = _data()["vendors"][get_chip(profile.chip).vendor]["visible_devices_env"]
-    source = f"{engine}'s launch as `flagdeploy plan --emit {engine}` prints it (flagdeploy/planner/emit.py, profiles/engines.yaml)"
+    source = (f"{engine}'s launch as `flagdeploy plan --emit {engine}` prints it (flagdeploy/planner/emit.py, "
+              "profiles/engines.yaml)")
 
     def env(launch, k8s: bool = False) -> dict[str, str]:
         out = {**c["engine_env"], **needs.env, **launch.env}
@@ -611,7 +613,8 @@ def _external(kind: str, profile: Profile, engine: str, needs: ContainerNeeds, i
                                "template": {"metadata": {"labels": labels},
                                             "spec": {"containers": [container], "volumes": volumes}}}}
         service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
-                   "spec": {"selector": labels, "ports": [{"name": "http", "port": profile.port, "targetPort": "http"}]}}
+                   "spec": {"selector": labels,
+                            "ports": [{"name": "http", "port": profile.port, "targetPort": "http"}]}}
         return {"deployment.yaml": _comment(head) + _dump([deployment, service])}
 
     if kind == "k8s":
@@ -642,10 +645,12 @@ def _external(kind: str, profile: Profile, engine: str, needs: ContainerNeeds, i
                 "every node has joined and the model is loaded)" if rank == 0
                 else f"node {rank} joins {engine}'s head on {master_addr} headless: no HTTP port")
         head = [f"Node {rank} of {needs.nodes}: {_layout(profile)}, {needs.count or 'no'} device(s) per node.",
-                f"On host {rank}: put this file in a directory, then `docker compose -f compose.node{rank}.yaml up -d`.",
+                f"On host {rank}: put this file in a directory, then "
+                f"`docker compose -f compose.node{rank}.yaml up -d`.",
                 f"Host network: {role}. It runs {source}."]
         head += [f"WARNING: {n}" for n in notes("compose", profile, nic=nic)] + notes_of(launch)
-        files[f"compose.node{rank}.yaml"] = _comment(head) + _dump([{"services": {f"{_name(profile)}-node{rank}": svc}}])
+        doc = {"services": {f"{_name(profile)}-node{rank}": svc}}
+        files[f"compose.node{rank}.yaml"] = _comment(head) + _dump([doc])
     return files
 
 

@@ -419,7 +419,8 @@ def _context(prof: Profile, engine: str, chip: Any, node: dict[str, Any]) -> dic
     dp_local = prof.dp // prof.nodes if prof.nodes >= 1 and prof.dp % prof.nodes == 0 else None
     return dataclasses.asdict(prof) | node | {
         "ep_spans_dp": prof.ep > 1 and prof.ep == prof.tp * prof.dp, "all_devices": prof.tp * prof.dp * prof.pp,
-        "dp_all": prof.dp * prof.pp, "replica_devices": replica, "replica_in_node": replica <= devices and devices % replica == 0,
+        "dp_all": prof.dp * prof.pp, "replica_devices": replica,
+        "replica_in_node": replica <= devices and devices % replica == 0,
         "dp_local": dp_local, "dp_start_rank": None if dp_local is None else node["node_rank"] * dp_local,
         "engine": engine, "backend": chip.backend, "vendor": chip.vendor, "tp_dp": prof.tp * prof.dp,
         "dp_attention": prof.dp > 1 and prof.ep > 1,

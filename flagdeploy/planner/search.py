@@ -347,7 +347,8 @@ def _suggestions(req, chip, config, groups, cache, facts, load, rejected, policy
         fit = _evaluate(replace(req, engine=None), chip, groups, cache, facts, load, [r.layout for r in refused])[0]
         if fit:
             best = _rank(fit, req.objective)[0].layout
-            others = [e for e in chip_engines(chip.id) if e != req.engine and engine_refusal(req, chip, best, e) is None]
+            others = [e for e in chip_engines(chip.id)
+                      if e != req.engine and engine_refusal(req, chip, best, e) is None]
             why = engine_refusal(req, chip, best).split(": ", 1)[1].rsplit(" [", 1)[0]
             out.append(f"{len(fit)} layout(s) fit but {req.engine} does not run them on {req.nodes} node(s), e.g. "
                        f"{best}: {why}" + (f"; {', '.join(others)} run it: --engine {others[0]}" if others else ""))
