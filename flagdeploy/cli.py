@@ -681,7 +681,11 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: chosen, alternatives, rejected.")
 @click.option("--emit", default=None, type=click.Choice(["profile", "vllm", "vllm-ascend", "sglang", "mindie"]),
               help="Print the profile YAML, or the launch command of that engine, for the chosen layout "
-                   "(with --nodes N: each node's command, under a `# node R of N` heading).")
+                   "(with --nodes N: each node's command, under a `# node R of N` heading); an engine here ranks "
+                   "only the layouts it runs, as --engine does.")
+@click.option("--engine", default=None, type=click.Choice(["builtin", "vllm", "vllm-ascend", "sglang", "mindie"]),
+              help="Rank only the layouts this engine runs (over several nodes they differ: profiles/engines.yaml "
+                   "`layouts`); the profile records it. Default: every layout, or the --emit engine.")
 @click.option("--master-addr", "head_addr", default="$HEAD_IP", show_default=True,
               help="With --nodes and --emit: node 0's address as the other nodes reach it (default: a shell variable).")
 @click.option("--nic", default="$NIC", show_default=True,
@@ -691,7 +695,7 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
                    "out, which breaks HCCL init there (vllm-ascend #16754).")
 def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, objective, mtp, num_speculative_tokens,
          acceptance_length, policy, kv_cache_dtype, memory_utilization, limit_mm_per_prompt, allowed_media_domains,
-         layout, as_json, emit, head_addr, nic, npu_direct_roce) -> None:
+         layout, as_json, emit, engine, head_addr, nic, npu_direct_roce) -> None:
     """Will it fit, and how to split it: TP x DP x EP x PP layouts for a model on a chip."""
     import dataclasses
     import json
@@ -701,12 +705,16 @@ def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, 
 
     if not mtp and (num_speculative_tokens is not None or acceptance_length is not None):
         _fail("--num-speculative-tokens and --acceptance-length describe MTP speculative decoding: add --mtp")
+    if emit not in (None, "profile"):
+        if engine not in (None, emit):
+            raise click.UsageError(f"--emit {emit} launches {emit}: drop --engine {engine}, or emit that engine")
+        engine = emit
     try:
         req = PlanRequest(model, chip.value, devices or chip.chip.devices_per_node, nodes=nodes,
                           interconnect=interconnect, max_model_len=max_model_len, concurrency=concurrency, objective=objective, mtp=mtp,
                           num_speculative_tokens=num_speculative_tokens or 3, acceptance_length=acceptance_length,
                           policy=policy, layout=parse_layout(layout) if layout is not None else None,
-                          kv_cache_dtype=kv_cache_dtype, memory_utilization=memory_utilization)
+                          kv_cache_dtype=kv_cache_dtype, memory_utilization=memory_utilization, engine=engine)
         result = make_plan(req)
         if emit and result.chosen:
             from flagdeploy.planner.emit import emit as emit_engine
@@ -945,6 +953,12 @@ def doctor(chip, model, devices, max_model_len, nodes, node_rank, nic, port, nod
               help="Nodes to spread the model over (default 1, or the profile's): compose writes one file per host, "
                    "k8s a LeaderWorkerSet.")
 @click.option("--layout", default=None, help="Deploy exactly this layout, e.g. tp=8,dp=2,ep=16 (as `plan --layout`).")
+@click.option("--engine", default=None, type=click.Choice(["builtin", "vllm", "vllm-ascend", "sglang", "onnxruntime"]),
+              help="What the containers run: flagdeploy's own engine, or an external engine's own launch (over "
+                   "several nodes its multi-node mode). Default: the profile's engine, else the first of the chip's "
+                   "(profiles/engines.yaml `deploy`: vllm-ascend then builtin on Ascend, builtin then vllm, sglang "
+                   "on NVIDIA) that runs a layout that fits. image: the matrix stack to build (default builtin; the "
+                   "chip's edge engine, onnxruntime, for edge chips).")
 @click.option("--nic", default=None, metavar="IFACE",
               help="With several nodes: the network interface the nodes talk over (GLOO_SOCKET_IFNAME and "
                    "HCCL_SOCKET_IFNAME / NCCL_SOCKET_IFNAME); unset without it.")
@@ -954,20 +968,17 @@ def doctor(chip, model, devices, max_model_len, nodes, node_rank, nic, port, nod
 @memory_utilization_option
 @click.option("--image", default=None, metavar="REF",
               help="Container image to run, e.g. one built from `deploy image` (default: a digest placeholder to pin).")
-@click.option("--engine", default=None,
-              type=click.Choice(["builtin", "vllm-ascend", "vllm", "sglang", "mindie", "onnxruntime"]),
-              help="image: the matrix stack to build (default builtin; the chip's edge engine for edge chips).")
 @click.option("--wheel", default=None, type=click.Path(exists=True, dir_okay=False),
               help="image: build from this flagdeploy wheel instead of the source tree (copied beside the Dockerfile).")
 @click.option("-o", "--output", default=".", show_default=True, help="Directory to write the files into.")
 @click.option("--overwrite", is_flag=True)
-def deploy(kind, chip, model, profile_file, devices, nodes, layout, nic, master_addr, max_model_len, memory_utilization,
-           image, engine, wheel, output, overwrite) -> None:
-    """Container and Kubernetes artefacts that run `flagdeploy serve` with the planner's profile; `image`: the
+def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic, master_addr, max_model_len,
+           memory_utilization, image, wheel, output, overwrite) -> None:
+    """Container and Kubernetes artefacts that run the planner's profile: `flagdeploy serve`, or an external
+    engine's own launch (vLLM, vLLM-Ascend, SGLang; over several nodes their multi-node modes); `image`: the
     Dockerfile of an image to run them with (flagdeploy plus the chip's pinned stack)."""
-    from flagdeploy.installer.deploy import notes, write
-    from flagdeploy.planner import PlanRequest, Profile, make_plan
-    from flagdeploy.planner.report import parse_layout
+    from flagdeploy.installer.deploy import PLACEHOLDER_IMAGE, deploy_engines, engine_problem, image_for, notes, write
+    from flagdeploy.planner import Profile
 
     if kind == "image":
         given = [f"--{n.replace('_', '-')}" for n, v in (("model", model), ("profile", profile_file), ("devices", devices),
@@ -978,8 +989,8 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, nic, master_
         if not chip:
             raise click.UsageError("give --chip: the chip the image is for (e.g. cpu, h200, ascend910c)")
         return _deploy_image(chip.chip.id, engine, wheel, output, overwrite)
-    if engine not in (None, "builtin") or wheel:
-        raise click.UsageError("--engine and --wheel are options of `deploy image`")
+    if engine == "onnxruntime" or wheel:
+        raise click.UsageError("--engine onnxruntime and --wheel are options of `deploy image`")
     if profile_file and (chip or model or devices or layout):
         raise click.UsageError("--profile already names the chip, model, devices and layout: drop "
                                "--chip/--model/--devices/--layout, or drop --profile to plan here")
@@ -991,31 +1002,31 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, nic, master_
             if nodes is not None and nodes != profile.nodes:
                 _fail(f"{profile_file} is laid out for {profile.nodes} node(s), not --nodes {nodes}: plan it again "
                       f"(`flagdeploy plan --nodes {nodes} --emit profile`) or drop --nodes")
+            engine = engine or profile.engine
+            if engine is None:  # the first of the chip's engines that runs this layout (else the first, which says why)
+                order = deploy_engines(profile.chip) or ["builtin"]
+                engine = next((e for e in order if engine_problem(profile, e) is None), order[0])
         else:
-            spec = chip.chip
-            plan = make_plan(PlanRequest(model, spec.id, devices or spec.devices_per_node, nodes=nodes or 1,
-                                         max_model_len=max_model_len, memory_utilization=memory_utilization,
-                                         layout=parse_layout(layout) if layout is not None else None))
-            if layout and plan.chosen is None and plan.rejected:
-                _fail(f"--layout {layout}: {plan.rejected[0].reason}")
-            if plan.chosen is None:
-                _fail(f"nothing fits {model} on {devices or spec.devices_per_node} x {spec.id}"
-                      + "".join(f"\n  {s}" for s in plan.suggestions or ["(no layout was found either)"])
-                      + f"\n`flagdeploy plan --model {model} --chip {spec.id}` shows every layout and why it fails.")
-            profile = plan.profile()
-        paths = write(kind, profile, output, image=image, overwrite=overwrite, nic=nic, master_addr=master_addr)
+            profile, engine = _deploy_plan(chip.chip, model, devices, nodes or 1, layout, engine, max_model_len,
+                                           memory_utilization)
+        paths = write(kind, profile, output, image=image, overwrite=overwrite, nic=nic, master_addr=master_addr,
+                      engine=engine)
         warnings = notes(kind, profile, nic=nic)
     except (FlagdeployError, ValueError, FileExistsError) as exc:
         _fail(str(exc))
     for p in paths:
         click.echo(f"wrote {p}")
+    layout_text = f"tp={profile.tp},dp={profile.dp},ep={profile.ep},pp={profile.pp}"
+    click.echo(f"engine: {engine}, layout {layout_text} on {profile.nodes} node(s) x {profile.devices} {profile.chip}"
+               + ("" if profile_file else " (--engine and --layout choose others; `flagdeploy plan ... --engine E` "
+                                          "ranks what an engine runs)"), err=True)
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
-    if image is None:
-        from flagdeploy.installer.deploy import PLACEHOLDER_IMAGE
-
-        click.echo(f"warning: no --image given: the files name the placeholder {PLACEHOLDER_IMAGE}; build an image with "
-                   f"`flagdeploy deploy image --chip {profile.chip}` and render again with --image REF", err=True)
+    if image_for(profile, engine, image) == PLACEHOLDER_IMAGE:
+        build = (f"build one with `flagdeploy deploy image --chip {profile.chip}`" if engine == "builtin"
+                 else f"installer/matrix.yaml names no {engine} image for {profile.chip}")
+        click.echo(f"warning: no --image given: the files name the placeholder {PLACEHOLDER_IMAGE}; {build} and "
+                   "render again with --image REF", err=True)
 
 
 def _deploy_image(chip_id: str, engine: str | None, wheel: str | None, output: str, overwrite: bool) -> None:
@@ -1033,6 +1044,45 @@ def _deploy_image(chip_id: str, engine: str | None, wheel: str | None, output: s
         click.echo(f"warning: not backed by a stored source yet: {', '.join(rec.unconfirmed)} (see the Dockerfile's "
                    "header)", err=True)
     click.echo(f"build it with: {rec.build_command(output)}")
+
+
+def _deploy_plan(spec, model, devices, nodes, layout, engine, max_model_len, memory_utilization):
+    """deploy's profile and engine: the planner's best layout for `engine`, or without one for the first engine of
+    the chip's (engines.yaml `deploy`) that runs a layout that fits and renders. Nothing fitting is one error
+    naming why (memory, or the layouts the engines run) and the `plan` command that shows every layout."""
+    from flagdeploy.installer.deploy import deploy_engines, engine_problem
+    from flagdeploy.planner import PlanRequest, make_plan
+    from flagdeploy.planner.report import parse_layout
+
+    from flagdeploy.planner.emit import chip_engines
+
+    per_node = devices or spec.devices_per_node
+    if engine and engine not in chip_engines(spec.id):
+        _fail(f"{engine} does not run on {spec.id} (profiles/engines.yaml rules); engines for it: "
+              f"{', '.join(e for e in chip_engines(spec.id) if e in ('builtin', 'vllm', 'vllm-ascend', 'sglang'))}")
+    order = [engine] if engine else (deploy_engines(spec.id) or ["builtin"])
+    tried = []
+    for name in order:
+        plan = make_plan(PlanRequest(model, spec.id, per_node, nodes=nodes, max_model_len=max_model_len,
+                                     memory_utilization=memory_utilization, engine=name,
+                                     layout=parse_layout(layout) if layout is not None else None))
+        if plan.chosen is not None:
+            profile = plan.profile()
+            why = engine_problem(profile, name)
+            if why is None:
+                return profile, name
+            tried.append((name, [why]))
+        else:
+            first = [r.reason for r in plan.rejected[:1] if layout and "does not run this layout" not in r.reason]
+            tried.append((name, first + plan.suggestions))
+    where = f"{model} on {nodes} node(s) x {per_node} {spec.id}" + (f" with --layout {layout}" if layout else "")
+    engines = " or ".join(name for name, _ in tried)
+    lines = [f"nothing that {engines} runs fits {where}"]
+    for name, reasons in tried:
+        lines += [f"  {name}: {r}" for r in reasons or ["no layout was found either"]]
+    plan_cmd = (f"flagdeploy plan --model {model} --chip {spec.id} --devices {per_node} --nodes {nodes} "
+                f"--engine {tried[0][0]}")
+    _fail("\n".join(lines) + f"\n`{plan_cmd}` shows every layout and why it is refused.")
 
 
 @main.command()

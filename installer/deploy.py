@@ -9,10 +9,18 @@ A profile over several nodes (`nodes: N`) runs one `flagdeploy serve --nnodes N 
 per host, on the host's network: compose writes one file per host (node 0 serves HTTP, the others join headless),
 Kubernetes gets a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) of N pods that is recreated as a group when one
 fails, and a Service on the leader. docker (one `docker run` on one host) refuses such a profile.
+
+With an external engine (`engine="vllm"|"vllm-ascend"|"sglang"`) the containers run that engine's own launch
+instead, from flagdeploy.planner.emit (the commands `plan --emit ENGINE` prints, one source of the flags): over
+several nodes its own multi-node mode, node 0 (the LWS leader) the head that serves HTTP, the others its workers.
+Which layouts each engine runs is engines.yaml `layouts`; which engine `deploy` takes without --engine is its
+`deploy` section (`deploy_engines`). The image of an external engine defaults to the compatibility matrix's
+(installer/matrix.yaml) for the chip's family and that engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -27,10 +35,13 @@ import yaml
 from flagdeploy.chips import get_chip
 from flagdeploy.planner.profile import Profile
 
-__all__ = ["KINDS", "PLACEHOLDER_IMAGE", "STARTUP_BUDGET_S", "ContainerNeeds", "container_needs", "notes", "render",
-           "write"]
+__all__ = ["DEPLOY_ENGINES", "KINDS", "PLACEHOLDER_IMAGE", "STARTUP_BUDGET_S", "ContainerNeeds", "container_needs",
+           "deploy_engines", "engine_image", "engine_problem", "image_for", "notes", "render", "write"]
 
 KINDS = ("docker", "compose", "k8s")
+# The engines deploy renders: flagdeploy's own and the external ones with a multi-node mode (MindIE is driven by a
+# config file merged into its image's, which these renderers do not write).
+DEPLOY_ENGINES = ("builtin", "vllm", "vllm-ascend", "sglang")
 # A tag can move under a running deployment; a digest cannot. The placeholder fails loudly until replaced.
 PLACEHOLDER_IMAGE = "REPLACE-ME@sha256:<digest>"
 # Reading a large checkpoint from network storage and compiling graphs can take tens of minutes: the startup
@@ -160,16 +171,6 @@ def _check_multinode(kind: str, profile: Profile, nic: str | None, master_addr: 
         raise ValueError(f"the profile spans {n} nodes and `deploy docker` writes one host's `docker run`: use "
                          f"`flagdeploy deploy compose --nodes {n} --master-addr NODE0_IP` (one compose file per host) "
                          f"or `flagdeploy deploy k8s --nodes {n}` (a LeaderWorkerSet)")
-    if why := _not_builtin_across_nodes(profile):
-        total = profile.tp * profile.dp * profile.pp
-        raise ValueError(
-            f"the profile's layout tp={profile.tp},dp={profile.dp},ep={profile.ep},pp={profile.pp} has {why}; the "
-            "builtin engine these files run spreads one replica's tp x ep ranks over the nodes, without pipeline "
-            "stages or separate data-parallel replicas. "
-            f"Pick a layout it runs: for a MoE model experts over every device, e.g. `--layout tp={profile.tp},"
-            f"dp={total // profile.tp},ep={total}` (`flagdeploy plan --layout ...` says whether it fits); a dense "
-            "model would need TP across nodes: serve it with an external engine (`flagdeploy plan --nodes "
-            f"{n} --emit vllm|vllm-ascend|sglang`)")
     if kind == "compose" and not master_addr:
         raise ValueError(f"a compose deployment over {n} nodes needs --master-addr: the address of the host that "
                          "will run node 0 (it serves HTTP and hosts the rendezvous), as the other hosts reach it, "
@@ -179,16 +180,51 @@ def _check_multinode(kind: str, profile: Profile, nic: str | None, master_addr: 
                          "LeaderWorkerSet (LWS_LEADER_ADDRESS); drop the option")
 
 
-def _not_builtin_across_nodes(profile: Profile) -> str | None:
-    """What in a profile over several nodes `flagdeploy serve` refuses, or None, so that deploy refuses before
-    writing pods that could only crash: pipeline stages (serve's _from_profile), and data-parallel replicas in
-    the builtin engine's layout (`Profile.builtin_layout`, which serve runs; --nnodes refuses --dp)."""
-    if profile.pp > 1:
-        return f"{profile.pp} pipeline stages"
-    _, _, dp = profile.builtin_layout()
-    if dp > 1:
-        return f"{dp} data-parallel replicas"
-    return None
+def deploy_engines(chip: str) -> list[str]:
+    """The engines `deploy` tries without --engine, in order (engines.yaml `deploy`, per chip backend), less those
+    that do not run on the chip at all."""
+    from flagdeploy.planner.emit import _spec, chip_engines
+
+    data = _spec()["deploy"]
+    order = data["engines_by_backend"].get(get_chip(chip).backend, data["engines"])
+    here = chip_engines(chip)
+    return [e for e in order if e in here and e in DEPLOY_ENGINES]
+
+
+def engine_problem(profile: Profile, engine: str) -> str | None:
+    """Why `engine`'s containers could not run `profile` (an engine deploy does not render, a layout the engine
+    does not run, a launch its rules refuse), in one message that says what to do; None when they can. It is
+    checked before any file is written, so that deploy never writes pods that could only crash."""
+    from flagdeploy.planner.emit import EmitError, emit, emit_nodes, layout_refusal
+
+    if engine not in DEPLOY_ENGINES:
+        return f"deploy runs one of {', '.join(DEPLOY_ENGINES)}, not {engine!r}"
+    layout = f"tp={profile.tp},dp={profile.dp},ep={profile.ep},pp={profile.pp}"
+    why = layout_refusal(profile, engine)
+    if why is None and engine != "builtin":
+        try:
+            emit_nodes(profile, engine, nic=None) if profile.nodes > 1 else emit(profile, engine)
+        except EmitError as exc:
+            why = str(exc)
+    if why is None:
+        return None
+    others = [e for e in deploy_engines(profile.chip) if e != engine and layout_refusal(profile, e) is None]
+    hint = f" {', '.join(others)} run(s) this layout: --engine {others[0]}." if others else ""
+    return (f"{engine} does not run the profile's layout {layout} on {profile.nodes} node(s) of {profile.devices} "
+            f"{profile.chip}: {why}.{hint}")
+
+
+def engine_image(chip: str, engine: str) -> str | None:
+    """The image of the compatibility matrix's row for the chip's family and `engine` (installer/matrix.yaml),
+    e.g. quay.io/ascend/vllm-ascend:v0.23.0-a3 for vllm-ascend on an A3; None where it names none."""
+    from .detect import chip_family
+    from .matrix import UnsupportedStackError, resolve
+
+    family = chip_family(chip)
+    try:
+        return resolve(family, engine).image if family else None
+    except UnsupportedStackError:
+        return None
 
 
 def notes(kind: str, profile: Profile, *, nic: str | None = None) -> list[str]:
@@ -202,19 +238,34 @@ def notes(kind: str, profile: Profile, *, nic: str | None = None) -> list[str]:
             "(the same name on every node)."]
 
 
+def image_for(profile: Profile, engine: str, image: str | None = None) -> str:
+    """The image the files run: the one given, else for an external engine the matrix's image of that engine,
+    else the placeholder (builtin: an image of `flagdeploy deploy image`, built by the user, has no fixed name)."""
+    return image or (engine_image(profile.chip, engine) if engine != "builtin" else None) or PLACEHOLDER_IMAGE
+
+
 def render(kind: str, profile: Profile, *, image: str | None = None, cache_dir: str = HOST_CACHE,
-           nic: str | None = None, master_addr: str | None = None) -> dict[str, str]:
+           nic: str | None = None, master_addr: str | None = None, engine: str | None = None) -> dict[str, str]:
     """File name -> content for `kind`; `cache_dir` is the host directory holding downloaded models, shared
     across restarts so a redeploy does not download the checkpoint again. Always includes profile.yaml.
 
     A profile with nodes > 1: `nic` names the interface the nodes talk over (GLOO_SOCKET_IFNAME and the vendor's
-    HCCL/NCCL variable; unset without it), `master_addr` is node 0's address (compose only)."""
+    HCCL/NCCL variable; unset without it), `master_addr` is node 0's address (compose only).
+    `engine`: what the containers run (DEPLOY_ENGINES; default the profile's engine, else builtin)."""
     if kind not in KINDS:
         raise ValueError(f"unknown deployment kind {kind!r}; choose one of {', '.join(KINDS)}")
+    engine = engine or profile.engine or "builtin"
+    if why := engine_problem(profile, engine):
+        raise ValueError(why)
     _check_multinode(kind, profile, nic, master_addr)
     needs = container_needs(profile)
     files = {"profile.yaml": profile.to_yaml()}
-    image = image or PLACEHOLDER_IMAGE
+    if engine != "builtin":
+        files["profile.yaml"] = dataclasses.replace(profile, engine=engine).to_yaml()
+        files.update(_external(kind, profile, engine, needs, image_for(profile, engine, image), cache_dir, nic,
+                               master_addr))
+        return files
+    image = image_for(profile, engine, image)
     if needs.nodes > 1:
         files.update(_compose_nodes(profile, needs, image, cache_dir, nic, master_addr) if kind == "compose"
                      else _lws(profile, needs, image, cache_dir, nic))
@@ -321,9 +372,10 @@ def _compose_nodes(profile: Profile, needs: ContainerNeeds, image: str, cache_di
     return files
 
 
-def _k8s_volumes(name: str, needs: ContainerNeeds, cache_dir: str) -> tuple[list[dict], list[dict]]:
-    """A pod's volumes and the server container's mounts: the profile's ConfigMap, the model cache, /dev/shm
-    and the driver files."""
+def _k8s_volumes(name: str, needs: ContainerNeeds, cache_dir: str,
+                 profile: bool = True) -> tuple[list[dict], list[dict]]:
+    """A pod's volumes and the server container's mounts: the profile's ConfigMap (unless `profile` is false: an
+    external engine takes its flags on the command line), the model cache, /dev/shm and the driver files."""
     c = _data()["common"]
     volumes = [{"name": "profile", "configMap": {"name": f"{name}-profile"}},
                {"name": "cache", "hostPath": {"path": cache_dir, "type": "DirectoryOrCreate"}},
@@ -332,20 +384,23 @@ def _k8s_volumes(name: str, needs: ContainerNeeds, cache_dir: str) -> tuple[list
     mounts = [{"name": "profile", "mountPath": os.path.dirname(c["profile_path"]), "readOnly": True},
               {"name": "cache", "mountPath": c["container_cache"]},
               {"name": "dshm", "mountPath": "/dev/shm"}]
+    if not profile:
+        volumes, mounts = volumes[1:], mounts[1:]
     for i, m in enumerate(needs.mounts):
         volumes.append({"name": f"driver-{i}", "hostPath": {"path": m}})
         mounts.append({"name": f"driver-{i}", "mountPath": m, "readOnly": True})
     return volumes, mounts
 
 
-def _k8s_probes() -> dict[str, Any]:
+def _k8s_probes(ready: str = "/ready") -> dict[str, Any]:
     """Loading may take many minutes: /ready gates traffic and startup; the liveness probe only asks whether
-    the process answers (/health), so a pod that is still loading is never killed for it."""
+    the process answers (/health), so a pod that is still loading is never killed for it. An external engine
+    answers only its health path (`ready`: /health), once its model is loaded."""
     http = {"port": "http"}
     return {
-        "startupProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": _PROBE_PERIOD_S,
+        "startupProbe": {"httpGet": {"path": ready, **http}, "periodSeconds": _PROBE_PERIOD_S,
                          "failureThreshold": STARTUP_BUDGET_S // _PROBE_PERIOD_S},
-        "readinessProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": _PROBE_PERIOD_S,
+        "readinessProbe": {"httpGet": {"path": ready, **http}, "periodSeconds": _PROBE_PERIOD_S,
                            "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", **http}, "initialDelaySeconds": 60, "periodSeconds": 20,
                           "timeoutSeconds": 5, "failureThreshold": 6},
@@ -391,7 +446,21 @@ def _k8s(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str) ->
     return {"deployment.yaml": _dump([config, deployment, service])}
 
 
-def _lws(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str, nic: str | None) -> dict[str, str]:
+@dataclass(frozen=True)
+class _Run:
+    """What an external engine's containers run: the leader's and the workers' commands, the environment (the
+    launch's, on top of the vendor's), the path the probes ask, and notes for the files' header."""
+
+    engine: str
+    leader: list[str]
+    worker: list[str]
+    env: dict[str, str]
+    health: str
+    notes: list[str]
+
+
+def _lws(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str, nic: str | None,
+         run: _Run | None = None) -> dict[str, str]:
     """ConfigMap (the profile), LeaderWorkerSet and a Service on the leader, for a profile over several nodes.
 
     One group of `nodes` pods: the leader (LWS worker index 0) is node 0, serves HTTP and carries the probes;
@@ -401,9 +470,12 @@ def _lws(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str, ni
     c = _data()["common"]
     name = _name(profile)[:_LWS_NAME_MAX].rstrip("-")
     labels = {"app": name}
-    volumes, mounts = _k8s_volumes(name, needs, cache_dir)
-    env = [{"name": "FLAGDEPLOY_CACHE", "value": c["container_cache"]}]
-    env += [{"name": k, "value": v} for k, v in _nic_env(needs, nic).items()]
+    volumes, mounts = _k8s_volumes(name, needs, cache_dir, profile=run is None)
+    if run is None:
+        env = [{"name": "FLAGDEPLOY_CACHE", "value": c["container_cache"]}]
+        env += [{"name": k, "value": v} for k, v in _nic_env(needs, nic).items()]
+    else:  # the launch's own environment (it sets the interface variables from --nic itself)
+        env = [{"name": k, "value": v} for k, v in run.env.items()]
     # Quantities as strings, the form the API server returns them in (an integer is accepted too).
     limits = {needs.k8s_resource: str(needs.count)} if needs.k8s_resource else {}
     limits.update({k: str(v) for k, v in needs.rdma.get("k8s_resources", {}).items()})
@@ -413,16 +485,19 @@ def _lws(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str, ni
         "topologyKey": "kubernetes.io/hostname"}]}}
 
     def template(role: str, rank: str) -> dict[str, Any]:
+        command = ([*c["serve"], *_node_args(needs, rank, "$(LWS_LEADER_ADDRESS)")] if run is None
+                   else run.leader if role == "leader" else run.worker)
         container: dict[str, Any] = {
             "name": "server" if role == "leader" else "worker",
             "image": image,
-            "command": [*c["serve"], *_node_args(needs, rank, "$(LWS_LEADER_ADDRESS)")],
+            "command": command,
             "env": env,
         }
         if role == "leader":
-            container["ports"] = [{"name": "http", "containerPort": profile.port},
-                                  {"name": "rendezvous", "containerPort": c["master_port"]}]
-            container.update(_k8s_probes())
+            container["ports"] = [{"name": "http", "containerPort": profile.port}]
+            if run is None:
+                container["ports"].append({"name": "rendezvous", "containerPort": c["master_port"]})
+            container.update(_k8s_probes() if run is None else _k8s_probes(run.health))
         container["volumeMounts"] = mounts
         if limits:
             container["resources"] = {"limits": limits}
@@ -459,13 +534,135 @@ def _lws(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str, ni
                         "ports": [{"name": "http", "port": profile.port, "targetPort": "http"}]}}
     net = ("host network (hostNetwork, one pod per node)" if needs.network == "host"
            else f"the rdma network of {DATA.name} (device-plugin resources and annotations)")
-    head = [f"{_layout(profile)}: a LeaderWorkerSet of {needs.nodes} pods, {needs.count or 'no'} device(s) each, "
-            f"on the {net}.",
+    what = "flagdeploy serve" if run is None else f"{run.engine}'s own multi-node mode"
+    head = [f"{_layout(profile)}: a LeaderWorkerSet of {needs.nodes} pods running {what}, {needs.count or 'no'} "
+            f"device(s) each, on the {net}.",
             f"Needs the LeaderWorkerSet controller (kubernetes-sigs/lws) in the cluster. The leader serves HTTP behind "
             f"Service {name}-leader, port {profile.port}; the workers join it headless.",
             "Apply with: kubectl apply -f leaderworkerset.yaml"]
     head += [f"WARNING: {n}" for n in notes("k8s", profile, nic=nic)]
-    return {"leaderworkerset.yaml": _comment(head) + _dump([_k8s_profile(name, labels, profile), lws, service])}
+    head += run.notes if run else []
+    docs = [_k8s_profile(name, labels, profile)] if run is None else []
+    return {"leaderworkerset.yaml": _comment(head) + _dump([*docs, lws, service])}
+
+
+def _engine_command(argv: list[str], setup: list[str], kind: str) -> list[str]:
+    """A container's command for an external launch: its argv, or `/bin/bash -c` with the setup lines first
+    (sourcing the CANN scripts, a worker's rank) when it has any or a word needs the shell. Kubernetes expands
+    $(VAR) in a command itself (LWS_LEADER_ADDRESS), so a shell arithmetic $(( )) is escaped there; compose
+    interpolates every $, so each is doubled."""
+    from flagdeploy.planner.emit import shell_word
+
+    words = [shell_word(a) for a in argv]
+    if not setup and not any(w.startswith('"') for w in words):
+        command = list(argv)
+    else:
+        command = ["/bin/bash", "-c", "\n".join([*setup, "exec " + " ".join(words)])]
+    if kind == "k8s":
+        return [w.replace("$((", "$$((") for w in command]
+    if kind == "compose":
+        return [w.replace("$", "$$") for w in command]
+    return command
+
+
+def _external(kind: str, profile: Profile, engine: str, needs: ContainerNeeds, image: str, cache_dir: str,
+              nic: str | None, master_addr: str | None) -> dict[str, str]:
+    """The files of `kind` that run `engine`'s own launch (flagdeploy.planner.emit: the commands `plan --emit`
+    prints) in the vendor's containers: one node as docker/compose/a Deployment, several nodes as one compose file
+    per host or a LeaderWorkerSet whose leader is the engine's head and whose workers its headless nodes. HCCL_IF_IP
+    is left out on Ascend, as in the builtin files (HCCL_SOCKET_IFNAME from --nic selects the interface)."""
+    from flagdeploy.planner.emit import emit, emit_nodes, emit_worker, engine_data
+
+    c = _data()["common"]
+    spec = engine_data(engine)
+    extra = [str(x) for kv in (spec.get("container_flags") or {}).items() for x in kv]
+    health = spec.get("health", "/health")
+    visible = _data()["vendors"][get_chip(profile.chip).vendor]["visible_devices_env"]
+    source = (f"{engine}'s launch as `flagdeploy plan --emit {engine}` prints it (flagdeploy/planner/emit.py, "
+              "profiles/engines.yaml)")
+
+    def env(launch, k8s: bool = False) -> dict[str, str]:
+        out = {**c["engine_env"], **needs.env, **launch.env}
+        if k8s and visible:  # the device plugin picks the devices and passes them in
+            out.pop(visible, None)
+        return {k: v.replace("$", "$$") for k, v in out.items()} if kind == "compose" else out
+
+    def notes_of(*launches) -> list[str]:
+        return [f"{engine}: {w}" for w in dict.fromkeys(w for la in launches for w in la.warnings)]
+
+    if profile.nodes <= 1:
+        launch = emit(profile, engine)
+        command = _engine_command([*launch.argv, *extra], launch.setup, kind)
+        head = [f"{_layout(profile)}, port {profile.port}: {source}.",
+                f"{engine} answers {health} once the model is loaded."] + notes_of(launch)
+        if kind == "docker":
+            q = shlex.quote
+            args = [["--name", _name(profile)], ["--shm-size", c["shm_size"]], ["-p", f"{profile.port}:{profile.port}"]]
+            args += [["-e", f"{k}={v}"] for k, v in env(launch).items()]
+            args += [["--gpus", str(needs.gpus)]] if needs.gpus else []
+            args += [["--device", d] for d in needs.devices]
+            args += [["-v", f"{m}:{m}:ro"] for m in needs.mounts]
+            args += [["-v", f"{cache_dir}:{c['container_cache']}"]]
+            body = " \\\n  ".join(["exec docker run -d", *(" ".join(map(q, a)) for a in args),
+                                     " ".join(map(q, [image, *command]))])
+            return {"run.sh": "#!/bin/sh\n" + _comment(head) + "set -eu\n" + body + "\n"}
+        if kind == "compose":
+            svc = _compose_service(profile, needs, image, cache_dir)
+            svc["command"], svc["environment"] = command, env(launch)
+            svc["volumes"] = [v for v in svc["volumes"] if not v.endswith(f"{c['profile_path']}:ro")]
+            return {"compose.yaml": _comment(head) + _dump([{"services": {_name(profile): svc}}])}
+        name, labels = _name(profile), {"app": _name(profile)}
+        volumes, mounts = _k8s_volumes(name, needs, cache_dir, profile=False)
+        container: dict[str, Any] = {"name": "server", "image": image, "command": command,
+                                     "ports": [{"name": "http", "containerPort": profile.port}],
+                                     "env": [{"name": k, "value": v} for k, v in env(launch, k8s=True).items()],
+                                     **_k8s_probes(health), "volumeMounts": mounts}
+        if needs.k8s_resource:  # a quantity as a string, the form the API server returns
+            container["resources"] = {"limits": {needs.k8s_resource: str(needs.count)}}
+        deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
+                      "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": labels},
+                               "template": {"metadata": {"labels": labels},
+                                            "spec": {"containers": [container], "volumes": volumes}}}}
+        service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
+                   "spec": {"selector": labels,
+                            "ports": [{"name": "http", "port": profile.port, "targetPort": "http"}]}}
+        return {"deployment.yaml": _comment(head) + _dump([deployment, service])}
+
+    if kind == "k8s":
+        leader_addr = "$(LWS_LEADER_ADDRESS)"
+        leader = emit_nodes(profile, engine, head_addr=leader_addr, nic=nic, npu_direct_roce=True)[0]
+        worker = emit_worker(profile, engine, "LWS_WORKER_INDEX", head_addr=leader_addr, nic=nic, npu_direct_roce=True)
+        if env(leader) != env(worker):  # the pods share one environment list
+            raise ValueError(f"{engine}'s head and worker launches set different environments; not rendered")
+        run = _Run(engine, _engine_command([*leader.argv, *extra], leader.setup, kind),
+                   _engine_command([*worker.argv, *extra], worker.setup, kind), env(leader, k8s=True), health,
+                   [f"The leader runs node 0 of {source}; the workers node $(LWS_WORKER_INDEX)."]
+                   + notes_of(leader, worker))
+        return _lws(profile, needs, image, cache_dir, nic, run)
+
+    files = {}
+    launches = emit_nodes(profile, engine, head_addr=master_addr, nic=nic, npu_direct_roce=True)
+    for rank, launch in enumerate(launches):
+        svc = _compose_service(profile, needs, image, cache_dir)
+        del svc["ports"]
+        svc["network_mode"] = "host"
+        svc["command"], svc["environment"] = _engine_command([*launch.argv, *extra], launch.setup, kind), env(launch)
+        svc["volumes"] = [v for v in svc["volumes"] if not v.endswith(f"{c['profile_path']}:ro")]
+        if needs.rdma:
+            svc["devices"] = svc.get("devices", []) + [f"{d}:{d}" for d in needs.rdma.get("devices", [])]
+            if needs.rdma.get("capabilities"):
+                svc["cap_add"] = list(needs.rdma["capabilities"])
+        role = (f"node 0, {engine}'s head, serves http://{master_addr}:{profile.port}/v1 ({health} answers once "
+                "every node has joined and the model is loaded)" if rank == 0
+                else f"node {rank} joins {engine}'s head on {master_addr} headless: no HTTP port")
+        head = [f"Node {rank} of {needs.nodes}: {_layout(profile)}, {needs.count or 'no'} device(s) per node.",
+                f"On host {rank}: put this file in a directory, then "
+                f"`docker compose -f compose.node{rank}.yaml up -d`.",
+                f"Host network: {role}. It runs {source}."]
+        head += [f"WARNING: {n}" for n in notes("compose", profile, nic=nic)] + notes_of(launch)
+        doc = {"services": {f"{_name(profile)}-node{rank}": svc}}
+        files[f"compose.node{rank}.yaml"] = _comment(head) + _dump([doc])
+    return files
 
 
 _RENDERERS = {"docker": _docker, "compose": _compose, "k8s": _k8s}

@@ -435,15 +435,17 @@ def run_cli(*args):
 
 def test_cli_plans_over_nodes_and_writes_a_leaderworkerset(tmp_path):
     args = ["k8s", "--chip", "ascend910c", "--model", "glm-5.3-flash", "--nodes", "2", "-o", str(tmp_path)]
-    # A layout with pipeline stages (the planner may well prefer one) is one the builtin engine does not run.
-    r = run_cli(*args, "--layout", "tp=4,dp=4,ep=16,pp=2")
+    # A layout with pipeline stages is one the builtin engine does not run: refused, naming one it runs and the
+    # engines that run this one (the default on Ascend, vllm-ascend, does).
+    r = run_cli(*args, "--layout", "tp=4,dp=4,ep=16,pp=2", "--engine", "builtin")
     assert r.exit_code == 1 and "pipeline stages" in r.output and "--layout tp=4,dp=8,ep=32" in r.output
+    assert "--engine vllm-ascend" in r.output and "flagdeploy plan" in r.output
     assert not any(tmp_path.iterdir())
-    r = run_cli(*args, "--layout", "tp=4,dp=8,ep=32")
+    r = run_cli(*args, "--layout", "tp=4,dp=8,ep=32", "--engine", "builtin")
     assert r.exit_code == 0, r.output
     assert "leaderworkerset.yaml" in r.output and "warning: no --nic given" in r.output
     profile = Profile.load(tmp_path / "profile.yaml")
-    assert profile.nodes == 2
+    assert profile.nodes == 2 and profile.engine == "builtin"
     docs = {d["kind"]: d for d in yaml.safe_load_all((tmp_path / "leaderworkerset.yaml").read_text())}
     assert docs["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]["size"] == 2
     assert crd_errors(docs["LeaderWorkerSet"]) == []

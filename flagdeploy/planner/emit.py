@@ -33,12 +33,14 @@ from flagdeploy.errors import FlagdeployError
 from flagdeploy.planner.profile import Profile
 from flagdeploy.profiles import PROFILES_DIR
 
-__all__ = ["ENGINES", "EmitError", "Launch", "emit", "emit_nodes"]
+__all__ = ["ENGINES", "LAYOUT_ENGINES", "EmitError", "Launch", "chip_engines", "emit", "emit_nodes", "emit_worker",
+           "engine_data", "engine_form", "layout_refusal", "shell_word"]
 
 ENGINES_FILE = PROFILES_DIR / "engines.yaml"
 # Names usable in `when` and templates besides the Profile fields (see the engines.yaml header).
 DERIVED = ("engine", "backend", "vendor", "tp_dp", "dp_attention", "served_name", "visible_devices", "device_ids",
            "num_verify_tokens", "replica_devices", "replica_in_node", "dp_local", "dp_start_rank",
+           "ep_spans_dp", "all_devices", "dp_all",  # the layout names of the `layouts` section
            # per node (emit_nodes); one node: rank 0, the addresses None
            "node_rank", "node_ip", "head_addr", "nic", "npu_direct_roce")
 _ONE_NODE: dict[str, Any] = {"node_rank": 0, "node_ip": None, "head_addr": None, "nic": None, "npu_direct_roce": False}
@@ -50,7 +52,7 @@ SHELL_VARIABLES = {
     "NIC": "the network interface that carries the traffic between the nodes (ip -o -4 addr)",
 }
 # Fields that describe where/what runs rather than how: never reported as "not mapped".
-_CONTEXT_ONLY = {"model", "chip", "model_type", "devices", "nodes"}
+_CONTEXT_ONLY = {"model", "chip", "model_type", "devices", "nodes", "engine"}
 _OPS = {"gt": lambda a, b: a is not None and a > b, "ge": lambda a, b: a is not None and a >= b,
         "lt": lambda a, b: a is not None and a < b, "ne": lambda a, b: a != b,
         "in": lambda a, b: a in b, "not_in": lambda a, b: a not in b}
@@ -86,12 +88,12 @@ class Launch:
         for path, content in self.files.items():
             lines += [f"cat > {shlex.quote(path)} <<'EOF'", content.rstrip("\n"), "EOF"]
         lines += self.setup
-        lines.append(" ".join([f"{k}={_shell_word(v)}" for k, v in self.env.items()]
-                              + [_shell_word(a) for a in self.argv]))
+        lines.append(" ".join([f"{k}={shell_word(v)}" for k, v in self.env.items()]
+                              + [shell_word(a) for a in self.argv]))
         return "\n".join(lines) + "\n"
 
 
-def _shell_word(text: str) -> str:
+def shell_word(text: str) -> str:
     """shlex.quote, except that a word made of shell variables and safe characters is double-quoted ("$NIC")."""
     if _SHELL_REF.search(text) and _EXPANDABLE.match(text):
         return f'"{text}"'
@@ -119,6 +121,17 @@ def _spec() -> dict[str, Any]:
         for eng in _as_list(rule["when"].get("engine")):
             if eng not in engines:
                 raise ValueError(f"{where}: unknown engine {eng!r}")
+    layouts = data["layouts"]
+    for entry in layouts["refuse"]:
+        where = f"{ENGINES_FILE.name}: layouts entry {entry.get('id')!r}"
+        if not entry.get("source") or not entry.get("why") or not isinstance(entry.get("when"), dict):
+            raise ValueError(f"{where}: every entry needs a source, a why and a `when` mapping")
+        if unknown := set(entry["when"]) - names:
+            raise ValueError(f"{where}: unknown condition keys {sorted(unknown)}")
+        if unknown := set(_as_list(entry.get("engine"))) - {"builtin", *engines} or not entry.get("engine"):
+            raise ValueError(f"{where}: unknown engine(s) {sorted(unknown) if unknown is not True else None}")
+    if missing := {"builtin", *engines} - set(layouts["forms"]):
+        raise ValueError(f"{ENGINES_FILE.name}: layouts.forms lacks {sorted(missing)}")
     for name, eng in engines.items():
         if unknown := set(eng["flags"]) - names:
             raise ValueError(f"{ENGINES_FILE.name}: engine {name!r} maps unknown fields {sorted(unknown)}")
@@ -130,6 +143,47 @@ def _spec() -> dict[str, Any]:
 
 
 ENGINES: tuple[str, ...] = tuple(_spec()["engines"])
+# Every engine the `layouts` section speaks of: flagdeploy's own (`serve`) and the external ones.
+LAYOUT_ENGINES: tuple[str, ...] = ("builtin", *ENGINES)
+
+
+def layout_refusal(profile: Profile, engine: str) -> str | None:
+    """Why `engine` does not run `profile`'s layout (tp/dp/ep/pp over its nodes), with the entry's id and source,
+    or None when it runs it: the engines.yaml `layouts` section, which the planner filters by and emit obeys."""
+    if engine not in LAYOUT_ENGINES:
+        raise EmitError(f"Unknown engine {engine!r}. Known engines: {', '.join(LAYOUT_ENGINES)}")
+    ctx = _context(profile, engine, get_chip(profile.chip), _ONE_NODE)
+    for entry in _spec()["layouts"]["refuse"]:
+        if engine in _as_list(entry["engine"]) and all(_match(ctx.get(k), c) for k, c in entry["when"].items()):
+            return f"{_render(entry['why'], ctx, None)} [{entry['id']}; {entry['source']}]"
+    return None
+
+
+def chip_engines(chip: str) -> list[str]:
+    """The engines of LAYOUT_ENGINES that run on `chip` at all: those no reject rule that names only the engine
+    and the chip (engine, backend, vendor, chip) refuses, e.g. vllm-ascend off Ascend; the chip's `deploy` order
+    first."""
+    c = get_chip(chip)
+    deploy = _spec()["deploy"]
+    first = deploy["engines_by_backend"].get(c.backend, deploy["engines"])  # deploy's order for the chip first
+    out = []
+    for engine in dict.fromkeys([*first, *LAYOUT_ENGINES]):
+        ctx = {"engine": engine, "backend": c.backend, "vendor": c.vendor, "chip": c.id}
+        if not any("reject" in r and set(r["when"]) <= set(ctx) and all(_match(ctx[k], v) for k, v in r["when"].items())
+                   for r in _spec()["rules"]):
+            out.append(engine)
+    return out
+
+
+def engine_form(engine: str) -> str:
+    """What `engine` runs over several nodes, in one line (engines.yaml layouts.forms)."""
+    return _spec()["layouts"]["forms"][engine]
+
+
+def engine_data(engine: str) -> dict[str, Any]:
+    """An external engine's engines.yaml entry (its health path, container flags, ...)."""
+    _check_engine(engine)
+    return _spec()["engines"][engine]
 
 
 def emit(profile: Profile, engine: str) -> Launch:
@@ -157,6 +211,8 @@ def emit_nodes(profile: Profile, engine: str, head_addr: str = "$HEAD_IP", nic: 
     if profile.nodes <= 1:
         return [emit(profile, engine)]
     for name, value in (("head_addr", head_addr), ("nic", nic)):
+        if name == "nic" and value is None:  # the interface variables are left unset
+            continue
         if not value or any(c.isspace() for c in value):
             raise EmitError(f"{name} must be an address or interface name (or a shell variable such as $HEAD_IP), "
                             f"not {value!r}")
@@ -165,17 +221,42 @@ def emit_nodes(profile: Profile, engine: str, head_addr: str = "$HEAD_IP", nic: 
         raise EmitError(f"the layout tp x dp x pp = {profile.tp} x {profile.dp} x {profile.pp} = {used} devices does "
                         f"not fill {profile.nodes} nodes x {profile.devices} devices = {total}; every node's engine "
                         f"expects its share of one layout over all of them (plan again with --nodes {profile.nodes})")
-    launches = []
-    for rank in range(profile.nodes):
-        node = {"node_rank": rank, "node_ip": "$NODE_IP", "head_addr": head_addr, "nic": nic,
-                "npu_direct_roce": npu_direct_roce}
-        launch = _emit(profile, engine, node)
-        words = [w for w in (*launch.env.values(), *launch.argv) if _shell_word(w).startswith('"')]  # expanded
-        names = dict.fromkeys(m.group(1) for w in words for m in _SHELL_REF.finditer(w))
-        launch.setup = [f': "${{{n}:?set {n} to {SHELL_VARIABLES.get(n, "its value on this node")}}}"'
-                        for n in names] + launch.setup
-        launches.append(launch)
-    return launches
+    return [_node_launch(profile, engine, rank, head_addr, nic, npu_direct_roce) for rank in range(profile.nodes)]
+
+
+def emit_worker(profile: Profile, engine: str, rank_var: str, head_addr: str = "$HEAD_IP", nic: str | None = "$NIC",
+                npu_direct_roce: bool = False) -> Launch:
+    """One launch for every worker node (rank >= 1) of `profile`, its rank read from the shell variable `rank_var`
+    (a LeaderWorkerSet's LWS_WORKER_INDEX): the rules run as for node 1, and the names that depend on the rank
+    (node_rank, dp_start_rank) are the shell's, set by the launch's first setup lines."""
+    workers = emit_nodes(profile, engine, head_addr=head_addr, nic=nic, npu_direct_roce=npu_direct_roce)[1:]
+    if not workers:
+        raise EmitError("emit_worker needs a profile over several nodes")
+    if not re.fullmatch(r"[A-Za-z_]\w*", rank_var):
+        raise EmitError(f"rank_var must name a shell variable, not {rank_var!r}")
+    ctx = _context(profile, engine, get_chip(profile.chip), _ONE_NODE)
+    symbols = {"node_rank": "$NODE_RANK"}
+    setup = [f'NODE_RANK="${rank_var}"']
+    if ctx["dp_local"] is not None:
+        symbols["dp_start_rank"] = "$DP_START_RANK"
+        setup.append(f'DP_START_RANK=$(( NODE_RANK * {ctx["dp_local"]} ))')
+    launch = _node_launch(profile, engine, 1, head_addr, nic, npu_direct_roce, symbols)
+    launch.setup = setup + launch.setup
+    return launch
+
+
+def _node_launch(profile: Profile, engine: str, rank: int, head_addr: str, nic: str | None, npu_direct_roce: bool,
+                 symbols: dict[str, str] | None = None) -> Launch:
+    """Node `rank`'s launch; `symbols` replaces names in the rendered values (not in the rules' conditions)."""
+    node = {"node_rank": rank, "node_ip": "$NODE_IP", "head_addr": head_addr, "nic": nic,
+            "npu_direct_roce": npu_direct_roce}
+    launch = _emit(profile, engine, node, symbols or {})
+    words = [w for w in (*launch.env.values(), *launch.argv) if shell_word(w).startswith('"')]  # expanded
+    names = dict.fromkeys(m.group(1) for w in words for m in _SHELL_REF.finditer(w))
+    names = [n for n in names if n not in ("NODE_RANK", "DP_START_RANK") or not symbols]
+    launch.setup = [f': "${{{n}:?set {n} to {SHELL_VARIABLES.get(n, "its value on this node")}}}"'
+                    for n in names] + launch.setup
+    return launch
 
 
 def _check_engine(engine: str) -> None:
@@ -184,8 +265,9 @@ def _check_engine(engine: str) -> None:
                         f"(or `profile` for the flagdeploy profile YAML).")
 
 
-def _emit(profile: Profile, engine: str, node: dict[str, Any]) -> Launch:
-    """The launch of one node: the rules run with `node`'s names (node_rank, the addresses) in their context."""
+def _emit(profile: Profile, engine: str, node: dict[str, Any], symbols: dict[str, str] | None = None) -> Launch:
+    """The launch of one node: the rules run with `node`'s names (node_rank, the addresses) in their context;
+    `symbols` (emit_worker) replaces some of those names in what is rendered, not in what the rules match."""
     spec = _spec()
     eng = spec["engines"][engine]
     chip = get_chip(profile.chip)  # an unknown chip raises UnknownChipError listing the known ones
@@ -194,10 +276,12 @@ def _emit(profile: Profile, engine: str, node: dict[str, Any]) -> Launch:
     flag_ops: list[tuple[str, Any]] = []  # (flag, value or None to drop), applied after mapping
     env_extra: dict[str, str] = {}
 
+    symbols = symbols or {}
     for rule in spec["rules"]:
-        ctx = _context(prof, engine, chip, node)
-        if not all(_match(ctx.get(k), cond) for k, cond in rule["when"].items()):
+        match_ctx = _context(prof, engine, chip, node)
+        if not all(_match(match_ctx.get(k), cond) for k, cond in rule["when"].items()):
             continue
+        ctx = match_ctx | symbols
         src = f"[{rule['id']}; {rule['source']}]"
         if "reject" in rule:
             raise EmitError(f"Cannot emit {engine} for chip {prof.chip}: {_render(rule['reject'], ctx, None)} {src}")
@@ -207,11 +291,16 @@ def _emit(profile: Profile, engine: str, node: dict[str, Any]) -> Launch:
                 warnings.append(f"{name} changed from {old!r} to {value!r} for {engine} {src}")
             prof = dataclasses.replace(prof, **{name: value})
         flag_ops += [(f, v) for f, v in (rule.get("flags") or {}).items()] + [(f, None) for f in rule.get("drop", [])]
-        env_extra.update({k: str(_render(v, ctx, None)) for k, v in (rule.get("env") or {}).items()})
+        for k, v in (rule.get("env") or {}).items():
+            value = _render(v, ctx, None)
+            if value is not None:  # "{nic}" with no interface given: the variable stays unset
+                env_extra[k] = str(value)
         if "warn" in rule:
             warnings.append(f"{_render(rule['warn'], ctx, None)} {src}")
 
-    ctx = _context(prof, engine, chip, node)
+    if why := layout_refusal(profile, engine):  # engines.yaml `layouts`
+        raise EmitError(f"Cannot emit {engine} for chip {prof.chip}: {why}")
+    ctx = _context(prof, engine, chip, node) | symbols
     flags: dict[str, str | list[str] | None] = {}  # ordered: flag -> value (None: bare switch; a list: nargs)
     config = copy.deepcopy(eng.get("config", {}).get("base", {}))
     for name, fspec in eng["flags"].items():
@@ -329,7 +418,9 @@ def _context(prof: Profile, engine: str, chip: Any, node: dict[str, Any]) -> dic
     replica = prof.tp * prof.pp  # the devices of one DP replica
     dp_local = prof.dp // prof.nodes if prof.nodes >= 1 and prof.dp % prof.nodes == 0 else None
     return dataclasses.asdict(prof) | node | {
-        "replica_devices": replica, "replica_in_node": replica <= devices and devices % replica == 0,
+        "ep_spans_dp": prof.ep > 1 and prof.ep == prof.tp * prof.dp, "all_devices": prof.tp * prof.dp * prof.pp,
+        "dp_all": prof.dp * prof.pp, "replica_devices": replica,
+        "replica_in_node": replica <= devices and devices % replica == 0,
         "dp_local": dp_local, "dp_start_rank": None if dp_local is None else node["node_rank"] * dp_local,
         "engine": engine, "backend": chip.backend, "vendor": chip.vendor, "tp_dp": prof.tp * prof.dp,
         "dp_attention": prof.dp > 1 and prof.ep > 1,

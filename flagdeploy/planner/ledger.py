@@ -175,16 +175,15 @@ def _nbytes(dtype: str, shape: tuple[int, ...], numel: int, block: tuple[int, in
 
 
 def weight_groups(config: dict, *, policy=None, include_mtp: bool = False) -> list[WeightGroup]:
-    """The checkpoint's weights by (family, dtype, split, layer). As stored (no policy) the result is kept per
-    config: a plan asks twice and a large config's tensor list takes seconds to walk."""
-    if policy is None:
-        return list(_stored_groups(json.dumps(config, sort_keys=True, default=str), include_mtp))
-    return _weight_groups(config, policy, include_mtp)
+    """The checkpoint's weights by (family, dtype, split, layer), as stored or as `policy` (a frozen, hashable
+    Policy) converts them. The result is kept per config and policy: a plan asks twice, `deploy` plans once per
+    engine it tries, and a large config's tensor list takes seconds to walk."""
+    return list(_stored_groups(json.dumps(config, sort_keys=True, default=str), policy, include_mtp))
 
 
 @lru_cache(maxsize=16)
-def _stored_groups(config_json: str, include_mtp: bool) -> tuple[WeightGroup, ...]:
-    return tuple(_weight_groups(json.loads(config_json), None, include_mtp))
+def _stored_groups(config_json: str, policy, include_mtp: bool) -> tuple[WeightGroup, ...]:
+    return tuple(_weight_groups(json.loads(config_json), policy, include_mtp))
 
 
 def _weight_groups(config: dict, policy, include_mtp: bool) -> list[WeightGroup]:

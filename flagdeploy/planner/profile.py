@@ -21,6 +21,9 @@ class Profile:
     chip: str  # chip catalog id
     served_model_name: str | None = None
     model_type: str | None = None  # HF model_type (engine rules depend on it)
+    # the engine the layout was planned for (`plan --engine`/`--emit`, `deploy`): builtin, vllm, vllm-ascend, sglang,
+    # mindie; None: planned for none in particular (deploy then picks one that runs it)
+    engine: str | None = None
     devices: int = 1  # devices used per node
     nodes: int = 1
     tp: int = 1

@@ -33,6 +33,9 @@ class PlanRequest:
     config: dict | None = None  # the HF config itself, when there is no file to name (a GGUF's, say)
     memory_utilization: float = 0.9  # share of each device's memory to fill, as vLLM's --gpu-memory-utilization
     memory_gib: float | None = None  # the device's memory where it is known better than the catalog (a host's RAM)
+    # rank only the layouts this engine runs (engines.yaml `layouts`: builtin, vllm, vllm-ascend, sglang, mindie);
+    # None: every layout the cost model knows, whichever engine runs it
+    engine: str | None = None
 
 
 @dataclass
@@ -75,7 +78,7 @@ class Plan:
         quantization = "w8a8" if "int8" in dtypes else ("fp8" if "fp8" in dtypes else None)
         checkpoint = preset_source(r.model)  # a preset's profile runs the checkpoint it describes, under its name
         return Profile(model=checkpoint or r.model, served_model_name=r.model if checkpoint else None,
-                       chip=self.chip.id, model_type=self.model_type, devices=r.devices, nodes=r.nodes,
+                       chip=self.chip.id, model_type=self.model_type, engine=r.engine, devices=r.devices, nodes=r.nodes,
                        tp=e.layout.tp, dp=e.layout.dp, ep=e.layout.ep, pp=e.layout.pp, max_model_len=r.max_model_len,
                        max_num_seqs=max(1, r.concurrency // e.layout.dp),
                        kv_cache_dtype="auto" if r.kv_cache_dtype == "bf16" else r.kv_cache_dtype,
@@ -155,11 +158,27 @@ def _links(chip: Chip, kind: str | None) -> tuple[Link, Link]:
     return intra, Link("roce", table["roce"]["bandwidth_gbs"], table["roce"]["latency_us"])
 
 
+ENGINE_REFUSES = "does not run this layout"  # how a layout the request's engine refuses is reported
+
+
+def engine_refusal(req: PlanRequest, chip: Chip, layout: Layout, engine: str | None = None) -> str | None:
+    """Why `engine` (default: the request's) does not run `layout` for this request, or None (engines.yaml
+    `layouts`, the data emit obeys too)."""
+    engine = engine or req.engine
+    if engine is None:
+        return None
+    from .emit import layout_refusal
+
+    why = layout_refusal(Profile(model=req.model, chip=chip.id, devices=req.devices, nodes=req.nodes, tp=layout.tp,
+                                 dp=layout.dp, ep=layout.ep, pp=layout.pp), engine)
+    return None if why is None else f"{engine} {ENGINE_REFUSES}: {why}"
+
+
 def _evaluate(req: PlanRequest, chip: Chip, groups, cache, facts, load, layouts) -> tuple[list[Estimate], list[Rejected]]:
     intra, inter = _links(chip, req.interconnect)
     fits, rejected = [], []
     for lay in layouts:
-        why = rule_violation(lay, facts, req.devices, req.concurrency, req.mtp)
+        why = rule_violation(lay, facts, req.devices, req.concurrency, req.mtp) or engine_refusal(req, chip, lay)
         if why is None:
             est = estimate(groups, cache, facts, chip, lay, load, intra, inter, req.devices)
             m = est.memory
@@ -198,6 +217,11 @@ def make_plan(req: PlanRequest) -> Plan:
     chip = get_chip(req.chip)
     if req.memory_gib is not None:
         chip = replace(chip, memory_gib=req.memory_gib)
+    if req.engine is not None:
+        from .emit import LAYOUT_ENGINES
+
+        if req.engine not in LAYOUT_ENGINES:
+            raise PlanInputError(f"unknown engine {req.engine!r}; choose one of {', '.join(LAYOUT_ENGINES)}.")
     name, config = (req.model, req.config) if req.config is not None else load_config(req.model)
     notes = []
     from .shapes import is_exact
@@ -316,7 +340,21 @@ def _suggestions(req, chip, config, groups, cache, facts, load, rejected, policy
     concurrent sequences at the asked context, a shorter context at the asked concurrency."""
     out = []
     legal = [r.layout for r in rejected if r.reason.startswith("does not fit")]
+    refused = [r for r in rejected if ENGINE_REFUSES in r.reason]
+    if refused:  # layouts the engine does not run: would one fit, and which engines run it?
+        from .emit import chip_engines
+
+        fit = _evaluate(replace(req, engine=None), chip, groups, cache, facts, load, [r.layout for r in refused])[0]
+        if fit:
+            best = _rank(fit, req.objective)[0].layout
+            others = [e for e in chip_engines(chip.id)
+                      if e != req.engine and engine_refusal(req, chip, best, e) is None]
+            why = engine_refusal(req, chip, best).split(": ", 1)[1].rsplit(" [", 1)[0]
+            out.append(f"{len(fit)} layout(s) fit but {req.engine} does not run them on {req.nodes} node(s), e.g. "
+                       f"{best}: {why}" + (f"; {', '.join(others)} run it: --engine {others[0]}" if others else ""))
     if not legal:
+        if out:
+            return out, {}
         return ["no layout passes the divisibility rules for this device count; try a power-of-two device count"], {}
     mems = {lay: memory(groups, cache, facts, chip, lay, load) for lay in legal}
     best = max(legal, key=lambda lay: mems[lay].free)
