@@ -1023,7 +1023,7 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic,
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
     if image_for(profile, engine, image) == PLACEHOLDER_IMAGE:
-        build = (f"build one with `flagdeploy deploy image --chip {profile.chip}`" if engine == "builtin"
+        build = (f"build an image with `flagdeploy deploy image --chip {profile.chip}`" if engine == "builtin"
                  else f"installer/matrix.yaml names no {engine} image for {profile.chip}")
         click.echo(f"warning: no --image given: the files name the placeholder {PLACEHOLDER_IMAGE}; {build} and "
                    "render again with --image REF", err=True)

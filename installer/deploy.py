@@ -582,7 +582,7 @@ def _external(kind: str, profile: Profile, engine: str, needs: ContainerNeeds, i
               "profiles/engines.yaml)")
 
     def env(launch, k8s: bool = False) -> dict[str, str]:
-        out = {**c["engine_env"], **needs.env, **launch.env}
+        out = {**{k: v.format(**c) for k, v in c["engine_env"].items()}, **needs.env, **launch.env}
         if k8s and visible:  # the device plugin picks the devices and passes them in
             out.pop(visible, None)
         return {k: v.replace("$", "$$") for k, v in out.items()} if kind == "compose" else out

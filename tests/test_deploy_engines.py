@@ -286,6 +286,10 @@ def test_one_node_external_engine_files(tmp_path):
     (c,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert c["command"] == [*launch.argv, *extra("vllm")] and c["image"] == "vllm/vllm-openai:v0.29.0"
     assert c["readinessProbe"]["httpGet"]["path"] == "/health" and c["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+    # the engine downloads the checkpoint into the mounted cache (kept across restarts), wherever that is mounted
+    (cache,) = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == "cache"]
+    hf_home = {e["name"]: e["value"] for e in c["env"]}["HF_HOME"]
+    assert hf_home.startswith(cache + "/")
     (svc,) = yaml.safe_load(render("compose", one, engine="vllm")["compose.yaml"])["services"].values()
     assert svc["command"] == c["command"] and svc["ports"] == ["8001:8001"]
     script = render("docker", one, engine="vllm")["run.sh"]
