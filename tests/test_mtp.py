@@ -9,7 +9,14 @@ import json
 
 import pytest
 import torch
-from conftest import agreeing_mtp_layer, generate_with_an_abort, graphs_on_the_cpu
+from conftest import (
+    TIED_INDEXER,
+    agreeing_mtp_layer,
+    counting_indexer_ties,
+    generate_with_an_abort,
+    graphs_on_the_cpu,
+    greedy_in_every_arrangement,
+)
 from safetensors import safe_open
 
 from flagdeploy.engine import EngineConfig, SamplingParams
@@ -300,3 +307,70 @@ def test_the_draft_layer_splits_over_ranks_like_the_target(mtp_dir, reference, t
         split.close()
     assert sum(len(d) for step in want for d in step) > 0
     assert got == want
+
+
+# ---- greedy output is a function of the request alone (issue 55) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    """A checkpoint whose indexer scores tie exactly at the top-k cut (conftest.py TIED_INDEXER)."""
+    return write_tiny_glm5_next(tmp_path_factory.mktemp("glm5_tied") / "ckpt", mtp=True, **TIED_INDEXER)
+
+
+NGRAM4 = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+LONG_GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def test_greedy_tokens_at_indexer_ties_do_not_depend_on_the_batch_or_speculation(tied_dir, monkeypatch, one_thread):
+    """The same greedy requests alone, in batches of 2 and 4 beside prompts of other lengths (block tables
+    of other widths) and all together, with speculation off, ngram K=4 and mtp K=3: the same tokens, in
+    a checkpoint whose indexer meets exact ties at its top-k cut (counted). With torch.topk's own choice
+    among equal scores (which follows the padded row's width) the arrangements gave different text."""
+    ties = counting_indexer_ties(monkeypatch)
+    want = None
+    for spec in (None, NGRAM4, MTP3):
+        engine = _engine(tied_dir, spec, max_model_len=96)
+        got = greedy_in_every_arrangement(engine, LONG_GREEDY)
+        want = want or got["alone"]
+        for arrangement, outputs in got.items():
+            assert outputs == want, (spec and spec.method, arrangement)
+        if spec is not None:
+            assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert ties[0] > 0
+
+
+def test_transformers_gives_the_same_tokens_once_its_ties_keep_the_lower_pool(tied_dir, monkeypatch, one_thread):
+    """The oracle at ties. transformers' indexer keeps torch.topk's choice among equal scores, which
+    depends on the row's width (the sequence's pool count at each step): on this checkpoint its greedy
+    tokens differ from ours at a tie. With torch.topk keeping the lower index of equal scores (patched for
+    the oracle's run only) its full forwards give our tokens."""
+    transformers = pytest.importorskip("transformers")
+    from conftest import TIE_PROMPTS
+
+    hf = transformers.Glm5NextForConditionalGeneration.from_pretrained(tied_dir, dtype=torch.float32).eval()
+    steps = 12
+
+    def full_forwards(prompt):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(steps):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt):]
+
+    prompts = [TIE_PROMPTS[0], TIE_PROMPTS[3]]
+    ours = _engine(tied_dir, max_model_len=96).generate(prompts, SamplingParams(max_tokens=steps, temperature=0,
+                                                                                 ignore_eos=True))
+    assert [full_forwards(p) for p in prompts] != ours  # transformers as it is: torch.topk's choice at the ties
+    topk = torch.Tensor.topk
+
+    def lower_index_first(self, k, dim=-1, largest=True, sorted=True):
+        idx = torch.sort(torch.where(self == 0, 0.0, self), dim=dim, descending=largest, stable=True).indices
+        idx = idx.narrow(dim, 0, k)
+        return torch.return_types.topk((self.gather(dim, idx), idx))
+
+    monkeypatch.setattr(torch.Tensor, "topk", lower_index_first)
+    try:
+        assert [full_forwards(p) for p in prompts] == ours
+    finally:
+        monkeypatch.setattr(torch.Tensor, "topk", topk)
