@@ -6,6 +6,7 @@ random one staying exact (batched, preempted, aborted) against speculation off."
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -374,3 +375,50 @@ def test_transformers_gives_the_same_tokens_once_its_ties_keep_the_lower_pool(ti
         assert [full_forwards(p) for p in prompts] == ours
     finally:
         monkeypatch.setattr(torch.Tensor, "topk", topk)
+
+
+# ---- what --speculative mtp compiles, and how a refusal is logged (issue 55) -----------------------------
+
+
+def test_mtp_compiles_no_decode_step_and_reports_none(mtp_dir, caplog):
+    """The MTP proposer reads the target's hidden states, which the compiled decode step does not return,
+    and verify steps never run through it: nothing is compiled, neither in the background (the default,
+    which this model would otherwise get) nor with --compile (a warning says it is unused), and the
+    metrics say decode_step_compiled 0."""
+    from flagdeploy.engine.model_runner import _background_compile_fits
+
+    for compile in (None, True):
+        with caplog.at_level(logging.WARNING, logger="flagdeploy.engine.model_runner"):
+            engine = _engine(mtp_dir, MTP3, compile=compile)
+        assert _background_compile_fits(engine.model)  # (speculation off would compile it in the background)
+        assert engine.runner.keep_hidden and engine.runner.compiled is None and engine.runner.compiling is None
+        stats = engine.stats()
+        assert stats["decode_step_compiled"] == 0 and stats["decode_step_compiling"] == 0
+        warned = "--compile is not used with --speculative mtp" in caplog.text
+        assert warned == bool(compile)
+        caplog.clear()
+    assert engine.generate(PROMPTS[:1], GREEDY)  # (and it serves)
+
+
+def test_a_refused_checkpoint_is_logged_as_one_line_and_a_bug_with_its_traceback(plain_dir, caplog):
+    """A server asked for --speculative mtp on a checkpoint without the layer logs the refusal as one line
+    (a FlagdeployError: the message says what to do) and keeps answering 503 with it; an unexpected
+    exception while loading still logs its traceback."""
+    from flagdeploy.server.engine_slot import EngineSlot
+
+    slot = EngineSlot(lambda: _engine(plain_dir, MTP3))
+    with caplog.at_level(logging.INFO, logger="flagdeploy.server.engine_slot"):
+        slot._load()
+    assert slot.engine is None and "has no MTP layer" in slot.error
+    [record] = [r for r in caplog.records if r.name == "flagdeploy.server.engine_slot"]
+    assert record.exc_info is None and "Traceback" not in caplog.text and len(caplog.text.splitlines()) == 1
+
+    def bug():
+        raise RuntimeError("an index out of range somewhere")
+
+    caplog.clear()
+    slot = EngineSlot(bug)
+    with caplog.at_level(logging.INFO, logger="flagdeploy.server.engine_slot"):
+        slot._load()
+    [record] = [r for r in caplog.records if r.name == "flagdeploy.server.engine_slot"]
+    assert record.exc_info is not None and "Traceback" in caplog.text and "in bug" in caplog.text
