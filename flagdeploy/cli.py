@@ -216,8 +216,11 @@ def main() -> None:
                    "compiled one when it is built (a minute or two on a small CPU, partly cached for the next start) "
                    "and measured faster (+25% a lone stream, +35% 16 streams for the default model). A compiled step "
                    "holds a second copy of dense float weights: a model whose dense weights exceed a tenth of the "
-                   "memory is not compiled by default. --compile: before the server is ready; --no-compile: never "
-                   "(also FLAGDEPLOY_COMPILE=0).")
+                   "memory is not compiled by default. Not with --speculative mtp: its draft layer reads the "
+                   "target's hidden states, which the compiled step does not return, so nothing is compiled there "
+                   "(/metrics decode_step_compiled 0) and --compile is ignored with a warning. With ngram the "
+                   "compiled step serves the plain decode steps (a paged model's verify steps too). --compile: "
+                   "before the server is ready; --no-compile: never (also FLAGDEPLOY_COMPILE=0).")
 @click.option("--speculative", default=None, type=click.Choice(["off", "ngram", "mtp"]),
               help="Speculative decoding in the builtin engine (default off). ngram: prompt-lookup drafts, verified in "
                    "one step, exact for greedy requests; pays for a few streams whose answers repeat their input "

@@ -18,6 +18,11 @@ class PromptTooLongError(FlagdeployError, ValueError):
         )
 
 
+class ConfigError(FlagdeployError, ValueError):
+    """A setting the engine refuses at start-up (memory that does not fit, speculation the model cannot
+    run): the message names the flag to change. A ValueError too, for callers that catch those."""
+
+
 class ModelLoadError(FlagdeployError):
     """A model file or directory could not be turned into a runnable model."""
 

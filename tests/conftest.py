@@ -150,3 +150,52 @@ def agreeing_mtp_layer(model) -> None:
         mtp.eh_proj.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
         for norm in (mtp.enorm, mtp.hnorm, mtp.input_norm, mtp.post_norm, mtp.head_norm):
             norm.fill_(1.0)
+
+
+# ---- greedy output at the DSA indexer's exact ties (issue 55) --------------------------------------------
+
+# Two indexer heads: a pool both heads score below zero gets exactly 0.0 after the relu, so equal scores
+# fall at the top-k cut (2 pools of 4 tokens kept) in most steps of these prompts. Repetitive prompts (the
+# first two) give ngram drafts; the fillers have other lengths, so a batch's block tables differ in width.
+TIED_INDEXER = dict(index_n_heads=2, seed=3)
+_LOOP = [10, 11, 12, 13, 14, 15, 16, 17]
+TIE_PROMPTS = [_LOOP * 2 + _LOOP[:3], [20] * 6, [5, 9, 13, 22, 7, 31, 40, 3, 11, 17, 19, 23, 29],
+               [33, 35, 37, 39, 41, 43, 45]]
+TIE_FILLERS = [list(range(2, 50)), [7, 8, 9]]
+
+
+def greedy_in_every_arrangement(engine, params) -> dict[str, list[list[int]]]:
+    """TIE_PROMPTS' output ids, each arrangement's in TIE_PROMPTS order: every prompt alone; in batches of
+    2 beside a filler; in batches of 4 (two prompts, two fillers); all four together."""
+    p, f = TIE_PROMPTS, TIE_FILLERS
+    pairs = [engine.generate([p[0], f[0]], params)[0], engine.generate([f[1], p[1]], params)[1],
+             engine.generate([p[2], f[1]], params)[0], engine.generate([f[0], p[3]], params)[1]]
+    fours = engine.generate([p[0], f[0], p[1], f[1]], params), engine.generate([f[1], p[2], f[0], p[3]], params)
+    return {"alone": [engine.generate([x], params)[0] for x in p], "pairs": pairs,
+            "fours": [fours[0][0], fours[0][2], fours[1][1], fours[1][3]], "together": engine.generate(p, params)}
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: two threads on the shared 2-core runner, under other load, spin
+    (a speculating engine's many small ops ran ~15x slower with two than with one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def counting_indexer_ties(monkeypatch) -> list[int]:
+    """Count the top-k selections (reference ops) whose cut falls between two equal scores: [count]."""
+    from flagdeploy.ops import glm as glm_ops
+
+    seen, best = [0], glm_ops._best_pools
+
+    def counted(scores, k):
+        top = scores.sort(dim=-1, descending=True).values
+        if 0 < k < top.shape[-1]:
+            seen[0] += int(((top[..., k - 1] == top[..., k]) & top[..., k].isfinite()).sum())
+        return best(scores, k)
+
+    monkeypatch.setattr(glm_ops, "_best_pools", counted)
+    return seen

@@ -240,3 +240,61 @@ def test_penalties_and_logit_bias_on_the_gpu(tmp_path):
                                repetition_penalty=1.5)
     out = engine.generate([prompt, prompt, prompt], [forced, penalized, greedy])
     assert out[0] == [7, 7, 7, 7] and out[2] == plain and out[1] != plain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dsa_indexer_decode_kernel_keeps_the_lower_pool_at_ties_eager_and_graphed(dtype):
+    """The Triton decode indexer at exact ties on the top-k cut (the op check's inputs, flagdeploy/ops/glm.py
+    `_tied_pools`), rows padded to several widths (NaN padding): eager and replayed from a CUDA graph, the
+    masks are the CPU reference's (of equal scores the lower pool index)."""
+    from flagdeploy import ops
+
+    spec = ops.OPS["dsa_indexer_topk_decode"]
+    kernel = ops.get_backend("cuda").overrides["dsa_indexer_topk_decode"]
+    (q, w, keys, gate, ape, lengths, topk, tail), _ = spec.make_inputs(dtype, "cpu", torch.Generator().manual_seed(0))
+    want = spec.reference(q, w, keys, gate, ape, lengths, topk, tail)
+    s = keys.shape[1]
+    for extra in (0, 3, 600):
+        pad = lambda x: torch.cat([x, torch.full((x.shape[0], extra, x.shape[2]), float("nan"), dtype=dtype)], 1)  # noqa: E731
+        args = [x.cuda() for x in (q, w, pad(keys), pad(gate), ape, lengths)]
+        eager = kernel(*args, topk, tail)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            kernel(*args, topk, tail)  # (compiles the kernels outside the capture)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed = kernel(*args, topk, tail)
+        graphed.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for got in (eager, graphed):
+            assert torch.equal(got[:, :s].cpu(), want) and not got[:, s:].any()
+
+
+def test_greedy_tokens_at_indexer_ties_on_the_gpu_graphed_eager_and_the_cpu(tmp_path):
+    """tests/test_mtp.py's tie test on the GPU: a checkpoint whose indexer meets exact ties at its top-k cut,
+    greedy requests alone, in batches of 2 and 4 beside prompts of other lengths and all together, with
+    speculation off / ngram K=4 / mtp K=3, through the CUDA graphs (decode, verify, draft) and eagerly:
+    every arrangement and mode gives the CPU engine's tokens (float32; the reference ops there)."""
+    from conftest import TIED_INDEXER, greedy_in_every_arrangement
+
+    from flagdeploy.engine import EngineConfig, SamplingParams
+    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.speculative import SpeculativeConfig
+    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+
+    src = write_tiny_glm5_next(tmp_path / "glm", mtp=True, **TIED_INDEXER)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    opts = dict(max_model_len=96, block_size=4, max_num_seqs=4)
+    cpu = build_llm_engine(src, "safetensors", EngineConfig(weight_format="dense", kv_cache_memory=64 << 20, **opts),
+                           chip="cpu", progress=False)
+    want = greedy_in_every_arrangement(cpu, params)["alone"]
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+    for spec in (None, ngram, SpeculativeConfig(method="mtp", num_speculative_tokens=3)):
+        for graphs in (True, False):
+            engine = _engine(src, cuda_graphs=graphs, speculative=spec or SpeculativeConfig(), **opts)
+            assert (engine.runner.graphs is not None) == graphs
+            for arrangement, got in greedy_in_every_arrangement(engine, params).items():
+                assert got == want, (spec and spec.method, "graphed" if graphs else "eager", arrangement)

@@ -6,10 +6,18 @@ random one staying exact (batched, preempted, aborted) against speculation off."
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
-from conftest import agreeing_mtp_layer, generate_with_an_abort, graphs_on_the_cpu
+from conftest import (
+    TIED_INDEXER,
+    agreeing_mtp_layer,
+    counting_indexer_ties,
+    generate_with_an_abort,
+    graphs_on_the_cpu,
+    greedy_in_every_arrangement,
+)
 from safetensors import safe_open
 
 from flagdeploy.engine import EngineConfig, SamplingParams
@@ -300,3 +308,117 @@ def test_the_draft_layer_splits_over_ranks_like_the_target(mtp_dir, reference, t
         split.close()
     assert sum(len(d) for step in want for d in step) > 0
     assert got == want
+
+
+# ---- greedy output is a function of the request alone (issue 55) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    """A checkpoint whose indexer scores tie exactly at the top-k cut (conftest.py TIED_INDEXER)."""
+    return write_tiny_glm5_next(tmp_path_factory.mktemp("glm5_tied") / "ckpt", mtp=True, **TIED_INDEXER)
+
+
+NGRAM4 = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+LONG_GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def test_greedy_tokens_at_indexer_ties_do_not_depend_on_the_batch_or_speculation(tied_dir, monkeypatch, one_thread):
+    """The same greedy requests alone, in batches of 2 and 4 beside prompts of other lengths (block tables
+    of other widths) and all together, with speculation off, ngram K=4 and mtp K=3: the same tokens, in
+    a checkpoint whose indexer meets exact ties at its top-k cut (counted). With torch.topk's own choice
+    among equal scores (which follows the padded row's width) the arrangements gave different text."""
+    ties = counting_indexer_ties(monkeypatch)
+    want = None
+    for spec in (None, NGRAM4, MTP3):
+        engine = _engine(tied_dir, spec, max_model_len=96)
+        got = greedy_in_every_arrangement(engine, LONG_GREEDY)
+        want = want or got["alone"]
+        for arrangement, outputs in got.items():
+            assert outputs == want, (spec and spec.method, arrangement)
+        if spec is not None:
+            assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert ties[0] > 0
+
+
+def test_transformers_gives_the_same_tokens_once_its_ties_keep_the_lower_pool(tied_dir, monkeypatch, one_thread):
+    """The oracle at ties. transformers' indexer keeps torch.topk's choice among equal scores, which
+    depends on the row's width (the sequence's pool count at each step): on this checkpoint its greedy
+    tokens differ from ours at a tie. With torch.topk keeping the lower index of equal scores (patched for
+    the oracle's run only) its full forwards give our tokens."""
+    transformers = pytest.importorskip("transformers")
+    from conftest import TIE_PROMPTS
+
+    hf = transformers.Glm5NextForConditionalGeneration.from_pretrained(tied_dir, dtype=torch.float32).eval()
+    steps = 12
+
+    def full_forwards(prompt):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(steps):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt):]
+
+    prompts = [TIE_PROMPTS[0], TIE_PROMPTS[3]]
+    ours = _engine(tied_dir, max_model_len=96).generate(prompts, SamplingParams(max_tokens=steps, temperature=0,
+                                                                                 ignore_eos=True))
+    assert [full_forwards(p) for p in prompts] != ours  # transformers as it is: torch.topk's choice at the ties
+    topk = torch.Tensor.topk
+
+    def lower_index_first(self, k, dim=-1, largest=True, sorted=True):
+        idx = torch.sort(torch.where(self == 0, 0.0, self), dim=dim, descending=largest, stable=True).indices
+        idx = idx.narrow(dim, 0, k)
+        return torch.return_types.topk((self.gather(dim, idx), idx))
+
+    monkeypatch.setattr(torch.Tensor, "topk", lower_index_first)
+    try:
+        assert [full_forwards(p) for p in prompts] == ours
+    finally:
+        monkeypatch.setattr(torch.Tensor, "topk", topk)
+
+
+# ---- what --speculative mtp compiles, and how a refusal is logged (issue 55) -----------------------------
+
+
+def test_mtp_compiles_no_decode_step_and_reports_none(mtp_dir, caplog):
+    """The MTP proposer reads the target's hidden states, which the compiled decode step does not return,
+    and verify steps never run through it: nothing is compiled, neither in the background (the default,
+    which this model would otherwise get) nor with --compile (a warning says it is unused), and the
+    metrics say decode_step_compiled 0."""
+    from flagdeploy.engine.model_runner import _background_compile_fits
+
+    for compile in (None, True):
+        with caplog.at_level(logging.WARNING, logger="flagdeploy.engine.model_runner"):
+            engine = _engine(mtp_dir, MTP3, compile=compile)
+        assert _background_compile_fits(engine.model)  # (speculation off would compile it in the background)
+        assert engine.runner.keep_hidden and engine.runner.compiled is None and engine.runner.compiling is None
+        stats = engine.stats()
+        assert stats["decode_step_compiled"] == 0 and stats["decode_step_compiling"] == 0
+        warned = "--compile is not used with --speculative mtp" in caplog.text
+        assert warned == bool(compile)
+        caplog.clear()
+    assert engine.generate(PROMPTS[:1], GREEDY)  # (and it serves)
+
+
+def test_a_refused_checkpoint_is_logged_as_one_line_and_a_bug_with_its_traceback(plain_dir, caplog):
+    """A server asked for --speculative mtp on a checkpoint without the layer logs the refusal as one line
+    (a FlagdeployError: the message says what to do) and keeps answering 503 with it; an unexpected
+    exception while loading still logs its traceback."""
+    from flagdeploy.server.engine_slot import EngineSlot
+
+    slot = EngineSlot(lambda: _engine(plain_dir, MTP3))
+    with caplog.at_level(logging.INFO, logger="flagdeploy.server.engine_slot"):
+        slot._load()
+    assert slot.engine is None and "has no MTP layer" in slot.error
+    [record] = [r for r in caplog.records if r.name == "flagdeploy.server.engine_slot"]
+    assert record.exc_info is None and "Traceback" not in caplog.text and len(caplog.text.splitlines()) == 1
+
+    def bug():
+        raise RuntimeError("an index out of range somewhere")
+
+    caplog.clear()
+    slot = EngineSlot(bug)
+    with caplog.at_level(logging.INFO, logger="flagdeploy.server.engine_slot"):
+        slot._load()
+    [record] = [r for r in caplog.records if r.name == "flagdeploy.server.engine_slot"]
+    assert record.exc_info is not None and "Traceback" in caplog.text and "in bug" in caplog.text

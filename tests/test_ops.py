@@ -655,3 +655,43 @@ def test_ops_tune_writes_the_backends_table(tmp_path):
     assert all(isinstance(x, int) and x >= 0 for v in measured.values() for x in v.values())
     r = CliRunner().invoke(main, ["ops", "tune", "--chip", "cuda"])
     assert r.exit_code == 1 and "nothing to tune" in r.output
+
+
+# ---- the DSA indexer at exact ties -----------------------------------------------------------------------
+
+
+def _kept_pools(mask: torch.Tensor, n_pools: int, p: int) -> list[int]:
+    return [i for i in range(n_pools) if mask[i * p] != 0]
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+def test_dsa_indexer_keeps_the_lower_pool_of_equal_scores_whatever_the_padding(dtype):
+    """The op check's inputs put exact ties (scores of 0.0) at the top-k cut (flagdeploy/ops/glm.py
+    `_tied_pools`). Of equal scores the lower pool index is kept, by the per-sequence op and by the decode
+    op, whatever the width the decode rows are padded to and whatever other sequences share the call
+    (torch.topk's own choice among ties changes with the row's width)."""
+    import flagdeploy.ops.glm  # noqa: F401  (declares the ops)
+
+    ref = OPS["dsa_indexer_topk_decode"].reference
+    (q, w, keys, gate, ape, lengths, topk, tail), _ = _inputs(OPS["dsa_indexer_topk_decode"], dtype)
+    p = ape.shape[0]
+    want = {0: [0, 3], 1: [0, 2], 2: [0]}  # (see `_indexer_decode_inputs`)
+    base = ref(q, w, keys, gate, ape, lengths, topk, tail)
+    for b, pools in want.items():
+        assert _kept_pools(base[b], int(lengths[b]) // p, p) == pools
+    g = torch.Generator().manual_seed(5)
+    for extra in (1, 4, 13, 40, 123):  # padded to wider block tables: random rows past every sequence's length
+        pad = lambda x: torch.cat([x, torch.randn(x.shape[0], extra, x.shape[2], generator=g).to(x.dtype)], 1)  # noqa: E731
+        wide = ref(q, w, pad(keys), pad(gate), ape, lengths, topk, tail)
+        assert torch.equal(wide[:, : keys.shape[1]], base) and not wide[:, keys.shape[1] :].any()
+    for b in want:  # alone, cut to its own length, and through the per-sequence op
+        n = int(lengths[b])
+        alone = ref(q[b : b + 1], w[b : b + 1], keys[b : b + 1, :n], gate[b : b + 1, :n], ape, lengths[b : b + 1],
+                    topk, tail)
+        assert torch.equal(alone[0], base[b, :n])
+        one = OPS["dsa_indexer_topk"].reference(q[b : b + 1], w[b : b + 1], keys[b, :n], gate[b, :n], ape, n - 1,
+                                                topk, tail)
+        assert torch.equal(one[0], base[b, :n])
+    (q, w, keys, gate, ape, start, topk, tail), _ = _inputs(OPS["dsa_indexer_topk"], dtype)
+    mask = OPS["dsa_indexer_topk"].reference(q, w, keys, gate, ape, start, topk, tail)
+    assert [_kept_pools(row, keys.shape[0] // p, p) for row in mask] == [[0, 2], [0, 1], [0, 2], [0, 2]]

@@ -288,10 +288,14 @@ def tg():
     return importlib.import_module("backends.cuda.triton_glm")
 
 
-def _glm_reference(name):
+def _glm_spec(name):
     from flagdeploy.ops.registry import OPS  # (importing flagdeploy.ops declares the GLM ops)
 
-    return OPS[name].reference
+    return OPS[name]
+
+
+def _glm_reference(name):
+    return _glm_spec(name).reference
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one-program"])
@@ -370,6 +374,24 @@ def test_dsa_indexer_topk_decode(tg, dtype, index_topk, tail):
     want = _glm_reference("dsa_indexer_topk_decode")(*args, index_topk, tail)
     assert got.dtype == want.dtype == dtype
     assert torch.equal(got, want)
+
+
+@_NAN_PADDING_OK
+@pytest.mark.parametrize("index_topk", [8, 12], ids=["top2-pools", "top3-pools"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dsa_indexer_topk_decode_at_ties(tg, dtype, index_topk):
+    """Exact ties at the top-k cut (the op check's inputs, flagdeploy/ops/glm.py `_tied_pools`): the kernel
+    keeps the lower pool index, as the reference does, and the same pools when the rows are padded wider
+    (NaN padding; 600 more rows are 155 pools, ranked in two blocks of competitors)."""
+    (q, w, keys, gate, ape, lengths, _, tail), _ = _glm_spec("dsa_indexer_topk_decode").make_inputs(
+        dtype, "cpu", torch.Generator().manual_seed(0))
+    want = _glm_reference("dsa_indexer_topk_decode")(q, w, keys, gate, ape, lengths, index_topk, tail)
+    assert torch.equal(tg.dsa_indexer_topk_decode(q, w, keys, gate, ape, lengths, index_topk, tail), want)
+    s = keys.shape[1]
+    for extra in (3, 600):
+        pad = lambda x: torch.cat([x, torch.full((x.shape[0], extra, x.shape[2]), float("nan"), dtype=x.dtype)], 1)  # noqa: E731
+        got = tg.dsa_indexer_topk_decode(q, w, pad(keys), pad(gate), ape, lengths, index_topk, tail)
+        assert torch.equal(got[:, :s], want) and not got[:, s:].any()
 
 
 def test_glm_decode_kernels_fall_back_on_unhandled_inputs(tg):

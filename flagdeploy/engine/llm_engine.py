@@ -99,9 +99,9 @@ class LLMEngine:
         stateful = has_sequence_state(model)
         spec = config.speculative or SpeculativeConfig()
         self.proposer = build_proposer(spec, model)  # refuses what the model cannot draft before anything loads
-        self.runner, num_blocks, per_block = build_runner(model, config)
-        if self.proposer is not None and self.proposer.needs_hidden:
-            self.runner.keep_hidden = True  # the proposer drafts from the target's final hidden states
+        # keep_hidden: the proposer drafts from the target's final hidden states (and nothing is compiled then)
+        self.runner, num_blocks, per_block = build_runner(
+            model, config, keep_hidden=self.proposer is not None and self.proposer.needs_hidden)
         if workers is not None:  # the other ranks of a tensor/expert-parallel replica run each step too
             self.runner = LockstepRunner(self.runner, workers)
         if hasattr(self.proposer, "bind"):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from flagdeploy import ops
+from flagdeploy.errors import ConfigError
 from flagdeploy.models.attention import AttentionMetadata
 from flagdeploy.models.linear import Linear
 from flagdeploy.ops.weights import Int4Weight, Int8Weight
@@ -476,9 +477,14 @@ def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
 
-def build_runner(model, config) -> tuple[_Runner, int, int]:
+def build_runner(model, config, keep_hidden: bool = False) -> tuple[_Runner, int, int]:
     """The runner for `model` under an EngineConfig: (runner, number of cache blocks, bytes per block).
-    Every rank of a parallel replica calls this with the same config and gets the same block count."""
+    Every rank of a parallel replica calls this with the same config and gets the same block count.
+
+    keep_hidden: a proposer drafts from the target's final hidden states (`--speculative mtp`). The
+    compiled decode step returns logits only and verify steps never run through it, so such a runner
+    compiles nothing (not even in the background: `decode_step_compiled` stays 0); `--compile` is then
+    reported as unused and every step runs eagerly (CUDA graphs on a GPU)."""
     from flagdeploy.models import has_sequence_state
 
     cls = SequenceStateRunner if has_sequence_state(model) else PagedRunner
@@ -487,7 +493,7 @@ def build_runner(model, config) -> tuple[_Runner, int, int]:
     spec_tokens = spec.num_speculative_tokens if spec is not None and spec.enabled else 0
     state = cls.state_bytes(model, config.max_num_seqs, spec_tokens)
     if state >= config.kv_cache_memory:
-        raise ValueError(
+        raise ConfigError(
             f"The per-sequence state of --max-num-seqs {config.max_num_seqs} sequences takes {state / 2**30:.2f} GiB, "
             f"all of the {config.kv_cache_memory / 2**30:.2f} GiB KV cache. Lower --max-num-seqs or raise "
             f"--kv-cache-memory."
@@ -495,7 +501,7 @@ def build_runner(model, config) -> tuple[_Runner, int, int]:
     num_blocks = max((config.kv_cache_memory - state) // per_block, 1)
     min_blocks = -(-config.max_model_len // config.block_size)
     if num_blocks < min_blocks:
-        raise ValueError(
+        raise ConfigError(
             f"A KV cache of {config.kv_cache_memory / 2**30:.2f} GiB holds {num_blocks * config.block_size} tokens, "
             f"less than one sequence of --max-model-len {config.max_model_len}. Raise --kv-cache-memory or lower "
             f"--max-model-len."
@@ -505,14 +511,16 @@ def build_runner(model, config) -> tuple[_Runner, int, int]:
     if config.cuda_graphs and config.device == "cuda" and config.tp * config.ep == 1:
         graphs = {"max_batch": config.max_num_seqs, "max_model_len": config.max_model_len}
     compile = config.compile if config.compile is not None else _background_compile_fits(model)
-    compile = compile and config.tp * config.ep == 1
+    compile = compile and config.tp * config.ep == 1 and not keep_hidden
     if cls is SequenceStateRunner:
         runner = SequenceStateRunner(model, num_blocks, config.block_size, config.device, config.max_num_seqs, graphs,
                                      compile, spec_tokens)
     else:
         runner = PagedRunner(model, num_blocks, config.block_size, config.device, graphs, compile, config.max_num_seqs)
+    if keep_hidden:
+        runner.keep_hidden = True  # (before the first step: a captured graph returns what it asks for)
     if spec_tokens and not getattr(runner, "batched_decode", True):
-        raise ValueError(f"--speculative {spec.method} needs the batched decode step, which this checkpoint's MLA "
+        raise ConfigError(f"--speculative {spec.method} needs the batched decode step, which this checkpoint's MLA "
                          "kv_b weights do not allow (they cannot be absorbed); serve it with --speculative off.")
     compiled = getattr(runner, "compiled", None)
     if compiled is not None and config.compile is None and getattr(runner, "native", None) is not None:
@@ -523,6 +531,10 @@ def build_runner(model, config) -> tuple[_Runner, int, int]:
     elif compiled is not None:
         if not compiled.warm_up():
             runner.compiled = None
+    elif config.compile and keep_hidden:
+        log.warning("--compile is not used with --speculative %s: the draft layer reads the target's hidden states, "
+                    "which the compiled decode step does not return, and verify steps do not run through it. "
+                    "Running eagerly.", spec.method)
     elif config.compile:
         log.warning("--compile is not used here: it compiles the decode step of one process without CUDA graphs "
                     "(tensor/expert parallel ranks and CUDA-graph devices run their own step). Running eagerly.")

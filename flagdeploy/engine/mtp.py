@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flagdeploy.errors import ConfigError
 from flagdeploy.models.glm5_next import DraftInputs
 
 from .cuda_graphs import BUCKETS, WIDTH_TOKENS, StepGraphs
@@ -50,7 +51,7 @@ def check_mtp_model(model) -> None:
     """Refuse, with what to do instead, a model `--speculative mtp` cannot draft for."""
     if getattr(model, "mtp", None) is None:
         name = type(model).__name__
-        raise ValueError(f"--speculative mtp needs the model's own MTP draft layer loaded, and {name} has none "
+        raise ConfigError(f"--speculative mtp needs the model's own MTP draft layer loaded, and {name} has none "
                          "(GLM-5.3-Flash checkpoints ship one: load it through build_llm_engine / flagdeploy serve "
                          "with --speculative mtp, which attaches it). Serve with --speculative ngram or off.")
 
@@ -131,7 +132,7 @@ class MtpProposer(Proposer):
         self.k, self.block_size, self.scratch = self.forwards.k, runner.block_size, runner.scratch_block
         self.draft_blocks = runner.scratch_block + 1
         if not 1 <= self.k <= self.block_size:
-            raise ValueError(f"--speculative mtp drafts 1 to block-size ({self.block_size}) tokens per step, "
+            raise ConfigError(f"--speculative mtp drafts 1 to block-size ({self.block_size}) tokens per step, "
                              f"not {self.k}: set --num-speculative-tokens in that range.")
         self.others = getattr(runner, "call_everywhere", None)
 

@@ -319,6 +319,17 @@ def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, 
 # ---- DSA indexer and sparse attention ---------------------------------------------------------------
 
 
+def _best_pools(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the k highest scores of each row [..., n]; of equal scores the lower index first.
+
+    torch.topk keeps an unspecified one of equal scores, and which one depends on the row's width and the
+    device (a decode row is padded to its batch's widest block table): greedy output would then depend on
+    what else is in flight. A stable descending sort keeps equal scores in index order. -0.0 is made 0.0
+    first (a negative head weight times a relu'd 0.0), as the two compare equal in every backend's kernel."""
+    scores = torch.where(scores == 0, torch.zeros_like(scores), scores)
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def dsa_indexer_topk(
     q: torch.Tensor,
     head_weights: torch.Tensor,
@@ -337,8 +348,9 @@ def dsa_indexer_topk(
     A query scores each pool as sum_h w_h Hi^-1/2 relu(q_h . key D^-1/2), keeps the best
     index_topk / P pools that end at or before it, and (select_tail) the tokens of its own
     still-incomplete pool. Incomplete pools are never scored. Of equal scores (the relu gives 0.0 to a
-    pool every head scores below zero) the pools kept are torch.topk's choice, as in transformers, which
-    is the device's: backends may keep others there (the CUDA decode kernel keeps the lower index).
+    pool every head scores below zero, so exact ties are common) the lower pool index is kept
+    (`_best_pools`): the selection is a function of the sequence alone, whatever else is batched with it
+    or however wide its rows are padded, and every backend keeps the same pools.
     """
     acc = _acc(q.dtype)
     p = ape.shape[0]
@@ -358,7 +370,7 @@ def dsa_indexer_topk(
         scores = scores.masked_fill(~visible, float("-inf"))
         k_sel = min(index_topk // p, n_pools)
         if k_sel:
-            best = scores.topk(k_sel, dim=-1).indices
+            best = _best_pools(scores, k_sel)
             chosen = torch.zeros_like(visible).scatter_(1, best, True) & visible
             token_chosen = chosen.repeat_interleave(p, dim=1)
             mask[:, : n_pools * p] = token_chosen.to(q.dtype)
@@ -409,7 +421,7 @@ def dsa_indexer_topk_decode(
         # step has one shape logic for every table width (no min(k, n_pools): a compiled step would
         # otherwise need one graph per side of it); the padding is never visible, so never chosen
         scores = F.pad(scores.masked_fill(~visible, float("-inf")), (0, k_sel), value=float("-inf"))
-        best = scores.topk(k_sel, dim=-1).indices
+        best = _best_pools(scores, k_sel)
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, best, True)[:, :n_pools] & visible
         mask[:, : n_pools * p] = chosen.repeat_interleave(p, dim=1).to(q.dtype)
     if select_tail:
@@ -528,24 +540,42 @@ def _hc_post_inputs(dtype, device, g):
             dtype=dtype, device=device)), {}
 
 
+def _tied_pools(keys: torch.Tensor, tied: list[list[int]], p: int) -> torch.Tensor:
+    """keys [B, S, D] made positive, except the rows of the pools tied[b] of each sequence b: negative.
+    Against queries that are positive in every head such a pool scores relu(<0) = 0.0 exactly, in every
+    dtype: exact ties, at the top-k cut when fewer pools score above 0.0 than the top-k keeps."""
+    keys = keys.abs()
+    for b, pools in enumerate(tied):
+        for i in pools:
+            keys[b, i * p : (i + 1) * p] *= -1
+    return keys
+
+
 def _indexer_inputs(dtype, device, g):
+    """Four queries over 4 complete pools, 2 kept: pool 2 scores above 0.0 and pools 0, 1, 3 tie at
+    exactly 0.0 (`_tied_pools`), so pools 2 and 0 are kept; query 1 weighs every head negatively (its
+    pool 2 scores below the tied -0.0 / 0.0), so pools 0 and 1 are kept."""
     s, t, hi, d, p = 19, 4, 3, 8, 4  # 4 complete pools and a 3-token tail; the queries are the last 4
-    return (_randn(g, t, hi, d, dtype=dtype, device=device), _randn(g, t, hi, dtype=dtype, device=device),
-            _randn(g, s, d, dtype=dtype, device=device), _randn(g, s, d, dtype=dtype, device=device),
-            _randn(g, p, d, dtype=dtype, device=device), s - t, 8, True), {}
+    weights = _randn(g, t, hi, dtype=dtype, device=device).abs() + 0.1
+    weights[1] *= -1
+    keys = _tied_pools(_randn(g, 1, s, d, dtype=dtype, device=device), [[0, 1, 3]], p)[0]
+    return (_randn(g, t, hi, d, dtype=dtype, device=device).abs(), weights, keys,
+            _randn(g, s, d, dtype=dtype, device=device), _randn(g, p, d, dtype=dtype, device=device), s - t, 8,
+            True), {}
 
 
 def _indexer_decode_inputs(dtype, device, g):
-    """Scores free of ties: of equal scores torch.topk keeps one it does not specify (the CUDA kernel the
-    lower index), and the relu makes exact zeros common with random inputs (a pool every head scores
-    below zero), so a backend could rightly keep another pool than the reference. Positive keys, head
-    weights and head 0's query give every pool a positive score, distinct ones almost surely."""
+    """Exact ties at the top-k cut (`_tied_pools`), kept by the lower pool index in every backend:
+    sequence 0 keeps pool 3 (the only one above 0.0) and pool 0 of the tied 0, 1, 2; sequence 1 weighs
+    every head negatively, so its pool 1 scores below the tied 0, 2, 3, of which it keeps 0 and 2;
+    sequence 2 has one complete pool, fewer than the top-k keeps."""
     b, s, hi, d, p = 3, 21, 3, 8, 4  # lengths: a pool boundary, a tail, and fewer pools than the top-k keeps
-    q, weights = _randn(g, b, hi, d, dtype=dtype, device=device), _randn(g, b, hi, dtype=dtype, device=device)
-    keys = _randn(g, b, s, d, dtype=dtype, device=device).abs()
-    q[:, 0] = q[:, 0].abs()
-    return (q, weights.abs() + 0.1, keys, _randn(g, b, s, d, dtype=dtype, device=device),
-            _randn(g, p, d, dtype=dtype, device=device), torch.tensor([16, 19, 7], device=device), 8, True), {}
+    weights = _randn(g, b, hi, dtype=dtype, device=device).abs() + 0.1
+    weights[1] *= -1
+    keys = _tied_pools(_randn(g, b, s, d, dtype=dtype, device=device), [[0, 1, 2], [0, 2, 3], []], p)
+    return (_randn(g, b, hi, d, dtype=dtype, device=device).abs(), weights, keys,
+            _randn(g, b, s, d, dtype=dtype, device=device), _randn(g, p, d, dtype=dtype, device=device),
+            torch.tensor([16, 19, 7], device=device), 8, True), {}
 
 
 def _latent_decode_inputs(dtype, device, g):

@@ -7,6 +7,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+from flagdeploy.errors import FlagdeployError
+
 from . import errors
 
 if TYPE_CHECKING:
@@ -35,7 +37,10 @@ class EngineSlot:
             engine = self._load_engine()
         except BaseException as exc:  # noqa: BLE001 - a failed load must leave the server answering
             self.error = str(exc) or type(exc).__name__
-            log.error("loading the model failed: %s", self.error, exc_info=exc)
+            # a refusal the user can act on is its one line (the message says what to do); anything else
+            # is a bug, with its traceback
+            log.error("loading the model failed: %s", self.error,
+                      exc_info=None if isinstance(exc, FlagdeployError) else exc)
             return
         self.engine = engine
         log.info("model loaded in %.1f s", time.monotonic() - started)
