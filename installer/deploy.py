@@ -25,7 +25,6 @@ import functools
 import os
 import re
 import shlex
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,8 @@ import yaml
 
 from flagdeploy.chips import get_chip
 from flagdeploy.planner.profile import Profile
+
+from .atomic import write_set
 
 __all__ = ["DEPLOY_ENGINES", "KINDS", "PLACEHOLDER_IMAGE", "STARTUP_BUDGET_S", "ContainerNeeds", "container_needs",
            "deploy_engines", "engine_image", "engine_problem", "image_for", "notes", "render", "write"]
@@ -669,31 +670,6 @@ _RENDERERS = {"docker": _docker, "compose": _compose, "k8s": _k8s}
 
 
 def write(kind: str, profile: Profile, out_dir: str | Path, *, overwrite: bool = False, **kw) -> list[Path]:
-    """Write render()'s files into out_dir. Every file is first written whole under a temporary name, and only
-    then are they renamed into place, so a failed write (a full disk) leaves the old set untouched rather than
-    half of a new one, and a reader never sees half a manifest; existing files are refused (all checked before
-    any is written) unless overwrite."""
-    files = render(kind, profile, **kw)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    targets = {out / name: text for name, text in files.items()}
-    existing = [str(p) for p in targets if p.exists()]
-    if existing and not overwrite:
-        raise FileExistsError(f"refusing to overwrite {', '.join(existing)} (pass --overwrite to replace them)")
-    staged: dict[Path, str] = {}
-    try:
-        for path, text in targets.items():
-            fd, staged[path] = tempfile.mkstemp(prefix=f".{path.name}.", dir=out)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.chmod(staged[path], 0o755 if path.suffix == ".sh" else 0o644)
-        for path, tmp in staged.items():
-            if overwrite:
-                os.replace(tmp, path)
-            else:
-                os.link(tmp, path)  # fails if the file appeared since the check: never clobbers
-    finally:
-        for tmp in staged.values():
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return list(targets)
+    """Write render()'s files into out_dir as one set (atomic.write_set): a failed write (a full disk) leaves the
+    old set untouched and a reader never sees half a manifest; existing files are refused unless overwrite."""
+    return write_set(out_dir, render(kind, profile, **kw), overwrite=overwrite)

@@ -16,11 +16,8 @@ The recipes are tested statically (tests/test_image.py); no image is built where
 from __future__ import annotations
 
 import functools
-import os
 import re
 import shlex
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from flagdeploy import __version__
 from flagdeploy.chips import get_chip
 from flagdeploy.errors import FlagdeployError
 
+from .atomic import write_set
 from .detect import chip_family
 from .install import runtime_env
 from .matrix import StackRow, engines_for, resolve
@@ -274,36 +272,8 @@ def _dockerignore() -> str:
 
 
 def write(rec: Recipe, out_dir: str | Path, *, overwrite: bool = False) -> list[Path]:
-    """Write the recipe's files (and the wheel, when given) into out_dir, each whole under a temporary name first
-    and only then renamed into place; existing files are refused, all checked before any is written, unless
-    overwrite."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    targets: dict[Path, str | Path] = {out / name: text for name, text in rec.files.items()}
+    """Write the recipe's files (and the wheel, when given) into out_dir as one set (atomic.write_set)."""
+    files: dict[str, str | Path] = dict(rec.files)
     if rec.wheel is not None:
-        targets[out / rec.wheel.name] = rec.wheel
-    existing = [str(p) for p in targets if p.exists() and not (isinstance(targets[p], Path)
-                                                               and p.resolve() == Path(targets[p]).resolve())]
-    if existing and not overwrite:
-        raise FileExistsError(f"refusing to overwrite {', '.join(existing)} (pass --overwrite to replace them)")
-    staged: dict[Path, str] = {}
-    try:
-        for path, content in targets.items():
-            fd, staged[path] = tempfile.mkstemp(prefix=f".{path.name}.", dir=out)
-            if isinstance(content, Path):
-                os.close(fd)
-                shutil.copyfile(content, staged[path])
-            else:
-                with os.fdopen(fd, "w") as f:
-                    f.write(content)
-            os.chmod(staged[path], 0o644)
-        for path, tmp in staged.items():
-            if overwrite or path.exists():  # path.exists() here: the wheel given is the one already in place
-                os.replace(tmp, path)
-            else:
-                os.link(tmp, path)  # fails if the file appeared since the check: never clobbers
-    finally:
-        for tmp in staged.values():
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return list(targets)
+        files[rec.wheel.name] = rec.wheel
+    return write_set(out_dir, files, overwrite=overwrite)
