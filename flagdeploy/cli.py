@@ -980,7 +980,8 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic,
     """Container and Kubernetes artefacts that run the planner's profile: `flagdeploy serve`, or an external
     engine's own launch (vLLM, vLLM-Ascend, SGLang; over several nodes their multi-node modes); `image`: the
     Dockerfile of an image to run them with (flagdeploy plus the chip's pinned stack)."""
-    from flagdeploy.installer.deploy import PLACEHOLDER_IMAGE, deploy_engines, engine_problem, image_for, notes, write
+    from flagdeploy.installer.deploy import (PLACEHOLDER_IMAGE, deploy_engines, engine_problem, image_for, notes,
+                                             plan_deploy, write)
     from flagdeploy.planner import Profile
 
     if kind == "image":
@@ -1010,8 +1011,8 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic,
                 order = deploy_engines(profile.chip) or ["builtin"]
                 engine = next((e for e in order if engine_problem(profile, e) is None), order[0])
         else:
-            profile, engine = _deploy_plan(chip.chip, model, devices, nodes or 1, layout, engine, max_model_len,
-                                           memory_utilization)
+            profile, engine = plan_deploy(chip.chip, model, devices, nodes or 1, layout, engine, max_model_len,
+                                          memory_utilization)
         paths = write(kind, profile, output, image=image, overwrite=overwrite, nic=nic, master_addr=master_addr,
                       engine=engine)
         warnings = notes(kind, profile, nic=nic)
@@ -1047,45 +1048,6 @@ def _deploy_image(chip_id: str, engine: str | None, wheel: str | None, output: s
         click.echo(f"warning: not backed by a stored source yet: {', '.join(rec.unconfirmed)} (see the Dockerfile's "
                    "header)", err=True)
     click.echo(f"build it with: {rec.build_command(output)}")
-
-
-def _deploy_plan(spec, model, devices, nodes, layout, engine, max_model_len, memory_utilization):
-    """deploy's profile and engine: the planner's best layout for `engine`, or without one for the first engine of
-    the chip's (engines.yaml `deploy`) that runs a layout that fits and renders. Nothing fitting is one error
-    naming why (memory, or the layouts the engines run) and the `plan` command that shows every layout."""
-    from flagdeploy.installer.deploy import deploy_engines, engine_problem
-    from flagdeploy.planner import PlanRequest, make_plan
-    from flagdeploy.planner.report import parse_layout
-
-    from flagdeploy.planner.emit import chip_engines
-
-    per_node = devices or spec.devices_per_node
-    if engine and engine not in chip_engines(spec.id):
-        _fail(f"{engine} does not run on {spec.id} (profiles/engines.yaml rules); engines for it: "
-              f"{', '.join(e for e in chip_engines(spec.id) if e in ('builtin', 'vllm', 'vllm-ascend', 'sglang'))}")
-    order = [engine] if engine else (deploy_engines(spec.id) or ["builtin"])
-    tried = []
-    for name in order:
-        plan = make_plan(PlanRequest(model, spec.id, per_node, nodes=nodes, max_model_len=max_model_len,
-                                     memory_utilization=memory_utilization, engine=name,
-                                     layout=parse_layout(layout) if layout is not None else None))
-        if plan.chosen is not None:
-            profile = plan.profile()
-            why = engine_problem(profile, name)
-            if why is None:
-                return profile, name
-            tried.append((name, [why]))
-        else:
-            first = [r.reason for r in plan.rejected[:1] if layout and "does not run this layout" not in r.reason]
-            tried.append((name, first + plan.suggestions))
-    where = f"{model} on {nodes} node(s) x {per_node} {spec.id}" + (f" with --layout {layout}" if layout else "")
-    engines = " or ".join(name for name, _ in tried)
-    lines = [f"nothing that {engines} runs fits {where}"]
-    for name, reasons in tried:
-        lines += [f"  {name}: {r}" for r in reasons or ["no layout was found either"]]
-    plan_cmd = (f"flagdeploy plan --model {model} --chip {spec.id} --devices {per_node} --nodes {nodes} "
-                f"--engine {tried[0][0]}")
-    _fail("\n".join(lines) + f"\n`{plan_cmd}` shows every layout and why it is refused.")
 
 
 @main.command()

@@ -37,7 +37,7 @@ from flagdeploy.planner.profile import Profile
 from .atomic import write_set
 
 __all__ = ["DEPLOY_ENGINES", "KINDS", "PLACEHOLDER_IMAGE", "STARTUP_BUDGET_S", "ContainerNeeds", "container_needs",
-           "deploy_engines", "engine_image", "engine_problem", "image_for", "notes", "render", "write"]
+           "deploy_engines", "engine_image", "engine_problem", "image_for", "notes", "plan_deploy", "render", "write"]
 
 KINDS = ("docker", "compose", "k8s")
 # The engines deploy renders: flagdeploy's own and the external ones with a multi-node mode (MindIE is driven by a
@@ -237,6 +237,44 @@ def notes(kind: str, profile: Profile, *, nic: str | None = None) -> list[str]:
             "with several NICs it may take one the other nodes cannot reach (gloo 'connectFullMesh failed', a "
             "collective init timeout). Re-render with --nic IFACE: the interface that carries the nodes' traffic "
             "(the same name on every node)."]
+
+
+def plan_deploy(spec, model: str, devices: int | None, nodes: int, layout: str | None, engine: str | None,
+                max_model_len: int, memory_utilization: float) -> tuple[Profile, str]:
+    """deploy's profile and engine: the planner's best layout for `engine`, or without one for the first engine of
+    the chip's (engines.yaml `deploy`) that runs a layout that fits and renders. Nothing fitting is one ValueError
+    naming why (memory, or the layouts the engines run) and the `plan` command that shows every layout."""
+    from flagdeploy.planner import PlanRequest, make_plan
+    from flagdeploy.planner.emit import chip_engines
+    from flagdeploy.planner.report import parse_layout
+
+    per_node = devices or spec.devices_per_node
+    if engine and engine not in chip_engines(spec.id):
+        raise ValueError(f"{engine} does not run on {spec.id} (profiles/engines.yaml rules); engines for it: "
+                         f"{', '.join(e for e in chip_engines(spec.id) if e in DEPLOY_ENGINES)}")
+    order = [engine] if engine else (deploy_engines(spec.id) or ["builtin"])
+    tried = []
+    for name in order:
+        plan = make_plan(PlanRequest(model, spec.id, per_node, nodes=nodes, max_model_len=max_model_len,
+                                     memory_utilization=memory_utilization, engine=name,
+                                     layout=parse_layout(layout) if layout is not None else None))
+        if plan.chosen is not None:
+            profile = plan.profile()
+            why = engine_problem(profile, name)
+            if why is None:
+                return profile, name
+            tried.append((name, [why]))
+        else:
+            first = [r.reason for r in plan.rejected[:1] if layout and "does not run this layout" not in r.reason]
+            tried.append((name, first + plan.suggestions))
+    where = f"{model} on {nodes} node(s) x {per_node} {spec.id}" + (f" with --layout {layout}" if layout else "")
+    engines = " or ".join(name for name, _ in tried)
+    lines = [f"nothing that {engines} runs fits {where}"]
+    for name, reasons in tried:
+        lines += [f"  {name}: {r}" for r in reasons or ["no layout was found either"]]
+    plan_cmd = (f"flagdeploy plan --model {model} --chip {spec.id} --devices {per_node} --nodes {nodes} "
+                f"--engine {tried[0][0]}")
+    raise ValueError("\n".join(lines) + f"\n`{plan_cmd}` shows every layout and why it is refused.")
 
 
 def image_for(profile: Profile, engine: str, image: str | None = None) -> str:
