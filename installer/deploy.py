@@ -247,6 +247,7 @@ def plan_deploy(spec, model: str, devices: int | None, nodes: int, layout: str |
     from flagdeploy.planner import PlanRequest, make_plan
     from flagdeploy.planner.emit import chip_engines
     from flagdeploy.planner.report import parse_layout
+    from flagdeploy.planner.search import ENGINE_REFUSES
 
     per_node = devices or spec.devices_per_node
     if engine and engine not in chip_engines(spec.id):
@@ -265,7 +266,7 @@ def plan_deploy(spec, model: str, devices: int | None, nodes: int, layout: str |
                 return profile, name
             tried.append((name, [why]))
         else:
-            first = [r.reason for r in plan.rejected[:1] if layout and "does not run this layout" not in r.reason]
+            first = [r.reason for r in plan.rejected[:1] if layout and ENGINE_REFUSES not in r.reason]
             tried.append((name, first + plan.suggestions))
     where = f"{model} on {nodes} node(s) x {per_node} {spec.id}" + (f" with --layout {layout}" if layout else "")
     engines = " or ".join(name for name, _ in tried)
