@@ -528,6 +528,10 @@ def _from_profile(ctx, path: str, **given):
         backend = get_chip(prof.chip).backend
     except (FlagdeployError, ValueError, TypeError) as exc:
         _fail(f"{path}: {exc}")
+    if prof.engine not in (None, "builtin"):  # planned (by `plan --engine/--emit` or `deploy`) for another engine
+        _fail(f"{path} was planned for {prof.engine}, whose layouts the builtin engine may not run: serve it with "
+              f"`flagdeploy serve --profile {path} --engine {prof.engine}` (flagdeploy launches {prof.engine} and "
+              "serves it here), or plan again for the builtin engine (`flagdeploy plan ... --engine builtin`).")
     if prof.pp > 1:
         _fail(f"{path} splits the model over {prof.pp} pipeline stages (pp={prof.pp}); the builtin engine has none "
               f"(it spreads --tp x --ep over nodes instead). Launch an external engine with `flagdeploy plan ... "

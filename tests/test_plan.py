@@ -218,6 +218,15 @@ def test_serve_prints_the_plan_and_runs_a_profile(tmp_path, default_model):
     out = subprocess.run([sys.executable, "-m", "flagdeploy.cli", "serve", "--profile", str(staged)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 1 and "pp=2" in out.stderr and "--emit" in out.stderr
+    # a profile planned for an external engine is not run by the builtin one: the refusal names the command
+    import dataclasses
+
+    from flagdeploy.planner import Profile
+
+    dataclasses.replace(Profile.load(profile), engine="vllm").save(staged)
+    out = subprocess.run([sys.executable, "-m", "flagdeploy.cli", "serve", "--profile", str(staged)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and f"serve --profile {staged} --engine vllm" in out.stderr
     port = _free_port()
     proc = _serve("--port", str(port), "--max-model-len", "1024")
     try:
