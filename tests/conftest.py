@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -199,3 +200,23 @@ def counting_indexer_ties(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(glm_ops, "_best_pools", counted)
     return seen
+
+
+@contextlib.contextmanager
+def ties_keep_the_lower_index():
+    """For an oracle's run only (transformers): torch.Tensor.topk keeps the lower index of equal values, the DSA
+    indexer's rule in flagdeploy (issue 55). transformers' glm5_next keeps torch.topk's own choice among equal
+    pool scores, which depends on the row's width; a checkpoint whose indexer ties at the top-k cut (an FP8 one
+    often does: quantised weights give exact relu zeros) is compared under the documented rule."""
+    topk = torch.Tensor.topk
+
+    def lower_index_first(self, k, dim=-1, largest=True, sorted=True):
+        idx = torch.sort(torch.where(self == 0, 0.0, self), dim=dim, descending=largest, stable=True).indices
+        idx = idx.narrow(dim, 0, k)
+        return torch.return_types.topk((self.gather(dim, idx), idx))
+
+    torch.Tensor.topk = lower_index_first
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = topk

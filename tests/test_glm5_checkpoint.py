@@ -13,6 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers.models.glm5_next")
+from conftest import ties_keep_the_lower_index  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from transformers import AutoConfig, FineGrainedFP8Config, Glm5NextForConditionalGeneration  # noqa: E402
 
@@ -167,8 +168,10 @@ def test_bf16_directory_is_servable(bf16_dir):
 
 @pytest.fixture(scope="module")
 def fp8_reference(fp8_dir):
-    """transformers' fine-grained FP8 path, dequantised on the CPU (its default without a GPU)."""
-    return _hf_logits(fp8_dir, quantization_config=FineGrainedFP8Config(dequantize=True))
+    """transformers' fine-grained FP8 path, dequantised on the CPU (its default without a GPU). The FP8 weights
+    make the indexer tie at the top-k cut (max |diff| 8.7 under torch.topk's own choice, 5e-6 under the rule)."""
+    with ties_keep_the_lower_index():
+        return _hf_logits(fp8_dir, quantization_config=FineGrainedFP8Config(dequantize=True))
 
 
 def test_fp8_shards_load_like_transformers(fp8_dir, fp8_reference):

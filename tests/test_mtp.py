@@ -17,6 +17,7 @@ from conftest import (
     generate_with_an_abort,
     graphs_on_the_cpu,
     greedy_in_every_arrangement,
+    ties_keep_the_lower_index,
 )
 from safetensors import safe_open
 
@@ -341,7 +342,7 @@ def test_greedy_tokens_at_indexer_ties_do_not_depend_on_the_batch_or_speculation
     assert ties[0] > 0
 
 
-def test_transformers_gives_the_same_tokens_once_its_ties_keep_the_lower_pool(tied_dir, monkeypatch, one_thread):
+def test_transformers_gives_the_same_tokens_once_its_ties_keep_the_lower_pool(tied_dir, one_thread):
     """The oracle at ties. transformers' indexer keeps torch.topk's choice among equal scores, which
     depends on the row's width (the sequence's pool count at each step): on this checkpoint its greedy
     tokens differ from ours at a tie. With torch.topk keeping the lower index of equal scores (patched for
@@ -363,18 +364,8 @@ def test_transformers_gives_the_same_tokens_once_its_ties_keep_the_lower_pool(ti
     ours = _engine(tied_dir, max_model_len=96).generate(prompts, SamplingParams(max_tokens=steps, temperature=0,
                                                                                  ignore_eos=True))
     assert [full_forwards(p) for p in prompts] != ours  # transformers as it is: torch.topk's choice at the ties
-    topk = torch.Tensor.topk
-
-    def lower_index_first(self, k, dim=-1, largest=True, sorted=True):
-        idx = torch.sort(torch.where(self == 0, 0.0, self), dim=dim, descending=largest, stable=True).indices
-        idx = idx.narrow(dim, 0, k)
-        return torch.return_types.topk((self.gather(dim, idx), idx))
-
-    monkeypatch.setattr(torch.Tensor, "topk", lower_index_first)
-    try:
+    with ties_keep_the_lower_index():
         assert [full_forwards(p) for p in prompts] == ours
-    finally:
-        monkeypatch.setattr(torch.Tensor, "topk", topk)
 
 
 # ---- what --speculative mtp compiles, and how a refusal is logged (issue 55) -----------------------------
