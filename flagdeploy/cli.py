@@ -759,7 +759,10 @@ def ops_list(chip) -> None:
     click.echo(f"backend: {be.name} ({be.vendor}, device {be.device_type}, collectives {be.collective}): {be.description}")
     width = max(len(n) for n in fops.OPS)
     for name in fops.OPS:
-        click.echo(f"  {name:<{width}}  {implementation(be, name)[0]}")
+        how = implementation(be, name)[0]
+        if be.explain is not None and name in be.overrides:
+            how = f"chosen: {be.explain(name)}"
+        click.echo(f"  {name:<{width}}  {how}")
 
 
 def _run_checks(be, model_config: str | None, dtypes: tuple[str, ...]):
@@ -821,6 +824,12 @@ def ops_tune(chip, output) -> None:
         _fail(str(exc))
     except ImportError:
         _fail(f"the {be.name} backend has nothing to tune (no flagdeploy.backends.{be.name}.tune module).")
+    if hasattr(tuner, "tune_and_write"):  # a backend that writes its own table where it loads it from
+        try:
+            click.echo(tuner.tune_and_write(be, output))
+        except (FlagdeployError, ValueError) as exc:
+            _fail(str(exc))
+        return
     text = f"# measured by `flagdeploy ops tune --chip {be.name}`\n" + yaml.safe_dump(tuner.measure(), sort_keys=False)
     if output is None:
         click.echo(text, nl=False)
