@@ -1131,6 +1131,12 @@ def selftest(chip, model_config, output) -> None:
               f"install (`flagdeploy install --chip {chip.value}`), the device nodes and visibility variables; "
               f"detected: {info or 'nothing'}.")
     fops.use_backend(be)
+    try:  # a backend that chooses among candidates by measurement (backends/generic) tunes first: its table
+        tuner = importlib.import_module(f"flagdeploy.backends.{be.name}.tune")  # decides what the checks run
+    except ImportError:
+        tuner = None
+    if tuner is not None and hasattr(tuner, "tune_and_write"):
+        click.echo(tuner.tune_and_write(be))
     results = _run_checks(be, model_config, ("float32", "bfloat16"))
     report = to_json(be, results, chip=chip.value, host=platform.node(), detected=info)
     path = output or f"flagdeploy-selftest-{chip.value}.json"

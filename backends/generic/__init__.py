@@ -143,11 +143,13 @@ def make_backend(family: str, chip: str | None = None) -> Backend:
 
 def _specialize(chip: str) -> Backend:
     """The backend for a chip of the catalog whose family this backend runs (or a family named directly)."""
-    if chip in families():
-        return make_backend(chip)
     from flagdeploy.chips import get_chip
 
-    return make_backend(get_chip(chip).backend, chip)
+    family = chip if chip in families() else get_chip(chip).backend
+    module = families()[family].get("torch_module")
+    if module and importlib.util.find_spec(module) is not None:
+        importlib.import_module(module)  # registers the device type (mlu, musa, gcu, npu) with torch
+    return make_backend(family, None if chip in families() else chip)
 
 
 backend = make_backend(default_family(), None)
