@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 # llama-3-8B's per-layer shapes: what the table's buckets are measured at
 LLAMA_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "inter": 14336, "vocab": 128256,
-            "experts": 16, "expert_inter": 512, "top_k": 4}
+            "experts": 16, "expert_inter": 512, "top_k": 4, "swiglu_limit": 10.0}
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from flagdeploy.cli import main
 
 STANDINS = str(Path(__file__).parent / "standins")
 SMALL = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "inter": 96, "vocab": 300, "experts": 4,
-         "expert_inter": 32, "top_k": 2}
+         "expert_inter": 32, "top_k": 2, "swiglu_limit": None}
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +100,25 @@ def test_choose_never_picks_a_failed_candidate():
                            "reference": {"time_us": 5.0, "passed": False}}) == "reference"
 
 
+def test_where_decode_steps_are_captured_a_capturable_candidate_wins(fresh, monkeypatch):
+    """A candidate that passed but cannot be captured loses to one that can; without any that can, the
+    fastest passing one; a failed candidate stays out either way."""
+    assert choices.choose({"flaggems": {"time_us": 1.0, "passed": True, "capturable": True},
+                           "reference": {"time_us": 0.5, "passed": True, "capturable": False}}) == "flaggems"
+    assert choices.choose({"flaggems": {"time_us": 1.0, "passed": True, "capturable": False},
+                           "reference": {"time_us": 2.0, "passed": True, "capturable": False}}) == "flaggems"
+    assert choices.choose({"flaggems": {"time_us": 0.1, "passed": False},
+                           "reference": {"time_us": 2.0, "passed": True, "capturable": False}}) == "reference"
+    be = make_backend("host")
+    _flaggems_fastest(monkeypatch)
+    ref_fn = ops.OPS["rms_norm"].reference
+    monkeypatch.setattr(tune, "capturable", lambda be, fn, a, k: fn is not candidates.g_rms_norm)
+    table = tune.measure(be, "host", "host", shapes=SMALL, buckets=(1,), dtypes=(torch.float32,), ops=["rms_norm"])
+    entry = table["ops"]["rms_norm"]["float32/m1"]
+    assert entry["candidates"]["flaggems"]["capturable"] is False and entry["choice"] == "torch"
+    assert ref_fn is ops.OPS["rms_norm"].reference
+
+
 def test_tuner_never_chooses_a_failing_candidate_even_when_fastest(fresh, monkeypatch):
     be = make_backend("host")
     _flaggems_fastest(monkeypatch)
@@ -127,6 +146,10 @@ def test_every_flaggems_candidate_passes_on_the_standin(fresh, monkeypatch):
     failed = [(op, k, e["candidates"]["flaggems"]) for op, es in table["ops"].items() for k, e in es.items()
               if not e["candidates"]["flaggems"]["passed"]]
     assert not failed, failed
+    clamped = tune.measure(be, "host", "host", shapes={**SMALL, "swiglu_limit": 7.0}, buckets=(1, 5),
+                           dtypes=(torch.float32,), ops=["moe_experts"])
+    assert all(e["candidates"]["torch"]["passed"] and e["candidates"]["flaggems"]["passed"]  # (the reference, clamped)
+               for e in clamped["ops"]["moe_experts"].values())
     for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary_pos_emb", "reshape_and_cache_flash",
                  "flash_attn_varlen_func", "argmax", "embedding", "mm", "outplace_fused_experts"):
         assert fresh.CALLS[name] > 0, name

@@ -114,6 +114,19 @@ def g_moe_experts(x, routing, gate_up, down, limit, top_k=None):
 # ---- the vendor's torch ops (what the device's torch build runs natively) ---------------------------------
 
 
+def t_moe_experts(x, routing, gate_up, down, limit, top_k=None):
+    """Every expert on every token, weighted by the routing (zero for the experts a token did not pick): no
+    read-back to the host, so a captured decode step can hold it; memory T x E x 2I."""
+    dense = isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dtype == x.dtype
+    if not dense:
+        return OPS["moe_experts"].reference(x, routing, gate_up, down, limit, top_k)
+    gate, up = torch.einsum("th,enh->ten", x, gate_up).chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    y = torch.einsum("tei,ehi->teh", F.silu(gate) * up, down)
+    return (y * routing.to(y.dtype).unsqueeze(-1)).sum(1)
+
+
 def t_argmax(logits):
     return torch.argmax(logits, dim=-1)
 
@@ -138,7 +151,7 @@ CANDIDATES: dict[str, dict[str, Callable]] = {
     "argmax": {"flaggems": g_argmax, "torch": t_argmax},
     "embedding": {"flaggems": g_embedding, "torch": t_embedding},
     "linear": {"flaggems": g_linear, "torch": t_linear},
-    "moe_experts": {"flaggems": g_moe_experts},
+    "moe_experts": {"flaggems": g_moe_experts, "torch": t_moe_experts},
 }
 
 

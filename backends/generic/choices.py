@@ -71,8 +71,12 @@ def rows_of(op: str, args) -> int:
 
 
 def choose(results: dict[str, dict]) -> str:
-    """The fastest candidate that passed (ties: the first listed); the reference where none did."""
+    """The fastest candidate that passed (ties: the first listed); the reference where none did. Where the
+    engine captures decode steps as graphs (the tuner then records `capturable`), the fastest passing
+    candidate that can be captured, if any can: a faster one that cannot would break the capture."""
     ok = [(r["time_us"], i, name) for i, (name, r) in enumerate(results.items()) if r.get("passed")]
+    ok_captured = [c for c in ok if results[c[2]].get("capturable", True)]
+    ok = ok_captured or ok
     return min(ok)[2] if ok else "reference"
 
 

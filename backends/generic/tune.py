@@ -20,9 +20,11 @@ from flagdeploy.ops.registry import Backend
 from . import choices
 from .candidates import candidates, gems_version
 
-# a small llama's shapes by default (hidden, heads, kv heads, head dim, intermediate, vocabulary, experts)
+# a small llama's shapes by default (hidden, heads, kv heads, head dim, intermediate, vocabulary, experts);
+# the MoE experts are measured with GLM's SwiGLU clamp (glm5_next's swiglu_limit), the calls the engine
+# makes: FlagGems' fused experts have no clamp, so its candidate runs the reference there
 SHAPES = {"hidden": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64, "inter": 2816, "vocab": 32000, "experts": 8,
-          "expert_inter": 256, "top_k": 2}
+          "expert_inter": 256, "top_k": 2, "swiglu_limit": 10.0}
 TUNED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -63,12 +65,37 @@ def cases(op: str, m: int, dtype: torch.dtype, gen: torch.Generator, s: dict):
         e, i, k = s["experts"], s["expert_inter"], s["top_k"]
         picks = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(m)])
         routing = torch.zeros(m, e).scatter_(1, picks, torch.rand(m, k, generator=gen)).to(dtype)
-        return (r(m, h), routing, r(e, 2 * i, h, scale=h ** -0.5), r(e, h, i, scale=i ** -0.5), None), {"top_k": k}
+        return (r(m, h), routing, r(e, 2 * i, h, scale=h ** -0.5), r(e, h, i, scale=i ** -0.5), s.get("swiglu_limit")), {"top_k": k}
     return None
 
 
+# ops the engine never runs inside a captured decode step
+NOT_IN_DECODE = {"attention_prefill"}
+
+
+def capturable(be: Backend, fn, args, kwargs) -> bool | None:
+    """Whether `fn(*args)` can be captured as the engine captures its decode step; None where the engine
+    captures nothing on this device (it captures CUDA graphs on device "cuda" only: model_runner.py)."""
+    if be.device_type != "cuda":
+        return None
+    from flagdeploy.engine.cuda_graphs import capture
+    from flagdeploy.ops.check import _fresh, _to
+
+    dev = [_to(a, be.device_type) for a in args]
+    try:
+        capture(lambda: fn(*_fresh(dev), **kwargs), None)
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001 - a host read-back, a sync or an allocation the capture refuses
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+        return False
+
+
 def measure_op(be: Backend, op: str, dtype: torch.dtype, m: int, shapes: dict, seed: int = 0) -> dict:
-    """{candidate: {error, time_us, passed[, why]}} for `op` at `m` rows."""
+    """{candidate: {error, time_us, passed[, capturable][, why]}} for `op` at `m` rows."""
     out = {}
     for name, fn in candidates(op).items():
         gen = torch.Generator().manual_seed(seed)  # the same inputs for every candidate
@@ -77,6 +104,10 @@ def measure_op(be: Backend, op: str, dtype: torch.dtype, m: int, shapes: dict, s
         res = check_case(one, op, dtype, args, kwargs, f"m{m}")
         entry = {"error": None if res.max_abs_err is None else float(f"{res.max_abs_err:.3g}"),
                  "time_us": None if res.time_us is None else round(res.time_us, 2), "passed": bool(res.passed)}
+        if res.passed and op not in NOT_IN_DECODE:
+            cap = capturable(be, fn, args, kwargs)
+            if cap is not None:
+                entry["capturable"] = cap
         if res.error:
             entry["why"] = res.error[:200]
         elif not res.passed:
