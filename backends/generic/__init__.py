@@ -54,6 +54,24 @@ def family_present(name: str) -> bool:
         return False
 
 
+def device_available(name: str) -> bool:
+    """Whether torch sees a device of family `name`'s type (its plugin module imported where installed): the
+    backend's detect(). The vendor's tool is not asked: it only orders families sharing a type."""
+    fam = families()[name]
+    try:
+        if fam["device_type"] == "cpu":
+            return False
+        module = fam.get("torch_module")
+        if module:
+            if importlib.util.find_spec(module) is None:
+                return False
+            importlib.import_module(module)
+        mod = getattr(torch, fam["device_type"], None)
+        return bool(mod is not None and mod.is_available())
+    except Exception:  # noqa: BLE001 - detection must never raise
+        return False
+
+
 def default_family() -> str:
     """$FLAGDEPLOY_GENERIC_FAMILY, else the first family of families.yaml present here, else the first whose
     device type torch sees (a cuda build without the vendor's tool on PATH), else the host."""
@@ -123,7 +141,7 @@ def make_backend(family: str, chip: str | None = None) -> Backend:
         device_type=fam["device_type"],
         dtypes=("float32", "bfloat16", "float16"),
         collective=fam["collective"],
-        detect=lambda: family_present(family),
+        detect=lambda: device_available(family),
         overrides={op: _dispatcher(op, state) for op in CANDIDATES},
         priority=5,  # below a chip's own backend (cuda 20, ascend 10): chosen when named, or where none is
         description=(f"family {family}: torch device {fam['device_type']}, collectives {fam['collective']}, graphs "
