@@ -147,7 +147,7 @@ def make_backend(family: str, chip: str | None = None) -> Backend:
         description=(f"family {family}: torch device {fam['device_type']}, collectives {fam['collective']}, graphs "
                      f"{fam.get('graph') or 'none'}; per op FlagGems / the vendor's torch op / the reference, chosen "
                      f"per dtype and shape bucket by the choice table of {state.chip} (`flagdeploy ops tune --chip "
-                     f"{state.chip}`)"),
+                     f"{chip or 'generic'}`)"),
         visible_devices_env="CUDA_VISIBLE_DEVICES" if fam["device_type"] == "cuda" else None,
         families=tuple(f for f in families() if f != "host"),
         specialize=_specialize,
@@ -167,7 +167,7 @@ def _specialize(chip: str) -> Backend:
     module = families()[family].get("torch_module")
     if module and importlib.util.find_spec(module) is not None:
         importlib.import_module(module)  # registers the device type (mlu, musa, gcu, npu) with torch
-    return make_backend(family, None if chip in families() else chip)
+    return make_backend(family, chip)
 
 
 backend = make_backend(default_family(), None)
