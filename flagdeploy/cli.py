@@ -763,7 +763,10 @@ def ops_list(chip) -> None:
     click.echo(f"backend: {be.name} ({be.vendor}, device {be.device_type}, collectives {be.collective}): {be.description}")
     width = max(len(n) for n in fops.OPS)
     for name in fops.OPS:
-        click.echo(f"  {name:<{width}}  {implementation(be, name)[0]}")
+        how = implementation(be, name)[0]
+        if be.explain is not None and name in be.overrides:
+            how = f"chosen: {be.explain(name)}"
+        click.echo(f"  {name:<{width}}  {how}")
 
 
 def _run_checks(be, model_config: str | None, dtypes: tuple[str, ...]):
@@ -825,6 +828,12 @@ def ops_tune(chip, output) -> None:
         _fail(str(exc))
     except ImportError:
         _fail(f"the {be.name} backend has nothing to tune (no flagdeploy.backends.{be.name}.tune module).")
+    if hasattr(tuner, "tune_and_write"):  # a backend that writes its own table where it loads it from
+        try:
+            click.echo(tuner.tune_and_write(be, output))
+        except (FlagdeployError, ValueError) as exc:
+            _fail(str(exc))
+        return
     text = f"# measured by `flagdeploy ops tune --chip {be.name}`\n" + yaml.safe_dump(tuner.measure(), sort_keys=False)
     if output is None:
         click.echo(text, nl=False)
@@ -1088,6 +1097,12 @@ def selftest(chip, model_config, output) -> None:
               f"install (`flagdeploy install --chip {chip.value}`), the device nodes and visibility variables; "
               f"detected: {info or 'nothing'}.")
     fops.use_backend(be)
+    try:  # a backend that chooses among candidates by measurement (backends/generic) tunes first: its table
+        tuner = importlib.import_module(f"flagdeploy.backends.{be.name}.tune")  # decides what the checks run
+    except ImportError:
+        tuner = None
+    if tuner is not None and hasattr(tuner, "tune_and_write"):
+        click.echo(tuner.tune_and_write(be))
     results = _run_checks(be, model_config, ("float32", "bfloat16"))
     report = to_json(be, results, chip=chip.value, host=platform.node(), detected=info)
     path = output or f"flagdeploy-selftest-{chip.value}.json"

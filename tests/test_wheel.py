@@ -79,7 +79,7 @@ def test_wheel_declares_the_entry_points(dist):
     ep = next(n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt"))
     text = wheel.read(ep).decode()
     assert "flagdeploy = flagdeploy.cli:main" in text
-    for backend in ("cpu", "cuda", "ascend"):
+    for backend in ("cpu", "cuda", "ascend", "generic"):
         assert f"{backend} = flagdeploy.backends.{backend}:backend" in text
 
 

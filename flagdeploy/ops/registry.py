@@ -94,6 +94,13 @@ class Backend:
     # how data-parallel replicas (flagdeploy/gateway/replicas.py) each get their own devices. None:
     # the backend has no such variable (the CPU), and every process sees the whole machine.
     visible_devices_env: str | None = None
+    # Catalog backends (chip families: metax, cambricon, ...) this backend runs when no plugin of that name is
+    # installed; `specialize(chip)` gives the backend for one chip of them, or for a family named alone
+    # (backends/generic: the family's device type and collective come from its families.yaml).
+    families: tuple[str, ...] = ()
+    specialize: Callable[[str], "Backend"] | None = None
+    # op name -> one line on how this backend runs it beyond native/composite/reference (`ops list`)
+    explain: Callable[[str], str] | None = None
 
 
 OPS: dict[str, OpSpec] = {}
@@ -139,6 +146,9 @@ def get_backend(name: str) -> Backend:
 
     choice = resolve_chip(name, plugin_backends=bes)  # an unknown value raises the one --chip error
     if choice.backend not in bes:
+        runs_family = [be for be in bes.values() if choice.backend in be.families and be.specialize]
+        if runs_family:
+            return runs_family[0].specialize(choice.value)
         raise UnknownChipError(
             f"--chip {choice.value} runs on the {choice.backend!r} backend, which is not installed here (installed: "
             f"{', '.join(sorted(bes)) or 'none'}). Install its stack (`flagdeploy install --chip {choice.value}`) or "
