@@ -124,13 +124,13 @@ def measure(be: Backend, chip: str, family: str, shapes: dict | None = None, buc
              "flag_gems": gems_version(), "buckets": list(buckets), "shapes": shapes, "ops": {}}
     from .candidates import CANDIDATES
 
-    for op in ops or CANDIDATES:
-        entries = {}
-        for dtype in dtypes:
-            for m in buckets:
-                results = measure_op(be, op, dtype, m, shapes)
-                entries[choices.key(dtype, m)] = {"choice": choices.choose(results), "candidates": results}
-        table["ops"][op] = entries
+    from tqdm import tqdm
+
+    steps = [(op, dtype, m) for op in ops or CANDIDATES for dtype in dtypes for m in buckets]
+    for op, dtype, m in tqdm(steps, desc=f"tuning {chip}", unit="case", leave=False):
+        results = measure_op(be, op, dtype, m, shapes)
+        table["ops"].setdefault(op, {})[choices.key(dtype, m)] = {"choice": choices.choose(results),
+                                                                  "candidates": results}
     return table
 
 
