@@ -333,16 +333,23 @@ def _layout(profile: Profile) -> str:
             f"dp={profile.dp} ep={profile.ep} pp={profile.pp}")
 
 
-def _docker(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str) -> dict[str, str]:
+def _docker_args(profile: Profile, needs: ContainerNeeds, env: dict[str, str], cache_dir: str) -> list[list[str]]:
+    """`docker run`'s options for one container of `profile`: name, shm, port, environment, the devices and driver
+    mounts of `needs`, and the host's model cache on the container's."""
     c = _data()["common"]
-    q = shlex.quote
     args = [["--name", _name(profile)], ["--shm-size", c["shm_size"]], ["-p", f"{profile.port}:{profile.port}"]]
-    args += [["-e", f"{k}={v}"] for k, v in _env(needs).items()]
+    args += [["-e", f"{k}={v}"] for k, v in env.items()]
     args += [["--gpus", str(needs.gpus)]] if needs.gpus else []
     args += [["--device", d] for d in needs.devices]
     args += [["-v", f"{m}:{m}:ro"] for m in needs.mounts]
     args += [["-v", f"{cache_dir}:{c['container_cache']}"]]
-    lines = [" ".join(map(q, a)) for a in args]
+    return args
+
+
+def _docker(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str) -> dict[str, str]:
+    c = _data()["common"]
+    q = shlex.quote
+    lines = [" ".join(map(q, a)) for a in _docker_args(profile, needs, _env(needs), cache_dir)]
     # The profile sits next to run.sh; $HERE must expand, so this one argument is double-quoted, not shlex-quoted.
     lines.append(f'-v "$HERE/profile.yaml:{c["profile_path"]}:ro"')
     lines.append(" ".join(map(q, [image, *c["serve"]])))
@@ -637,12 +644,7 @@ def _external(kind: str, profile: Profile, engine: str, needs: ContainerNeeds, i
                 f"{engine} answers {health} once the model is loaded."] + notes_of(launch)
         if kind == "docker":
             q = shlex.quote
-            args = [["--name", _name(profile)], ["--shm-size", c["shm_size"]], ["-p", f"{profile.port}:{profile.port}"]]
-            args += [["-e", f"{k}={v}"] for k, v in env(launch).items()]
-            args += [["--gpus", str(needs.gpus)]] if needs.gpus else []
-            args += [["--device", d] for d in needs.devices]
-            args += [["-v", f"{m}:{m}:ro"] for m in needs.mounts]
-            args += [["-v", f"{cache_dir}:{c['container_cache']}"]]
+            args = _docker_args(profile, needs, env(launch), cache_dir)
             body = " \\\n  ".join(["exec docker run -d", *(" ".join(map(q, a)) for a in args),
                                      " ".join(map(q, [image, *command]))])
             return {"run.sh": "#!/bin/sh\n" + _comment(head) + "set -eu\n" + body + "\n"}
