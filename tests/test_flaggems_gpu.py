@@ -5,7 +5,8 @@ The native cuda backend is off throughout: the engine runs the generic backend's
 row bucket (FlagGems, torch's own op, or the reference). The table is written to $FLAGDEPLOY_TUNE_OUT when
 set (the evidence to keep), else to a temporary file. Each model runs eagerly and with its decode step
 captured as CUDA graphs, as separate cases: a candidate that reads back to the host (the references of
-paged decode attention and of the MoE experts loop) cannot be captured, and the eager case stands alone. Not yet run: the command is in docs/backends/generic.md.
+paged decode attention and of the MoE experts loop) cannot be captured, and the eager case stands alone.
+Ran on the H200 (6 of 6, 2026-12-04): the command and the table it wrote are in docs/backends/generic.md.
 """
 
 from __future__ import annotations
