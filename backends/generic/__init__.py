@@ -10,7 +10,6 @@ docs/backends/generic.md.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 import os
