@@ -6,7 +6,8 @@ row bucket (FlagGems, torch's own op, or the reference). The table is written to
 set (the evidence to keep), else to a temporary file. Each model runs eagerly and with its decode step
 captured as CUDA graphs, as separate cases: a candidate that reads back to the host (the references of
 paged decode attention and of the MoE experts loop) cannot be captured, and the eager case stands alone.
-Ran on the H200 (6 of 6, 2026-12-04): the command and the table it wrote are in docs/backends/generic.md.
+Ran on the H200 (6 of 6, 2026-12-04, before the tuner timed decode-sized calls under graph replay): the
+command and the table it wrote are in docs/backends/generic.md.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# llama-3-8B's per-layer shapes: what the table's buckets are measured at
-LLAMA_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "inter": 14336, "vocab": 128256,
-            "experts": 16, "expert_inter": 512, "top_k": 4, "swiglu_limit": 10.0}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +30,7 @@ def generic(tmp_path_factory):
     be = make_backend("nvidia", "h200")
     # FLAGDEPLOY_TUNE_SHAPES=llama-8b measures at Llama-3-8B's shapes (minutes: FlagGems autotunes mm per bucket
     # and the float64 references of the 128k-row LM head run on the host); default: the tuner's own shapes
-    shapes = LLAMA_8B if os.environ.get("FLAGDEPLOY_TUNE_SHAPES") == "llama-8b" else None
+    shapes = tune.SHAPES_LLAMA_8B if os.environ.get("FLAGDEPLOY_TUNE_SHAPES") == "llama-8b" else None
     table = tune.measure(be, "h200", "nvidia", shapes=shapes, dtypes=(torch.float32, torch.bfloat16))
     out = os.environ.get("FLAGDEPLOY_TUNE_OUT") or str(tmp_path_factory.mktemp("tune") / "h200.yaml")
     be.state.load(choices.write(table, out))
@@ -60,7 +58,7 @@ def test_a_failing_candidate_is_never_chosen_on_the_gpu(generic, monkeypatch):
     wrong = lambda x, w, eps: real(x, w, eps) * 1.5  # noqa: E731
     monkeypatch.setitem(candidates.CANDIDATES["rms_norm"], "flaggems", wrong)
     monkeypatch.setattr(check, "_time_us", lambda fn, *a, **k: 0.01 if fn is wrong else 100.0)
-    table = tune.measure(be, "h200", "nvidia", shapes=LLAMA_8B, ops=["rms_norm"])
+    table = tune.measure(be, "h200", "nvidia", shapes=tune.SHAPES_LLAMA_8B, ops=["rms_norm"])
     for k, entry in table["ops"]["rms_norm"].items():
         assert not entry["candidates"]["flaggems"]["passed"] and entry["choice"] != "flaggems", k
     assert choices.Choices(table).lookup("rms_norm", torch.bfloat16, 1)[0] != "flaggems"

@@ -112,11 +112,26 @@ def test_where_decode_steps_are_captured_a_capturable_candidate_wins(fresh, monk
     be = make_backend("host")
     _flaggems_fastest(monkeypatch)
     ref_fn = ops.OPS["rms_norm"].reference
-    monkeypatch.setattr(tune, "capturable", lambda be, fn, a, k: fn is not candidates.g_rms_norm)
+    monkeypatch.setattr(tune, "replay_us", lambda be, fn, a, k: (False, None) if fn is candidates.g_rms_norm else (True, 5.0))
     table = tune.measure(be, "host", "host", shapes=SMALL, buckets=(1,), dtypes=(torch.float32,), ops=["rms_norm"])
     entry = table["ops"]["rms_norm"]["float32/m1"]
     assert entry["candidates"]["flaggems"]["capturable"] is False and entry["choice"] == "torch"
     assert ref_fn is ops.OPS["rms_norm"].reference
+
+
+def test_captured_candidates_are_compared_by_their_time_under_graph_replay():
+    """A library whose calls cost host overhead eagerly but little in a replayed graph (FlagGems: 35-140 us
+    a call eagerly) wins where the engine replays graphs; a failed one stays out however fast it replays."""
+    slow_eager_fast_replay = {"flaggems": {"time_us": 60.0, "passed": True, "capturable": True, "replay_us": 3.0},
+                              "torch": {"time_us": 12.0, "passed": True, "capturable": True, "replay_us": 6.0},
+                              "reference": {"time_us": 40.0, "passed": True, "capturable": True, "replay_us": 20.0}}
+    assert choices.choose(slow_eager_fast_replay) == "flaggems"
+    # no graph on this device or bucket (no replay_us): eager time decides
+    eager = {n: {k: v for k, v in r.items() if k not in ("capturable", "replay_us")}
+             for n, r in slow_eager_fast_replay.items()}
+    assert choices.choose(eager) == "torch"
+    broken = {**slow_eager_fast_replay, "flaggems": {**slow_eager_fast_replay["flaggems"], "passed": False}}
+    assert choices.choose(broken) == "torch"
 
 
 def test_tuner_never_chooses_a_failing_candidate_even_when_fastest(fresh, monkeypatch):
@@ -215,3 +230,18 @@ def test_tiny_llama_end_to_end_through_flaggems_matches_transformers(fresh, tmp_
     assert got == want[0, len(ids):].tolist()
     for name in ("rms_norm", "silu_and_mul", "apply_rotary_pos_emb", "reshape_and_cache_flash", "flash_attn_varlen_func"):
         assert fresh.CALLS[name] > 0, name
+
+
+def test_flaggems_prefill_attention_takes_the_engines_k_and_v_as_they_come(fresh):
+    """FlagGems' varlen attention asserts k.stride() == v.stride(); in the engine k is roped (a new tensor) while v
+    is still a view of the fused qkv projection: the adapter makes them agree (the H200 run met this first)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(12, 4, 16, generator=gen)
+    qkv = torch.randn(12, 2 * 2 * 16 + 4 * 16, generator=gen)
+    k = qkv[:, 64:96].reshape(12, 2, 16).clone()  # contiguous, as after rope
+    v = qkv[:, 96:].view(12, 2, 16)  # a strided view
+    assert k.stride() != v.stride()
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    got = candidates.g_attention_prefill(q, k, v, cu, cu, 0.25)
+    want = ops.OPS["attention_prefill"].reference(q, k, v, cu, cu, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

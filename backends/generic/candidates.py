@@ -76,6 +76,8 @@ def g_write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
 def g_attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
     max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     max_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+    if k.stride() != v.stride():  # it asserts equal strides: the engine's k is roped, v a view of the fused qkv
+        k, v = k.contiguous(), v.contiguous()
     return gems().flash_attn_varlen_func(q, k, v, max_q, cu_seqlens_q.int(), max_k, cu_seqlens_k=cu_seqlens_k.int(),
                                          softmax_scale=scale, causal=True)
 

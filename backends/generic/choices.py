@@ -7,15 +7,15 @@ Format (YAML, one file per chip; `flagdeploy ops tune --chip X` writes it, backe
     device: cuda
     torch: 2.8.0+metax...
     flag_gems: 5.0.2      # null where it could not be imported (its candidates then all failed)
-    buckets: [1, 16, 256] # rows: a call with m rows takes the first bucket >= m, else the last
+    buckets: [1, 16, 64, 256] # rows: a call with m rows takes the first bucket >= m, else the last
     ops:
       rms_norm:
         bfloat16/m16:
           choice: flaggems
           candidates:
-            flaggems: {error: 0.0039, time_us: 11.2, passed: true}
-            torch: {error: 0.0039, time_us: 14.0, passed: true}
-            reference: {error: 0.0, time_us: 30.5, passed: true}
+            flaggems: {error: 0.0039, time_us: 41.2, passed: true, capturable: true, replay_us: 3.1}
+            torch: {error: 0.0039, time_us: 14.0, passed: true, capturable: true, replay_us: 6.0}
+            reference: {error: 0.0, time_us: 30.5, passed: true, capturable: true, replay_us: 21.7}
 
 The choice is the fastest candidate that passed its check against the float64 reference within the op's
 tolerance; a failed candidate is never chosen, whatever it costs. Loading checks that again: an entry
@@ -39,7 +39,7 @@ from .candidates import candidates
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 16, 256)
+BUCKETS = (1, 16, 64, 256)
 ENV_TABLE = "FLAGDEPLOY_GENERIC_CHOICES"  # a table file to load instead of the default path
 
 
@@ -72,11 +72,14 @@ def rows_of(op: str, args) -> int:
 
 def choose(results: dict[str, dict]) -> str:
     """The fastest candidate that passed (ties: the first listed); the reference where none did. Where the
-    engine captures decode steps as graphs (the tuner then records `capturable`), the fastest passing
-    candidate that can be captured, if any can: a faster one that cannot would break the capture."""
+    engine captures decode steps as graphs (the tuner then records `capturable` and `replay_us` for
+    decode-sized calls), the passing candidates that capture are compared by their time under graph replay,
+    which is what a captured step pays, and one that cannot be captured is taken only if none can: it would
+    break the capture."""
     ok = [(r["time_us"], i, name) for i, (name, r) in enumerate(results.items()) if r.get("passed")]
-    ok_captured = [c for c in ok if results[c[2]].get("capturable", True)]
-    ok = ok_captured or ok
+    captured = [(results[name]["replay_us"], i, name) for _, i, name in ok if results[name].get("capturable")
+                and results[name].get("replay_us") is not None]
+    ok = captured or [c for c in ok if results[c[2]].get("capturable", True)] or ok
     return min(ok)[2] if ok else "reference"
 
 

@@ -25,6 +25,10 @@ from .candidates import candidates, gems_version
 # makes: FlagGems' fused experts have no clamp, so its candidate runs the reference there
 SHAPES = {"hidden": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64, "inter": 2816, "vocab": 32000, "experts": 8,
           "expert_inter": 256, "top_k": 2, "swiglu_limit": 10.0}
+# Llama-3-8B's per-layer shapes (the MoE entries are not used by llama): benchmarks/generic_decode.py and
+# FLAGDEPLOY_TUNE_SHAPES=llama-8b in tests/test_flaggems_gpu.py
+SHAPES_LLAMA_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "inter": 14336, "vocab": 128256,
+                   "experts": 16, "expert_inter": 512, "top_k": 4, "swiglu_limit": 10.0}
 TUNED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -48,7 +52,10 @@ def cases(op: str, m: int, dtype: torch.dtype, gen: torch.Generator, s: dict):
         return (r(m, kvh, d), r(m, kvh, d), torch.zeros(blocks, 16, kvh, d, dtype=dtype),
                 torch.zeros(blocks, 16, kvh, d, dtype=dtype), slots), {}
     if op == "attention_prefill":
-        cu = torch.tensor([0, m], dtype=torch.int32)
+        # a prefill chunk of several prompts (one per 32 rows): per-sequence kernels pay per sequence, and a
+        # chunk of one sequence would hide that
+        seqs = max(1, m // 32)
+        cu = torch.tensor([m * i // seqs for i in range(seqs + 1)], dtype=torch.int32)
         return (r(m, heads, d), r(m, kvh, d), r(m, kvh, d), cu, cu, d ** -0.5), {}
     if op == "paged_attention_decode":
         width, blocks = 4, 4 * m + 4
@@ -73,29 +80,47 @@ def cases(op: str, m: int, dtype: torch.dtype, gen: torch.Generator, s: dict):
 NOT_IN_DECODE = {"attention_prefill"}
 
 
-def capturable(be: Backend, fn, args, kwargs) -> bool | None:
-    """Whether `fn(*args)` can be captured as the engine captures its decode step; None where the engine
-    captures nothing on this device (it captures CUDA graphs on device "cuda" only: model_runner.py)."""
+def replay_us(be: Backend, fn, args, kwargs, calls: int = 16) -> tuple[bool | None, float | None]:
+    """(captured, microseconds per call replayed from a CUDA graph) of `fn(*args)`.
+
+    A decode step the engine captures pays only the kernels' time: no per-call host overhead, which for a
+    Triton library such as FlagGems (35-140 us a call eagerly) is most of what eager timing sees at a few
+    rows. So decode-sized calls are compared as the engine runs them: `calls` calls captured in one graph,
+    replayed, the best of five replays divided by `calls`. (None, None) where the engine captures nothing on
+    this device (it captures CUDA graphs on device "cuda" only: model_runner.py); (False, None) where the
+    capture fails (a host read-back, a sync or an allocation the capture refuses)."""
     if be.device_type != "cuda":
-        return None
+        return None, None
+    import time
+
     from flagdeploy.engine.cuda_graphs import capture
     from flagdeploy.ops.check import _fresh, _to
 
-    dev = [_to(a, be.device_type) for a in args]
+    work = _fresh([_to(a, be.device_type) for a in args])  # in-place ops rewrite the same buffers each call
     try:
-        capture(lambda: fn(*_fresh(dev), **kwargs), None)
+        graph, _ = capture(lambda: [fn(*work, **kwargs) for _ in range(calls)], None)
+        graph.replay()
         torch.cuda.synchronize()
-        return True
-    except Exception:  # noqa: BLE001 - a host read-back, a sync or an allocation the capture refuses
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return True, round(best * 1e6 / calls, 2)
+    except Exception:  # noqa: BLE001 - what the capture refuses is the finding, not an error
         try:
             torch.cuda.synchronize()
         except Exception:  # noqa: BLE001
             pass
-        return False
+        return False, None
 
 
 def measure_op(be: Backend, op: str, dtype: torch.dtype, m: int, shapes: dict, seed: int = 0) -> dict:
-    """{candidate: {error, time_us, passed[, capturable][, why]}} for `op` at `m` rows."""
+    """{candidate: {error, time_us, passed[, capturable, replay_us][, why]}} for `op` at `m` rows. Calls of at
+    most the largest decode-graph batch are also timed under graph replay (`replay_us`)."""
+    from flagdeploy.engine.cuda_graphs import BUCKETS as GRAPH_BATCHES
+
     out = {}
     for name, fn in candidates(op).items():
         gen = torch.Generator().manual_seed(seed)  # the same inputs for every candidate
@@ -104,10 +129,12 @@ def measure_op(be: Backend, op: str, dtype: torch.dtype, m: int, shapes: dict, s
         res = check_case(one, op, dtype, args, kwargs, f"m{m}")
         entry = {"error": None if res.max_abs_err is None else float(f"{res.max_abs_err:.3g}"),
                  "time_us": None if res.time_us is None else round(res.time_us, 2), "passed": bool(res.passed)}
-        if res.passed and op not in NOT_IN_DECODE:
-            cap = capturable(be, fn, args, kwargs)
-            if cap is not None:
-                entry["capturable"] = cap
+        if res.passed and op not in NOT_IN_DECODE and m <= GRAPH_BATCHES[-1]:
+            captured, us = replay_us(be, fn, args, kwargs)
+            if captured is not None:
+                entry["capturable"] = captured
+                if us is not None:
+                    entry["replay_us"] = us
         if res.error:
             entry["why"] = res.error[:200]
         elif not res.passed:
@@ -144,6 +171,8 @@ def summary(table: dict) -> str:
             for name, r in entry["candidates"].items():
                 err = "-" if r["error"] is None else f"{r['error']:.2e}"
                 us = "-" if r["time_us"] is None else f"{r['time_us']:.1f}us"
+                if r.get("replay_us") is not None:
+                    us += f" (graph {r['replay_us']:.1f}us)"
                 verdict = "ok" if r["passed"] else f"FAILED ({r.get('why', '')})"
                 parts.append(f"{name} err {err} {us} {verdict}")
             lines.append(f"  {op:<24}{k:<16}-> {entry['choice']:<10} " + "; ".join(parts))

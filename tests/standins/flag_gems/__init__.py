@@ -105,6 +105,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     if unmodelled or q_v is not None or dropout_p or softcap or alibi_slopes is not None or return_attn_probs \
             or return_softmax_lse or (window_size not in (None, (-1, -1), [-1, -1])):
         raise NotImplementedError("stand-in: plain causal/non-causal varlen and paged attention only")
+    assert k.stride() == v.stride()  # as flash_api.mha_varlan_fwd asserts (5.0.2)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     res = torch.empty_like(q) if out is None else out
     cq = cu_seqlens_q.tolist()
