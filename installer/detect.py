@@ -380,8 +380,9 @@ def chip_family(chip: str) -> str | None:
     if chip == "ascend310b":  # the edge SoC: served through ONNX Runtime's CANN EP (flagdeploy/edge)
         return "310B"
     found = NVIDIA_SM.get(chip) or soc_family(chip)
-    if found is None and vendor_data.get(get_chip(chip).backend):
-        return get_chip(chip).backend
+    spec = next((c for c in all_chips() if c.id == chip), None)
+    if found is None and spec is not None and vendor_data.get(spec.backend):
+        return spec.backend
     return found
 
 

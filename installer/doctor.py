@@ -60,10 +60,13 @@ def _vendor(info: SystemInfo, chip, vendor: vendor_data.Vendor) -> list[Finding]
     host prerequisites, and a word on what of it is not confirmed. One function for every such vendor: what differs
     is data."""
     out = []
-    patterns = (*vendor.per_device, *vendor.shared)
-    nodes = [d for d in info.device_nodes if any(fnmatch.fnmatch(d.removeprefix("/dev/"), p) for p in patterns)]
-    if info.in_container and not nodes:
-        out.append(Finding("fail", f"no {vendor.name} device nodes inside this container",
+    have = [d.removeprefix("/dev/") for d in info.device_nodes]
+    seen = lambda pattern: any(fnmatch.fnmatch(h, pattern) for h in have)  # noqa: E731
+    missing = [f"/dev/{p}" for p in vendor.shared if not seen(p)]
+    if vendor.per_device and not any(seen(p) for p in vendor.per_device):
+        missing.insert(0, f"/dev/{vendor.per_device[0]}")
+    if info.in_container and missing:
+        out.append(Finding("fail", f"{vendor.name} device nodes missing inside this container: {', '.join(missing)}",
                            "the devices may exist on the host but were not passed in, so no process here can open them",
                            f"start the container with the device nodes {', '.join(vendor.device_node_paths())} "
                            f"(`flagdeploy deploy docker --chip {chip.id} ...` writes the command)"))

@@ -106,9 +106,10 @@ class InstallPlan:
         for name, label in r.builds.items():
             lines.append(f"  build     {name} must be the +{label} build")
         if vendor_todo:
+            origin = r.packages_from or (vendor.packages_from if vendor else "the chip vendor's own builds")
             where = (f"from {r.vendor_index}" if r.vendor_index else
-                     f"{vendor.packages_from if vendor else 'the vendor'}; pass --vendor-index-url URL (the vendor's "
-                     "pip index) or --offline DIR (its wheels, with the rest from `--download-only`)")
+                     f"{origin}; pass --vendor-index-url URL (the vendor's pip index) or --offline DIR (its wheels, "
+                     "with the rest from `--download-only`)")
             lines.append(f"  from      {where}")
         for what, how in self.host_missing:
             lines += [f"  host      {what} is missing; flagdeploy cannot install it. Do:", f"            {how}"]
@@ -200,7 +201,7 @@ def download(plan: InstallPlan, dest: Path, index_url: str | None = None, everyt
 def vendor_source_missing(plan: InstallPlan, vendor_reqs: list[str]) -> str:
     """Why the vendor builds cannot be fetched, and the two ways to give pip a place to get them."""
     vendor = vendor_data.get(plan.row.family)
-    where = vendor.packages_from if vendor else "the chip vendor's own index"
+    where = plan.row.packages_from or (vendor.packages_from if vendor else "the chip vendor's own index")
     return (f"{', '.join(vendor_reqs)} are vendor builds, not on PyPI ({where}). Pass the vendor's pip index with "
             f"`flagdeploy install --chip {plan.chip} --vendor-index-url URL`, or put its wheels in a directory with the "
             f"rest of the stack and run `flagdeploy install --chip {plan.chip} --offline DIR`.")

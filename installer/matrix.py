@@ -49,6 +49,7 @@ class StackRow:
     vendor_packages: tuple[str, ...] = ()
     vendor_index: str | None = None
     builds: dict[str, str] = field(default_factory=dict)
+    packages_from: str = ""  # where this row's vendor builds come from, where not the vendor's (vendors.yaml) own
 
     @property
     def confirmed(self) -> bool:
@@ -83,7 +84,7 @@ def all_rows() -> tuple[StackRow, ...]:
             cann_min=None if raw.get("cann_min") is None else str(raw["cann_min"]),
             image=raw.get("image"), notes=str(raw.get("notes") or ""), source=str(raw["source"]),
             unconfirmed=unconfirmed, vendor_packages=vendor_packages, vendor_index=raw.get("vendor_index"),
-            builds=builds))
+            builds=builds, packages_from=" ".join(str(raw.get("packages_from") or "").split())))
     keys = [(r.family, r.engine) for r in rows]
     dupes = {k for k in keys if keys.count(k) > 1}
     if dupes:

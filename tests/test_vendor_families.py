@@ -47,6 +47,16 @@ def chip_of(family: str) -> str:
 def test_the_seven_families_are_covered():
     assert set(FAMILIES) == {"cambricon", "kunlunxin", "hygon", "metax", "mthreads", "iluvatar", "enflame"}
     assert sorted(get_chip(c).backend for c in VENDOR_CHIPS) == FAMILIES  # one catalog chip each, today
+    for family in FAMILIES:  # what a block calls unconfirmed is one of its own fields
+        assert set(CONTAINERS[family]["unconfirmed"]) <= set(CONTAINERS[family]) - {"source", "unconfirmed"}
+
+
+def test_a_container_with_only_the_shared_render_nodes_is_not_enough(tmp_path):
+    """MetaX needs /dev/mxcd besides /dev/dri: a container given only /dev/dri (any GPU's) is named as lacking it."""
+    chip = _host_with("metax", tmp_path, nodes=False, sdk=True, container=True)
+    (tmp_path / "dev" / "dri").touch()
+    r = cli("doctor", "--chip", chip, "--root", str(tmp_path))
+    assert "MetaX device nodes missing inside this container: /dev/mxcd" in r.output, r.output
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -236,11 +246,11 @@ def test_doctor_names_the_missing_device_nodes_in_a_container(family, tmp_path):
     v = vendors.get(family)
     chip = _host_with(family, tmp_path / "bare", nodes=False, sdk=True, container=True)
     r = cli("doctor", "--chip", chip, "--root", str(tmp_path / "bare"))
-    assert r.exit_code == 1 and f"no {v.name} device nodes inside this container" in r.output, r.output
+    assert r.exit_code == 1 and f"{v.name} device nodes missing inside this container: /dev/" in r.output, r.output
     assert all(p in r.output for p in v.device_node_paths()) and f"deploy docker --chip {chip}" in r.output
     _host_with(family, tmp_path / "ok", nodes=True, sdk=True, container=True)
     r = cli("doctor", "--chip", chip, "--root", str(tmp_path / "ok"))
-    assert "device nodes inside" not in r.output and "device found" not in r.output and "not found (" not in r.output
+    assert "device nodes missing" not in r.output and "device found" not in r.output and "not found (" not in r.output
     assert f"found: 2 x {chip} ({family})" in r.output
 
 
