@@ -294,3 +294,15 @@ def test_the_env_file_sources_the_vendor_runtime(tmp_path):
     assert plan.source == list(vendors.get("hygon").env_source)
     text = inst.write_env_file(plan, tmp_path / "env.sh").read_text()
     assert "[ -f /opt/dtk/env.sh ] && . /opt/dtk/env.sh" in text
+
+
+def test_the_verification_probe_runs_the_generic_backend_of_the_chip():
+    """`install`'s check in a fresh interpreter, for a vendor chip on this host (no such device): it asks the chip's
+    backend (the generic one, specialised to the family) and counts devices of the family's device type, instead of
+    importing torch_npu as it did for every non-cuda backend."""
+    from flagdeploy.backends.generic import families
+
+    plan = inst.make_plan(detect(SYSTEMS / "cpu"), "c500")
+    facts = inst.probe(plan)
+    assert facts["backend"] == "generic" and facts["devices"] == 0 and facts["detected"] is False
+    assert families()["metax"]["device_type"] == "cuda"
