@@ -859,9 +859,12 @@ def ops_tune(chip, output) -> None:
 @click.option("--offline", type=click.Path(exists=True, file_okay=False), default=None,
               help="Install from a directory made by --download-only, without any index.")
 @click.option("--index-url", default=None, help="A PyPI mirror (e.g. one reachable from inside China).")
+@click.option("--vendor-index-url", default=None, metavar="URL",
+              help="The chip vendor's pip index, for the stack's vendor builds (torch+metax, torch_musa, ...: not on "
+                   "PyPI); searched besides PyPI or --index-url.")
 @click.option("--env-file", default="flagdeploy-env.sh", show_default=True, help="Where to write the environment file.")
 @click.option("--root", default="/", hidden=True, help="Detect from a recorded system under this directory (tests).")
-def install(chip, engine, dry_run, yes, download_only, offline, index_url, env_file, root) -> None:
+def install(chip, engine, dry_run, yes, download_only, offline, index_url, vendor_index_url, env_file, root) -> None:
     """Detect the chip, install the matching stack, verify the ops on the device."""
     from pathlib import Path
 
@@ -881,7 +884,7 @@ def install(chip, engine, dry_run, yes, download_only, offline, index_url, env_f
                 _fail("--download-only fetches wheels for another host and --offline installs from such a folder: "
                       "give one of them")
             Path(download_only).mkdir(parents=True, exist_ok=True)
-            inst.download(plan, Path(download_only), index_url, everything=True)
+            inst.download(plan, Path(download_only), index_url, everything=True, vendor_index_url=vendor_index_url)
             click.echo(f"downloaded into {download_only}; install there with `flagdeploy install --chip {chip_id} "
                        f"--offline {download_only}`")
             return
@@ -896,7 +899,7 @@ def install(chip, engine, dry_run, yes, download_only, offline, index_url, env_f
             import tempfile
 
             with tempfile.TemporaryDirectory(prefix="flagdeploy-wheels-") as wheels:
-                inst.download(plan, Path(wheels), index_url)
+                inst.download(plan, Path(wheels), index_url, vendor_index_url=vendor_index_url)
                 inst.install(plan, Path(wheels))
         inst.write_env_file(plan, Path(env_file).resolve())
         if plan.backend == "cpu":  # the builtin CPU path is ready to serve: fetch its default model too

@@ -101,6 +101,8 @@ class ContainerNeeds:
     ifname_env: list[str] = field(default_factory=list)  # variables set to `--nic` on every node
     network: str = "host"  # host: host network; rdma: the vendor's rdma block (device plugin, annotations)
     rdma: dict[str, Any] = field(default_factory=dict)  # that block when network == "rdma"
+    group_add: list[str] = field(default_factory=list)  # supplementary groups (docker --group-add): Hygon's video
+    unconfirmed: list[str] = field(default_factory=list)  # fields of the vendor's block no stored source confirms
 
 
 def container_needs(profile: Profile) -> ContainerNeeds:
@@ -124,8 +126,8 @@ def container_needs(profile: Profile) -> ContainerNeeds:
         raise ValueError(f"{DATA.name}: vendor {chip.vendor} asks for the rdma network but has no `rdma` block "
                          "(device-plugin resources, network annotations, capabilities)")
     multi = dict(nodes=nodes, ifname_env=[*_data()["common"]["ifname_env"], *mn.get("ifname_env", [])],
-                 network=network, rdma=rdma)
-    if not (v["devices_per_index"] or v.get("gpus")):  # CPU: nothing to pass through
+                 network=network, rdma=rdma, unconfirmed=list(v.get("unconfirmed") or []))
+    if not (v["devices_per_index"] or v["devices"] or v.get("gpus")):  # CPU: nothing to pass through
         return ContainerNeeds(count=0, **multi)
     total = profile.tp * profile.dp * profile.pp
     if total % nodes:
@@ -142,6 +144,7 @@ def container_needs(profile: Profile) -> ContainerNeeds:
         env=env,
         gpus=n if v.get("gpus") else 0,
         k8s_resource=v["k8s_resource_by_chip"].get(chip.id, v["k8s_resource"]),
+        group_add=list(v.get("group_add") or []),
         **multi,
     )
 
@@ -230,13 +233,33 @@ def engine_image(chip: str, engine: str) -> str | None:
 
 def notes(kind: str, profile: Profile, *, nic: str | None = None) -> list[str]:
     """Warnings about what was rendered, for the command to print (they are also comments in the files)."""
+    out = [_unconfirmed_note(profile)] if container_needs(profile).unconfirmed else []
     if profile.nodes <= 1 or kind == "docker" or nic:
-        return []
+        return out
     names = ", ".join(container_needs(profile).ifname_env)
-    return [f"no --nic given: {names} are left unset, so each process picks a network interface itself; on hosts "
+    return out + [f"no --nic given: {names} are left unset, so each process picks a network interface itself; on hosts "
             "with several NICs it may take one the other nodes cannot reach (gloo 'connectFullMesh failed', a "
             "collective init timeout). Re-render with --nic IFACE: the interface that carries the nodes' traffic "
             "(the same name on every node)."]
+
+
+def _unconfirmed_note(profile: Profile) -> str:
+    """What of the vendor's container block no stored source confirms: the files may need those lines changed."""
+    chip = get_chip(profile.chip)
+    v = _data()["vendors"][chip.vendor]
+    return (f"{chip.vendor}'s container needs in {DATA.name} are not confirmed by a stored source "
+            f"({', '.join(v['unconfirmed'])}) and no {chip.id} container was run: check the device nodes, mounts and "
+            f"device-plugin resource against the vendor's container docs before deploying. Source: "
+            f"{' '.join(str(v['source']).split())}")
+
+
+def _with_note(text: str, note: str) -> str:
+    """The note as a comment at the top of a rendered file (after a shebang line)."""
+    comment = _comment([f"WARNING: {note}"])
+    if text.startswith("#!"):
+        first, _, rest = text.partition("\n")
+        return f"{first}\n{comment}{rest}"
+    return comment + text
 
 
 def plan_deploy(spec, model: str, devices: int | None, nodes: int, layout: str | None, engine: str | None,
@@ -304,13 +327,16 @@ def render(kind: str, profile: Profile, *, image: str | None = None, cache_dir: 
         files["profile.yaml"] = dataclasses.replace(profile, engine=engine).to_yaml()
         files.update(_external(kind, profile, engine, needs, image_for(profile, engine, image), cache_dir, nic,
                                master_addr))
-        return files
-    image = image_for(profile, engine, image)
-    if needs.nodes > 1:
-        files.update(_compose_nodes(profile, needs, image, cache_dir, nic, master_addr) if kind == "compose"
-                     else _lws(profile, needs, image, cache_dir, nic))
     else:
-        files.update(_RENDERERS[kind](profile, needs, image, cache_dir))
+        image = image_for(profile, engine, image)
+        if needs.nodes > 1:
+            files.update(_compose_nodes(profile, needs, image, cache_dir, nic, master_addr) if kind == "compose"
+                         else _lws(profile, needs, image, cache_dir, nic))
+        else:
+            files.update(_RENDERERS[kind](profile, needs, image, cache_dir))
+    if needs.unconfirmed:
+        note = _unconfirmed_note(profile)
+        files = {name: text if name == "profile.yaml" else _with_note(text, note) for name, text in files.items()}
     return files
 
 
@@ -341,6 +367,7 @@ def _docker_args(profile: Profile, needs: ContainerNeeds, env: dict[str, str], c
     args += [["-e", f"{k}={v}"] for k, v in env.items()]
     args += [["--gpus", str(needs.gpus)]] if needs.gpus else []
     args += [["--device", d] for d in needs.devices]
+    args += [["--group-add", g] for g in needs.group_add]
     args += [["-v", f"{m}:{m}:ro"] for m in needs.mounts]
     args += [["-v", f"{cache_dir}:{c['container_cache']}"]]
     return args
@@ -378,6 +405,8 @@ def _compose_service(profile: Profile, needs: ContainerNeeds, image: str, cache_
     }
     if needs.devices:
         svc["devices"] = [f"{d}:{d}" for d in needs.devices]
+    if needs.group_add:
+        svc["group_add"] = list(needs.group_add)
     if needs.gpus:
         svc["deploy"] = {"resources": {"reservations": {"devices": [
             {"driver": "nvidia", "count": needs.gpus, "capabilities": ["gpu"]}]}}}

@@ -6,7 +6,9 @@ are then read from `root/.commands/<tool>.txt` instead of being run. Nothing her
 file: an absent fact is None, and the plan says what it could not see.
 
 Ascend parsing (npu-smi, SoC name -> family -> catalog id) is reused from flagdeploy.backends.ascend.detect;
-file locations follow /work/shared/docs/ascend-torch-npu.md [4.1], [4.2].
+file locations follow /work/shared/docs/ascend-torch-npu.md [4.1], [4.2]. The vendors that run the generic backend
+(Cambricon, Kunlunxin, Hygon, MetaX, Moore Threads, Iluvatar, Enflame) are found from data (vendors.yaml): their
+tool, their device nodes and their PCI functions, one loop for all of them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 from flagdeploy.backends.ascend.detect import FAMILY_CHIP, detect_info, soc_family
 from flagdeploy.chips import all_chips, get_chip, resolve_chip
 from flagdeploy.errors import FlagdeployError, UnknownChipError
+
+from . import vendors as vendor_data
 
 __all__ = ["Accelerator", "SystemInfo", "ChipNotPresentError", "detect", "pick_chip", "chip_family"]
 
@@ -86,6 +90,9 @@ class SystemInfo:
     in_container: bool = False
     device_nodes: list[str] = field(default_factory=list)
     free_disk_gib: float | None = None
+    # vendors.yaml families: whether the vendor's tool answered, and per host prerequisite whether it is there
+    vendor_tools: dict[str, bool] = field(default_factory=dict)
+    vendor_host: dict[str, dict[str, bool]] = field(default_factory=dict)
 
     @property
     def chips(self) -> list[str]:
@@ -203,6 +210,44 @@ def _nvidia(root: Path, pci: list[tuple[str, str, str]]) -> tuple[Accelerator | 
     return Accelerator("nvidia", family, chip, len(rows), mem, names), rows[0][3] or None
 
 
+def _normalized(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def _vendor_chip_lines(vendor: str, text: str | None) -> tuple[str | None, int]:
+    """(catalog id, lines naming it) from a vendor tool's output: a line names a chip of that vendor when its id or
+    one of its product names appears in it, compared without punctuation and case ('MLU590-M9D' names mlu590,
+    'K100_AI' names k100-ai). The vendor's first catalog chip that is named wins."""
+    lines = [_normalized(line) for line in (text or "").splitlines()]
+    for chip in (c for c in all_chips() if c.vendor == vendor):
+        names = [n for n in map(_normalized, (chip.id, *chip.product_names)) if n]
+        hits = sum(1 for line in lines if any(n in line for n in names))
+        if hits:
+            return chip.id, hits
+    return None, 0
+
+
+def _vendor(root: Path, pci: list[tuple[str, str, str]], v: vendor_data.Vendor) -> tuple[Accelerator | None, bool]:
+    """One vendor of vendors.yaml: (its devices, whether its tool answered). Present when the tool answered, a
+    per-device node exists or a PCI function of the vendor is there. Counted by device nodes, else PCI functions,
+    else the tool's lines that name the chip. The chip is named only where the tool names it: a device node or a
+    PCI id alone does not say which of a vendor's chips it is."""
+    text = command_output(root, [v.tool], f"{v.tool}.txt") if v.tool else None
+    dev = Path(root) / "dev"
+    nodes = max((len(list(dev.glob(p))) for p in v.per_device), default=0)
+    n_pci = sum(1 for name, _, _ in pci if name == v.family)
+    chip, lines = _vendor_chip_lines(v.family, text)
+    if not (text is not None or nodes or n_pci):
+        return None, False
+    names = [get_chip(chip).name] if chip else []
+    return Accelerator(v.family, v.family, chip, nodes or n_pci or lines, None, names), text is not None
+
+
+def _vendor_host(root: Path, v: vendor_data.Vendor, tool: bool) -> dict[str, bool]:
+    """Which of the vendor's host prerequisites are there: the tool answered, or the path exists under root."""
+    return {n.key: tool if n.present == "tool" else (Path(root) / n.present).exists() for n in v.host}
+
+
 # ---- host facts -----------------------------------------------------------------------------------------
 
 
@@ -239,9 +284,11 @@ def _in_container(root: Path) -> bool:
 
 def _device_nodes(root: Path) -> list[str]:
     """Device nodes as the host names them (/dev/...): davinci*, devmm_svm, hisi_hdc (all three must be passed
-    into an Ascend container) and nvidia*."""
+    into an Ascend container), nvidia*, and those vendors.yaml lists for each vendor."""
     dev = Path(root) / "dev"
-    names = {p.name for pat in ("davinci*", "devmm_svm", "hisi_hdc", "nvidia*") for p in dev.glob(pat)}
+    patterns = ["davinci*", "devmm_svm", "hisi_hdc", "nvidia*"]
+    patterns += [p for v in vendor_data.vendors().values() for p in (*v.per_device, *v.shared)]
+    names = {p.name for pat in patterns for p in dev.glob(pat)}
     natural = lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)]  # noqa: E731
     return [f"/dev/{n}" for n in sorted(names, key=natural)]
 
@@ -293,7 +340,13 @@ def detect(root: Path = ROOT, disk_path: Path | None = None) -> SystemInfo:
     ascend, smi_driver = _ascend(root, pci)
     nvidia, nv_driver = _nvidia(root, pci)
     accels = [a for a in (ascend, nvidia) if a]
-    for vendor in sorted({v for v, _, _ in pci} - {"huawei", "nvidia"}):  # no parser yet: PCI count only
+    tools, host = {}, {}
+    for v in vendor_data.vendors().values():
+        found, tools[v.family] = _vendor(root, pci, v)
+        accels += [found] if found else []
+        host[v.family] = _vendor_host(root, v, tools[v.family])
+    known = {"huawei", "nvidia", *vendor_data.vendors()}
+    for vendor in sorted({v for v, _, _ in pci} - known):  # a vendor with no entry anywhere: PCI count only
         accels.append(Accelerator(vendor, None, None, sum(1 for v, _, _ in pci if v == vendor)))
     cpu_model, cores = _cpu(root)
     memory = _memory_gib(root)
@@ -314,16 +367,23 @@ def detect(root: Path = ROOT, disk_path: Path | None = None) -> SystemInfo:
         in_container=_in_container(root),
         device_nodes=_device_nodes(root),
         free_disk_gib=free_disk_gib(root, disk_path),
+        vendor_tools=tools,
+        vendor_host=host,
     )
 
 
 def chip_family(chip: str) -> str | None:
-    """The stack family of a catalog id (ascend910c -> A3, h20 -> sm90, cpu -> cpu): what the matrix keys on."""
+    """The stack family of a catalog id (ascend910c -> A3, h20 -> sm90, cpu -> cpu, c500 -> metax): what the matrix
+    keys on. A chip of a vendors.yaml vendor has its `backend:` (the generic backend's family) as its family."""
     if chip in ("cpu", "cpu-edge"):
         return "cpu"
     if chip == "ascend310b":  # the edge SoC: served through ONNX Runtime's CANN EP (flagdeploy/edge)
         return "310B"
-    return NVIDIA_SM.get(chip) or soc_family(chip)
+    found = NVIDIA_SM.get(chip) or soc_family(chip)
+    spec = next((c for c in all_chips() if c.id == chip), None)
+    if found is None and spec is not None and vendor_data.get(spec.backend):
+        return spec.backend
+    return found
 
 
 def pick_chip(info: SystemInfo, requested: str, present_required: bool = True) -> str:
@@ -349,6 +409,9 @@ def pick_chip(info: SystemInfo, requested: str, present_required: bool = True) -
         return chip.id
     family = chip_family(chip.id)
     if chip.vendor == "huawei" and family and any(chip_family(c) == family for c in info.chips):
+        return chip.id
+    # a vendors.yaml device found by its nodes or PCI id but not named by its tool: the chip may be this one
+    if vendor_data.get(family) and any(a.family == family and a.chip is None for a in info.accelerators):
         return chip.id
     raise ChipNotPresentError(
         f"--chip {chip.id} ({chip.name}) is not present on this host; found: {info.describe()}. "

@@ -3,6 +3,7 @@ that says what is wrong, why it matters and how to fix it."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from pathlib import Path
 from flagdeploy.chips import get_chip
 
 from . import hdk
+from . import vendors as vendor_data
 from .detect import SystemInfo
 
 
@@ -53,6 +55,42 @@ def _ascend(info: SystemInfo, chip, multi_node: bool = False) -> list[Finding]:
     return out
 
 
+def _vendor(info: SystemInfo, chip, vendor: vendor_data.Vendor) -> list[Finding]:
+    """A vendors.yaml family (the generic backend's chips): its device nodes inside a container, its devices, its
+    host prerequisites, and a word on what of it is not confirmed. One function for every such vendor: what differs
+    is data."""
+    out = []
+    have = [d.removeprefix("/dev/") for d in info.device_nodes]
+    seen = lambda pattern: any(fnmatch.fnmatch(h, pattern) for h in have)  # noqa: E731
+    missing = [f"/dev/{p}" for p in vendor.shared if not seen(p)]
+    if vendor.per_device and not any(seen(p) for p in vendor.per_device):
+        missing.insert(0, f"/dev/{vendor.per_device[0]}")
+    if info.in_container and missing:
+        out.append(Finding("fail", f"{vendor.name} device nodes missing inside this container: {', '.join(missing)}",
+                           "the devices may exist on the host but were not passed in, so no process here can open them",
+                           f"start the container with the device nodes {', '.join(vendor.device_node_paths())} "
+                           f"(`flagdeploy deploy docker --chip {chip.id} ...` writes the command)"))
+    elif not any(a.family == vendor.family for a in info.accelerators):
+        tool = f"`{vendor.tool}`" if vendor.tool else "the vendor's tool"
+        out.append(Finding("fail", f"no {vendor.name} device found for {chip.id}",
+                           f"nothing to run on: {tool} did not answer and no device node "
+                           f"({', '.join(vendor.device_node_paths())}) or PCI function of the vendor is here",
+                           f"check {tool} and the driver install; `flagdeploy install --dry-run --chip {chip.id}` shows "
+                           "what is needed"))
+    found = info.vendor_host.get(vendor.family, {})
+    for need in vendor.host:
+        if not found.get(need.key):
+            where = f"`{vendor.tool}` did not answer" if need.present == "tool" else f"/{need.present} is missing"
+            out.append(Finding("fail", f"{need.what}: not found ({where})",
+                               f"the {chip.id} stack (installer/matrix.yaml) runs on it", need.how))
+    if vendor.unconfirmed:
+        out.append(Finding("warn", f"{vendor.name}: these checks use {', '.join(vendor.unconfirmed)} that no stored "
+                           "source confirms (installer/vendors.yaml), and nothing of this family ran on its silicon",
+                           f"where they differ on this host, a finding above may be wrong: {vendor.source}",
+                           "correct installer/vendors.yaml (one line per fact) and report it"))
+    return out
+
+
 def _driver_pairing(cann: str, driver: str) -> Finding:
     p = hdk.pairing(cann, driver)
     if p.supported is None:
@@ -82,6 +120,8 @@ def run(info: SystemInfo, chip_id: str, model: str | None = None, devices: int |
         out += _ascend(info, chip, multi_node=bool(nodes))
     elif chip.backend == "cuda" and not info.nvidia_driver:
         out.append(Finding("fail", "no NVIDIA driver found", "CUDA cannot see a GPU", "install the NVIDIA driver; check `nvidia-smi`"))
+    elif vendor := vendor_data.get(chip.backend):
+        out += _vendor(info, chip, vendor)
     from .install import make_plan
 
     plan = make_plan(info, chip.id)

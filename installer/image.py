@@ -39,6 +39,7 @@ __all__ = ["DATA", "ImageRecipeError", "Recipe", "exact_ref", "recipe", "source_
 DATA = Path(__file__).with_name("images.yaml")
 CONTAINERS = Path(__file__).with_name("containers.yaml")
 WHEELS = "/tmp/flagdeploy-wheels"
+VENDOR_INDEX_ARG = "VENDOR_INDEX_URL"  # the build argument naming the chip vendor's pip index
 PORT = 8000  # `flagdeploy serve --port`'s default
 # A tag that names one build: a full x.y.z version in it (3.11.13-slim-bookworm, v0.23.0-a3), never `latest` or a
 # bare major/minor (3.11-slim moves with every patch release); or a digest.
@@ -92,11 +93,14 @@ class Recipe:
     files: dict[str, str]  # name -> text, written into the output directory
     wheel: Path | None = None  # copied into the output directory (the context) when given
     unconfirmed: list[str] = field(default_factory=list)
+    build_args: dict[str, str] = field(default_factory=dict)  # what `docker build` must be given (--build-arg)
 
     def build_command(self, out_dir: str | Path) -> str:
         dockerfile = Path(out_dir) / "Dockerfile"
         context = self.context or Path(out_dir)
-        return f"docker build -f {shlex.quote(str(dockerfile))} -t {shlex.quote(self.tag)} {shlex.quote(str(context))}"
+        args = "".join(f" --build-arg {k}={shlex.quote(v)}" for k, v in self.build_args.items())
+        return (f"docker build -f {shlex.quote(str(dockerfile))}{args} -t {shlex.quote(self.tag)} "
+                f"{shlex.quote(str(context))}")
 
 
 def _spec(family: str, engine: str) -> dict[str, Any] | None:
@@ -151,9 +155,12 @@ def recipe(chip_id: str, engine: str | None = None, *, wheel: str | Path | None 
             "(`pip install -e <checkout>`).")
     suffix = row.family.lower() + ("" if row.engine == "builtin" else f"-{row.engine}")
     unconfirmed = [f"matrix {f}" for f in row.unconfirmed] + [f"recipe {f}" for f in spec.get("unconfirmed", [])]
+    # vendor builds (not on PyPI): from the vendor's pip index, the row's where a source names it, else given at build
+    build_args = ({VENDOR_INDEX_ARG: row.vendor_index or "<vendor-index-url>"}
+                  if spec.get("vendor_index") else {})
     rec = Recipe(chip=chip.id, row=row, base=base, tag=f"flagdeploy:{__version__}-{suffix}",
                  context=tree if wheel_path is None else None, files={}, wheel=wheel_path,
-                 unconfirmed=unconfirmed)
+                 unconfirmed=unconfirmed, build_args=build_args)
     rec.files = {"Dockerfile": _dockerfile(rec, spec, chip.backend), "Dockerfile.dockerignore": _dockerignore()}
     return rec
 
@@ -197,7 +204,9 @@ def _dockerfile(rec: Recipe, spec: dict[str, Any], backend: str) -> str:
     q = shlex.quote
     pins = _pins(row, spec)
     sources, env = runtime_env(backend)
-    build = f"docker build -f <DIR>/Dockerfile -t {rec.tag} " + ("<DIR>" if rec.wheel else "<flagdeploy source tree>")
+    build_args = "".join(f" --build-arg {k}={v}" for k, v in rec.build_args.items())
+    build = (f"docker build -f <DIR>/Dockerfile{build_args} -t {rec.tag} "
+             + ("<DIR>" if rec.wheel else "<flagdeploy source tree>"))
     engine_flag = "" if row.engine == "builtin" else f" --engine {row.engine}"
     head = [f"flagdeploy {__version__} for {row.family}, engine {row.engine}: written by `flagdeploy deploy image "
             f"--chip {rec.chip}{engine_flag}`.",
@@ -209,6 +218,11 @@ def _dockerfile(rec: Recipe, spec: dict[str, Any], backend: str) -> str:
         head.append(f"CANN >= {row.cann_min} (in the base image); the host needs the matching Ascend driver.")
     if row.notes:
         head.append(f"Note: {row.notes}")
+    if rec.build_args:
+        head.append(f"Vendor builds ({', '.join(row.vendor_packages)}) are not on PyPI: they come from the pip index "
+                    f"given as --build-arg {VENDOR_INDEX_ARG}=URL; the build stops if it is empty. The vendor's "
+                    "user-space runtime (driver libraries, SDK) is not in this base: put the vendor's SDK image "
+                    "(pinned) in the final FROM line instead, or mount the runtime from the host.")
     if rec.unconfirmed:
         head.append(f"UNCONFIRMED (not backed by a stored source): {', '.join(rec.unconfirmed)}.")
     head += [f"Build: {build}",
@@ -229,6 +243,11 @@ def _dockerfile(rec: Recipe, spec: dict[str, Any], backend: str) -> str:
                         f"apt-get install -y --no-install-recommends {' '.join(spec['apt'])}",
                         "rm -rf /var/lib/apt/lists/*"))
     pip = "python3 -m pip install --no-cache-dir"
+    if rec.build_args:
+        out.append(f"ARG {VENDOR_INDEX_ARG}=")
+        out.append(_run(f'test -n "${VENDOR_INDEX_ARG}" || {{ echo "the vendor builds of this stack are not on PyPI: '
+                        f'pass --build-arg {VENDOR_INDEX_ARG}=<the vendor pip index>" >&2; exit 1; }}'))
+        pip += f' --extra-index-url "${VENDOR_INDEX_ARG}"'
     if spec["stack"] == "base":
         out.append(f"# The base carries the stack: check it has exactly the matrix's versions (no index: nothing is "
                    f"replaced).")

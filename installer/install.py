@@ -27,6 +27,7 @@ from flagdeploy.chips import get_chip
 from flagdeploy.errors import FlagdeployError
 
 from . import hdk
+from . import vendors as vendor_data
 from .detect import SystemInfo, chip_family
 from .matrix import StackRow, resolve
 
@@ -59,8 +60,10 @@ _HOST = {
 
 
 def runtime_env(backend: str) -> tuple[list[str], dict[str, str]]:
-    """What the environment file of `install` holds for a backend: the scripts to source first and the variables
-    to export (image recipes bake the same into the image)."""
+    """What the environment file of `install` holds for a backend (or a vendors.yaml family): the scripts to source
+    first and the variables to export (image recipes bake the same into the image)."""
+    if vendor := vendor_data.get(backend):
+        return list(vendor.env_source), dict(vendor.env_vars)
     env = _ENV.get(backend, {"source": [], "vars": {}})
     return list(env["source"]), dict(env["vars"])
 
@@ -80,14 +83,34 @@ class InstallPlan:
     env: dict[str, str] = field(default_factory=dict)
     source: list[str] = field(default_factory=list)
 
+    @property
+    def vendor_to_install(self) -> list[str]:
+        """The requirements still to install that are vendor builds (not on PyPI): pip needs the vendor's index
+        (--vendor-index-url) or its wheels (--offline) for them."""
+        return [req for req in self.to_install if Requirement(req).name in self.row.vendor_packages]
+
     def describe(self) -> str:
         r = self.row
         lines = [f"chip {self.chip} ({r.family}), engine {r.engine}; versions from: {r.source}",
                  f"  python    {sys.version.split()[0]} (needs {r.python})"]
         if r.unconfirmed:
             lines.append(f"  note      not backed by a stored source yet: {', '.join(r.unconfirmed)}")
+        vendor = vendor_data.get(r.family)
+        if vendor and vendor.unconfirmed:
+            lines.append(f"  note      {vendor.name} in installer/vendors.yaml: {', '.join(vendor.unconfirmed)} not in "
+                         "the facts doc either; nothing of this family ran on its silicon")
         lines += [f"  present   {n}=={v}" for n, v in sorted(self.present.items())]
-        lines += [f"  install   {req}" for req in self.to_install] or ["  install   nothing: every package is present"]
+        vendor_todo = self.vendor_to_install
+        lines += [f"  install   {req}" + ("   (vendor build, not on PyPI)" if req in vendor_todo else "")
+                  for req in self.to_install] or ["  install   nothing: every package is present"]
+        for name, label in r.builds.items():
+            lines.append(f"  build     {name} must be the +{label} build")
+        if vendor_todo:
+            origin = r.packages_from or (vendor.packages_from if vendor else "the chip vendor's own builds")
+            where = (f"from {r.vendor_index}" if r.vendor_index else
+                     f"{origin}; pass --vendor-index-url URL (the vendor's pip index) or --offline DIR (its wheels, "
+                     "with the rest from `--download-only`)")
+            lines.append(f"  from      {where}")
         for what, how in self.host_missing:
             lines += [f"  host      {what} is missing; flagdeploy cannot install it. Do:", f"            {how}"]
         if r.cann_min:
@@ -119,14 +142,19 @@ def make_plan(info: SystemInfo, chip_id: str, engine: str = "builtin") -> Instal
         if have is not None:
             present[name] = have
         cpu_build = name == "torch" and chip.backend == "cuda" and have is not None and have.endswith("+cpu")
-        if have is None or cpu_build or not req.specifier.contains(have, prereleases=True):
-            todo.append(str(req))  # (a CPU build of torch cannot drive the chip, whatever its version)
+        label = row.builds.get(name)
+        other_build = label is not None and have is not None and not have.partition("+")[2].startswith(label)
+        if have is None or cpu_build or other_build or not req.specifier.contains(have, prereleases=True):
+            todo.append(str(req))  # (a CPU or other vendor's build of torch cannot drive the chip, whatever its version)
     missing = []
     for key, what, how in _HOST.get(chip.backend, []):
         if not _host_present(info, key):
             if key == "ascend_driver" and row.cann_min and (drivers := hdk.drivers_for(row.cann_min)):
                 what = f"{what}: for CANN {row.cann_min}, Ascend HDK {', '.join(drivers)}"
             missing.append((what, how))
+    if vendor := vendor_data.get(chip.backend):
+        found = info.vendor_host.get(vendor.family, {})
+        missing += [(need.what, need.how) for need in vendor.host if not found.get(need.key)]
     source, env = runtime_env(chip.backend)
     return InstallPlan(chip.id, chip.backend, row, present, todo, missing, env, source)
 
@@ -151,16 +179,32 @@ def _pip(args: list[str], what: str) -> None:
                            "--offline DIR with wheels from `flagdeploy install --download-only DIR`.")
 
 
-def download(plan: InstallPlan, dest: Path, index_url: str | None = None, everything: bool = False) -> None:
+def download(plan: InstallPlan, dest: Path, index_url: str | None = None, everything: bool = False,
+             vendor_index_url: str | None = None) -> None:
     """Phase 1: every wheel the plan needs, with dependencies, into `dest`. `everything` (--download-only):
     every requirement of the stack, whatever this host has, since the wheels are for another host (all but
-    flagdeploy itself, which that host needs already to run `install --offline`)."""
+    flagdeploy itself, which that host needs already to run `install --offline`). The vendor builds of a row come
+    from the vendor's index (`vendor_index_url`, else the row's), searched besides PyPI or its mirror."""
     wanted = ([r for r in plan.row.requirements() if Requirement(r).name != "flagdeploy"] if everything
               else plan.to_install)
     if not wanted:
         return
+    vendor = [r for r in wanted if Requirement(r).name in plan.row.vendor_packages]
+    vendor_index = vendor_index_url or plan.row.vendor_index
+    if vendor and not vendor_index:
+        raise InstallError(vendor_source_missing(plan, vendor))
     extra = ["--index-url", index_url] if index_url else []
+    extra += ["--extra-index-url", vendor_index] if vendor and vendor_index else []
     _pip(["download", "--dest", str(dest), *extra, *wanted], "downloading the packages")
+
+
+def vendor_source_missing(plan: InstallPlan, vendor_reqs: list[str]) -> str:
+    """Why the vendor builds cannot be fetched, and the two ways to give pip a place to get them."""
+    vendor = vendor_data.get(plan.row.family)
+    where = plan.row.packages_from or (vendor.packages_from if vendor else "the chip vendor's own index")
+    return (f"{', '.join(vendor_reqs)} are vendor builds, not on PyPI ({where}). Pass the vendor's pip index with "
+            f"`flagdeploy install --chip {plan.chip} --vendor-index-url URL`, or put its wheels in a directory with the "
+            f"rest of the stack and run `flagdeploy install --chip {plan.chip} --offline DIR`.")
 
 
 def install(plan: InstallPlan, wheels: Path) -> None:
@@ -186,12 +230,13 @@ be = ops.get_backend({backend!r})
 facts = {{"runtime": "torch " + torch.__version__, "backend": be.name, "detected": be.detect()}}
 if be.name == "cpu":
     facts["devices"] = 1
-elif be.name == "cuda":
-    facts["devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
-else:
+elif be.name == "ascend":
     import torch_npu
     facts["devices"] = torch.npu.device_count()
     facts["soc_version"] = torch_npu.npu.get_soc_version()
+else:  # cuda, and the generic backend on its family's device type (its detect() imported the vendor's plugin)
+    mod = getattr(torch, be.device_type, None)
+    facts["devices"] = mod.device_count() if mod is not None and mod.is_available() else 0
 if {engine!r} == "vllm-ascend":
     # the build's own record, read as a file: importing vllm_ascend would start the whole plugin
     import importlib.util, os, runpy
@@ -230,7 +275,7 @@ def probe(plan: InstallPlan, env: dict | None = None) -> dict:
     """What the installed stack reports in a fresh interpreter; on Ascend, the SoC family must be the
     plan's (an A2 stack on an A3 box imports fine and fails later, in the first kernel)."""
     env = {**os.environ, **plan.env, **(env or {})}
-    out = subprocess.run([sys.executable, "-c", _VERIFY.format(backend=plan.backend, engine=plan.row.engine)],
+    out = subprocess.run([sys.executable, "-c", _VERIFY.format(backend=plan.chip, engine=plan.row.engine)],
                          capture_output=True, text=True, env=env, timeout=600)
     if out.returncode != 0:
         raise InstallError(f"the installed stack does not import: {out.stderr.strip().splitlines()[-1:]}. Run "
@@ -271,7 +316,7 @@ def verify(plan: InstallPlan) -> dict:
     if not facts["detected"] or not facts["devices"]:
         raise InstallError(f"the {plan.backend} backend imports but sees no {plan.chip} device (devices: "
                            f"{facts['devices']}). Run `flagdeploy doctor --chip {plan.chip}`.")
-    check = subprocess.run([sys.executable, "-m", "flagdeploy.cli", "ops", "check", "--chip", plan.backend],
+    check = subprocess.run([sys.executable, "-m", "flagdeploy.cli", "ops", "check", "--chip", plan.chip],
                            capture_output=True, text=True, env=env, timeout=1800)
     facts["ops_check"] = (check.stdout.strip().splitlines() or ["(no output)"])[-1]
     if check.returncode != 0:

@@ -9,7 +9,7 @@ its versions come from and which of them are unconfirmed.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -44,6 +44,12 @@ class StackRow:
     notes: str
     source: str
     unconfirmed: tuple[str, ...] = ()
+    # vendor builds (not on PyPI; the plan says where from), the vendor's pip index where a source names one, and
+    # the local-label prefix an installed build must carry where the pin cannot say it ({"torch": "das"})
+    vendor_packages: tuple[str, ...] = ()
+    vendor_index: str | None = None
+    builds: dict[str, str] = field(default_factory=dict)
+    packages_from: str = ""  # where this row's vendor builds come from, where not the vendor's (vendors.yaml) own
 
     @property
     def confirmed(self) -> bool:
@@ -68,12 +74,17 @@ def all_rows() -> tuple[StackRow, ...]:
         unconfirmed = tuple(raw.get("unconfirmed") or ())
         if set(unconfirmed) - set(_FIELDS):
             raise ValueError(f"{where}: unconfirmed may only name {_FIELDS}")
+        vendor_packages = tuple(raw.get("vendor_packages") or ())
+        builds = {str(k): str(v) for k, v in (raw.get("builds") or {}).items()}
+        if not set(vendor_packages) | set(builds) <= set(raw["packages"]):
+            raise ValueError(f"{where}: vendor_packages and builds may only name its packages")
         rows.append(StackRow(
             family=str(raw["family"]), engine=raw["engine"], python=str(raw["python"]),
             packages={str(k): str(v or "") for k, v in raw["packages"].items()},
             cann_min=None if raw.get("cann_min") is None else str(raw["cann_min"]),
             image=raw.get("image"), notes=str(raw.get("notes") or ""), source=str(raw["source"]),
-            unconfirmed=unconfirmed))
+            unconfirmed=unconfirmed, vendor_packages=vendor_packages, vendor_index=raw.get("vendor_index"),
+            builds=builds, packages_from=" ".join(str(raw.get("packages_from") or "").split())))
     keys = [(r.family, r.engine) for r in rows]
     dupes = {k for k in keys if keys.count(k) > 1}
     if dupes:
