@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 import torch
 
 from flagdeploy import ops
-from flagdeploy.errors import PromptTooLongError
+from flagdeploy.errors import ConfigError, PromptTooLongError
 from flagdeploy.models import has_sequence_state
 from flagdeploy.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .block_manager import BlockManager
 from .grammar import Matcher
+from .kv_transfer import KvTransfer, KvTransferConfig, KvTransferError, layout_key
 from .lockstep import LockstepRunner, Workers
 from .model_runner import build_runner
 from .multimodal import MediaItem
@@ -48,6 +49,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks of this replica (flagdeploy.parallel)
     ep: int = 1  # expert-parallel ranks of this replica
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off unless asked (--speculative)
+    kv_transfer: KvTransferConfig | None = None  # prefill-decode disaggregation (--kv-transfer-config)
 
 
 class _Request:
@@ -120,6 +122,14 @@ class LLMEngine:
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec.enabled else 0)
         self.requests: dict[str, _Request] = {}
+        self.kv_transfer = None
+        if config.kv_transfer is not None:
+            if workers is not None:
+                raise ConfigError("--kv-transfer-config runs on one process per instance for now: drop --tensor-"
+                                  "parallel-size / --expert-parallel-size on the prefill and decode instances")
+            self.kv_transfer = KvTransfer(config.kv_transfer)
+        self._handoffs: list[tuple[_Request, RequestOutput]] = []  # prefills whose caches go to a decode instance
+        self._pending: list[RequestOutput] = []  # outputs made outside a step (a received first token)
         self.eos = tokenizer.eos_token_ids | set(model.cfg.eos_token_ids)
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -161,9 +171,67 @@ class LLMEngine:
         req = _Request(seq, self.tokenizer)  # compiles the grammar: a bad one fails here, alone
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = self._prompt_logprobs(prompt_ids, params.prompt_logprobs)
+        ktp = params.kv_transfer_params or {}
+        received = ktp.get("do_remote_prefill") and ktp.get("flagdeploy") and self.kv_transfer is not None \
+            and self.kv_transfer.config.consumes and self._receive(req, ktp)
         self.requests[request_id] = req
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(prompt_ids)
+        if received:  # the prefill instance's first token, as this instance's first output
+            self._pending.append(self._advance(req, ktp["flagdeploy"]["first_token"]))
+
+    # ---- prefill-decode disaggregation (engine/kv_transfer.py) -----------------------------------------
+
+    def _hands_off(self, seq: Sequence) -> bool:
+        """Whether `seq` is a prefill whose caches a decode instance continues from."""
+        ktp = seq.params.kv_transfer_params
+        return bool(ktp and ktp.get("do_remote_decode") and self.kv_transfer is not None
+                    and self.kv_transfer.config.produces)
+
+    def _send(self, req: _Request) -> dict | None:
+        """Stage the finished prefill's caches; the kv_transfer_params its response carries (None: the decode
+        instance computes the prompt itself, and the output is the same)."""
+        seq = req.seq
+        try:
+            tensors, blocks = self.runner.export_seq(seq)
+            extra, meta = self.proposer.export_state(seq) if self.proposer is not None else ([], {})
+            tensors += extra
+            meta.update(prompt_tokens=seq.num_computed, first_token=seq.token_ids[seq.num_computed],
+                        num_blocks=len(blocks), layout=layout_key([(tuple(t.shape), t.dtype) for t in tensors]))
+            return self.kv_transfer.send(seq.request_id, tensors, blocks, meta)
+        except KvTransferError as exc:
+            self.kv_transfer.counters.failed += 1
+            log.warning("request %s: caches not staged for a decode instance (%s); it will compute the prompt",
+                        seq.request_id, exc)
+            return None
+
+    def _receive(self, req: _Request, ktp: dict) -> bool:
+        """Take a prefill instance's caches for `req`'s prompt into this instance's blocks and state rows; False
+        where there is no room now (the prompt is then computed here, the output the same). Raises
+        KvTransferError (the request fails alone, its blocks freed) where the transfer itself fails."""
+        seq, fd = req.seq, ktp["flagdeploy"]
+        n = seq.num_prompt_tokens
+        if fd.get("prompt_tokens") != n:
+            raise KvTransferError(f"the prefill instance computed {fd.get('prompt_tokens')} prompt tokens, this "
+                                  f"request has {n}: both instances must serve the same model and chat template")
+        if not self.blocks.ensure_slots(seq, n):
+            log.info("request %s: no free KV blocks for the received prompt now; computing it here", seq.request_id)
+            return False
+        shapes = self.runner.transfer_shapes(fd["num_blocks"])
+        extra = self.proposer.state_shapes(fd) if self.proposer is not None else []
+        try:
+            tensors = self.kv_transfer.receive(ktp, shapes + extra)
+            self.runner.import_seq(seq, tensors[: len(shapes)])
+        except BaseException:
+            self.runner.release(seq)
+            self.blocks.release(seq)
+            raise
+        if self.proposer is not None:
+            self.proposer.import_state(seq, tensors[len(shapes):], fd)
+        seq.num_computed = n
+        seq.token_ids.append(fd["first_token"])
+        self.kv_transfer.counters.received_prompt_tokens += n
+        return True
 
     def _check_media(self, prompt_ids: list[int], media: list[MediaItem], params: SamplingParams) -> None:
         kinds = {item.kind for item in media} - set(self.input_modalities)
@@ -197,7 +265,7 @@ class LLMEngine:
                 self.proposer.release(req.seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._pending)
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -209,11 +277,12 @@ class LLMEngine:
             self.step_seconds += time.perf_counter() - started
 
     def _step(self) -> list[RequestOutput]:
+        pending, self._pending = self._pending, []
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
         if batch.empty:
-            return []
+            return pending
         scheduled_at = time.perf_counter()
         logits, rows = self.runner.run(batch)
         drafts = batch.drafts
@@ -263,7 +332,11 @@ class LLMEngine:
             outputs.append(self._advance(req, tok))
         if self.proposer is not None and self.proposer.needs_hidden:
             self._observe(batch.seqs)
-        return outputs
+        for req, out in self._handoffs:  # after `_observe`: an MTP proposer's state of the last chunk travels too
+            out.kv_transfer_params = self._send(req)
+            self._finish(req)
+        self._handoffs = []
+        return pending + outputs
 
     def _observe(self, seqs: list[Sequence]) -> None:
         """Hand a model-based proposer the target's final hidden states of the positions this step made
@@ -348,6 +421,7 @@ class LLMEngine:
         return out
 
     def _advance(self, req: _Request, tok: int) -> RequestOutput:
+        """`tok` (already in token_ids) joins the output: stops, stop strings, max_tokens."""
         seq, p = req.seq, req.seq.params
         req.detok.add(tok)
         text = req.detok.text
@@ -365,12 +439,11 @@ class LLMEngine:
                 reason, end = "stop", min(hits)
             elif reason is None:
                 end = max(len(text) - req.hold, req.sent_chars)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self.runner.release(seq)
-            if self.proposer is not None:
-                self.proposer.release(seq)
-            del self.requests[seq.request_id]
+        handoff = reason is not None and self._hands_off(seq)
+        if reason is not None and not handoff:
+            self._finish(req, reason)
+        elif handoff:
+            seq.finish_reason = reason
         out = RequestOutput(
             request_id=seq.request_id,
             text=text[req.sent_chars : end],
@@ -387,7 +460,17 @@ class LLMEngine:
         req.prompt_logprobs = None
         req.sent_chars = end
         req.sent_tokens = seq.num_output_tokens
+        if handoff:  # finished at the end of the step, once its caches are staged (`_send`)
+            self._handoffs.append((req, out))
         return out
+
+    def _finish(self, req: _Request, reason: str | None = None) -> None:
+        seq = req.seq
+        self.scheduler.finish(seq, reason or seq.finish_reason)
+        self.runner.release(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
+        del self.requests[seq.request_id]
 
     # ---- conveniences ----------------------------------------------------------------------------
 
@@ -429,6 +512,7 @@ class LLMEngine:
             "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
             **self._encoder_stats(),
             **self._compile_stats(),
+            **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),
         }
 
     def _compile_stats(self) -> dict[str, int]:

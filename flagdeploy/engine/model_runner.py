@@ -169,6 +169,24 @@ class PagedRunner(_Runner):
     def drop(self, seq_id: int) -> None:
         """The blocks are the block manager's; nothing is held here per sequence."""
 
+    # ---- prefill-decode disaggregation (engine/kv_transfer.py) -------------------------------------------
+
+    def export_seq(self, seq) -> tuple[list[torch.Tensor], list[int]]:
+        """The cache blocks holding `seq`'s computed tokens (every layer's k and v), and their ids."""
+        blocks = seq.block_table[: -(-seq.num_computed // self.block_size)]
+        idx = torch.tensor(blocks, device=self.device)
+        return [c.index_select(0, idx) for layer in self.kv_caches for c in layer], blocks
+
+    def transfer_shapes(self, num_blocks: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [((num_blocks, *c.shape[1:]), c.dtype) for layer in self.kv_caches for c in layer]
+
+    def import_seq(self, seq, tensors: list[torch.Tensor]) -> None:
+        """Write what `export_seq` gave on another instance into `seq`'s own blocks."""
+        caches = [c for layer in self.kv_caches for c in layer]
+        idx = torch.tensor(seq.block_table[: tensors[0].shape[0]], device=self.device)
+        for c, t in zip(caches, tensors, strict=True):
+            c.index_copy_(0, idx, t.to(c.device))
+
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
@@ -321,6 +339,36 @@ class SequenceStateRunner(_Runner):
         self.free_rows.extend(self.state_rows.pop(seq_id, ()))
         self.verified.pop(seq_id, None)
         self.last_hidden.pop(seq_id, None)
+
+    # ---- prefill-decode disaggregation (engine/kv_transfer.py) -------------------------------------------
+
+    def _pools(self):
+        """(pool, per sequence?) in a fixed order: per-token block pools, and the per-sequence state rows
+        of the layers the model names (`state_pool_layers`: KDA's conv and recurrent state)."""
+        state = self.model.state_pool_layers()
+        return [(t, layer in state) for layer, pools in sorted(self.pools.items()) for _, t in sorted(pools.items())]
+
+    def export_seq(self, seq) -> tuple[list[torch.Tensor], list[int]]:
+        """Everything `seq` needs to continue elsewhere: its blocks of every per-token pool (the MLA latent,
+        the indexer rows, the MTP layer's rows) and its state row of every state pool."""
+        blocks = seq.block_table[: -(-seq.num_computed // self.block_size)]
+        idx = torch.tensor(blocks, device=self.device)
+        row = self._rows_of(seq)[0]
+        return [t[row: row + 1].clone() if per_seq else t.index_select(0, idx) for t, per_seq in self._pools()], blocks
+
+    def transfer_shapes(self, num_blocks: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [((1 if per_seq else num_blocks, *t.shape[1:]), t.dtype) for t, per_seq in self._pools()]
+
+    def import_seq(self, seq, tensors: list[torch.Tensor]) -> None:
+        row = self._rows_of(seq)[0]  # takes the sequence's state rows
+        idx = None
+        for (t, per_seq), data in zip(self._pools(), tensors, strict=True):
+            if per_seq:
+                t[row: row + 1].copy_(data)
+            else:
+                if idx is None:
+                    idx = torch.tensor(seq.block_table[: data.shape[0]], device=self.device)
+                t.index_copy_(0, idx, data.to(t.device))
 
     def _rows_of(self, seq) -> list[int]:
         """The sequence's state rows, the one holding its state first: after a verify step, the row of its

@@ -179,6 +179,25 @@ class MtpProposer(Proposer):
     def release(self, seq) -> None:
         seq.draft_state = None
 
+    # ---- prefill-decode disaggregation (engine/kv_transfer.py) -----------------------------------------
+
+    def export_state(self, seq) -> tuple[list[torch.Tensor], dict]:
+        """What a decode instance needs to draft from its first step: the MTP cache rows of every prompt
+        position (run now, into the blocks that travel) and the hidden row of the last one."""
+        st = seq.draft_state
+        if isinstance(st, MtpState) and not st.broken and st.num_pending:
+            self._catch_up([seq])
+        if not isinstance(st, MtpState) or st.broken or st.last is None:
+            return [], {"mtp_cached": None}
+        return [st.last.reshape(1, -1)], {"mtp_cached": st.cached}
+
+    def state_shapes(self, meta: dict) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [] if meta.get("mtp_cached") is None else [((1, self.model.cfg.hidden_size), self.model.dtype)]
+
+    def import_state(self, seq, tensors: list[torch.Tensor], meta: dict) -> None:
+        if meta.get("mtp_cached") is not None:
+            seq.draft_state = MtpState(cached=meta["mtp_cached"], last=tensors[0][0].to(self.forwards.device))
+
     # ---- the MTP forwards -----------------------------------------------------------------------------
 
     def _catch_up(self, seqs: list) -> None:

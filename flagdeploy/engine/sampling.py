@@ -37,6 +37,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # tokens of the prompt and output: positive logits / it, negative ones x it
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0  # sampled only: tokens below min_p x the top probability are dropped
+    # prefill-decode disaggregation (engine/kv_transfer.py), vLLM's field: {"do_remote_decode": true} on the
+    # prefill request; a prefill instance's answer on the decode request
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -106,3 +109,4 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per entry of token_ids, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only; None for token 0
     scheduled_at: float | None = None  # time.perf_counter() when the request was first scheduled
+    kv_transfer_params: dict | None = None  # final output of a prefill for a remote decode: where its caches are

@@ -123,6 +123,17 @@ class Proposer:
     def release(self, seq) -> None:
         """A sequence left the engine."""
 
+    # prefill-decode disaggregation: what the proposer holds per sequence beyond the token ids, handed from a
+    # prefill instance to a decode one (engine/kv_transfer.py); nothing, for a proposer that drafts from tokens
+    def export_state(self, seq) -> tuple[list, dict]:
+        return [], {}
+
+    def state_shapes(self, meta: dict) -> list:
+        return []
+
+    def import_state(self, seq, tensors: list, meta: dict) -> None:
+        """Take what `export_state` gave on the prefill instance."""
+
 
 class NgramProposer(Proposer):
     """Prompt lookup: find the most recent earlier occurrence of the sequence's last n tokens (prompt and

@@ -106,6 +106,11 @@ class Glm5NextForCausalLM(nn.Module):
                                    for k, w in self.mtp.cache_widths().items()}
         return pools
 
+    def state_pool_layers(self) -> set[int]:
+        """The layers of `cache_pools` whose pools hold one row per sequence (KDA's conv and recurrent
+        state) rather than blocks of per-token rows: what a prefill-decode transfer moves by state row."""
+        return {i for i, lt in enumerate(self.cfg.layer_types) if lt == "linear_attention"}
+
     def attach_mtp(self, checkpoint_names=None) -> Glm5MtpLayer:
         """Add the checkpoint's multi-token-prediction draft layer (`mtp.Glm5MtpLayer`, checkpoint tensors
         `layers.{num_layers}.*`) for `--speculative mtp`: its weights join `weight_slots`, its per-token rows
