@@ -310,7 +310,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         if not builtin:
             _fail("--dp runs replicas of the builtin engine; for --engine/--upstream/--config give the replicas "
                   "there instead (`replicas: N` in serve.yaml, or one --upstream per replica)")
-        from flagdeploy.gateway.replicas import builtin_replicas_entry
+        from flagdeploy.gateway.launch import builtin_replicas_entry
 
         _parse_bytes(kv_cache_memory)  # a bad size fails here, not K times in the replicas
         if tp * ep > 1:  # so does a split the model cannot take (each replica used to be restarted on it)
@@ -398,7 +398,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         except FlagdeployError as exc:
             _fail(str(exc))
     if nodes is not None and nodes.node_rank > 0:  # a headless node: its ranks, no HTTP
-        from flagdeploy.engine.nodes import run_headless
+        from flagdeploy.engine.lockstep import run_headless
 
         click.echo(f"flagdeploy: node {nodes.node_rank} of {nodes.nnodes}: joining {master_addr}:{master_port} ...",
                    err=True)

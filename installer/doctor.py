@@ -5,21 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from flagdeploy.chips import get_chip
 
 from . import hdk
 from .detect import SystemInfo
-
-
-@dataclass
-class Finding:
-    level: str  # ok, warn, fail
-    what: str
-    why: str = ""
-    fix: str = ""
+from .findings import Finding
 
 
 def _ascend(info: SystemInfo, chip, multi_node: bool = False) -> list[Finding]:

@@ -38,9 +38,11 @@ from flagdeploy.server.validate import ANTHROPIC, OPENAI, check_content_encoding
 from flagdeploy.units import parse_bytes
 
 from .balancer import Balancer, Replica
-from .config import ConfigError, ModelConfig, ServeConfig, launch_plan
+from .config import ConfigError, ModelConfig, ServeConfig
+from .launch import launch_plan
 from .normalize import RETRY_AFTER_S, prepare_request, upstream_unavailable
-from .proxy import Proxy, Timeouts, _send_error, _send_json
+from .proxy import Proxy, Timeouts
+from .send import send_error, send_json
 from .supervisor import AttachedUpstream, State, Supervisor, Upstream
 from .tokens import TokenCounter, count_on_builtin
 from .translate import AnthropicDialect, dialect_for
@@ -214,12 +216,12 @@ class Gateway:
             return
         path, method = scope["path"], scope["method"]
         if path == "/health":
-            await _send_json(send, 200, {"status": "ok"})
+            await send_json(send, 200, {"status": "ok"})
         elif path == "/ready":
             await self._ready(send)
         elif path == "/v1/models" and method == "GET":
             if await self._authorized(scope, send, path):
-                await _send_json(send, 200, self._models().model_dump())
+                await send_json(send, 200, self._models().model_dump())
         elif method == "POST" and path in PROXIED + TRANSLATED + (COUNT_TOKENS,):
             await self._model_route(scope, receive, send, path)
         elif path in PROXIED + TRANSLATED + (COUNT_TOKENS,) and self.inner is None:  # as the builtin app answers
@@ -229,9 +231,9 @@ class Gateway:
         elif self.inner is not None:
             await self.inner(scope, receive, send)
         elif path == "/" and method in ("GET", "HEAD"):
-            await _send_json(send, 200, {"status": "ok", "service": "flagdeploy"})
+            await send_json(send, 200, {"status": "ok", "service": "flagdeploy"})
         else:
-            await _send_error(send, APIError(404, f"Invalid URL ({method} {path})"))
+            await send_error(send, APIError(404, f"Invalid URL ({method} {path})"))
 
     async def _model_route(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         raw = await _read_body(receive)
@@ -297,7 +299,7 @@ class Gateway:
         except APIError as exc:
             await self._error(send, COUNT_TOKENS, exc)
             return
-        await _send_json(send, 200, {"input_tokens": counted})
+        await send_json(send, 200, {"input_tokens": counted})
 
     async def _to_builtin_replica(self, pool: ModelPool, path: str, body: dict[str, Any], send: Send) -> None:
         """A builtin-only route (count_tokens) of a builtin model served by launched replicas (--dp):
@@ -358,7 +360,7 @@ class Gateway:
             await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
             await send({"type": "http.response.body", "body": response.body, "more_body": False})
         else:
-            await _send_error(send, error)
+            await send_error(send, error)
 
     # ---- state -------------------------------------------------------------------------------------
 
@@ -400,10 +402,10 @@ class Gateway:
     async def _ready(self, send: Send) -> None:
         ready, retry, models = self.readiness()
         if ready:
-            await _send_json(send, 200, {"status": "ready", "models": models})
+            await send_json(send, 200, {"status": "ready", "models": models})
             return
         headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
-        await _send_json(send, 503, {"status": "not_ready" if retry else "failed", "models": models}, headers)
+        await send_json(send, 503, {"status": "not_ready" if retry else "failed", "models": models}, headers)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The builtin app's metrics (if any), one line per upstream replica, then the metrics of the

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
-from starlette.responses import JSONResponse
 from starlette.types import Receive, Send
 
 from flagdeploy.server.errors import APIError
@@ -35,6 +34,7 @@ from .normalize import (
     upstream_error,
     upstream_unavailable,
 )
+from .send import send_json
 from .translate import PASSTHROUGH, Dialect
 
 if TYPE_CHECKING:
@@ -180,34 +180,34 @@ class Proxy:
     async def _answer(self, response: httpx.Response, model: str, path: str, stream: bool, wants_usage: bool,
                       upstream: Any, receive: Receive, send: Send, release: Callable[[], None],
                       dialect: Dialect) -> None:
-        _send_error = dialect.send_error
+        send_error = dialect.send_error
         if response.status_code >= 400:
             raw = await until_disconnect(receive, response.aread())
             release()
             error = upstream_error(response.status_code, parse_body(raw), response.headers)
             if response.status_code >= 500:
                 log.warning("%s: %s answered %d: %s", model, upstream.url, response.status_code, raw[:300])
-            await _send_error(send, error)
+            await send_error(send, error)
             return
         is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
         if not stream or not is_sse:
             try:
                 raw = await until_disconnect(receive, response.aread())
             except httpx.TimeoutException:
-                await _send_error(send, upstream_unavailable(model, "the answer did not come within the read timeout"))
+                await send_error(send, upstream_unavailable(model, "the answer did not come within the read timeout"))
                 return
             except httpx.HTTPError as exc:
                 upstream.report_failure(str(exc))
-                await _send_error(send, upstream_unavailable(model, f"the engine broke off its answer ({exc})"))
+                await send_error(send, upstream_unavailable(model, f"the engine broke off its answer ({exc})"))
                 return
             release()
             body = parse_body(raw)
             if not isinstance(body, dict):
-                await _send_error(send, upstream_unavailable(model, "the engine answered something that is not JSON"))
+                await send_error(send, upstream_unavailable(model, "the engine answered something that is not JSON"))
                 return
             choices = [c for c in body.get("choices") or [] if isinstance(c, dict)]
             upstream.says_which_stop |= any(says_which_stop(c) for c in choices)
-            await _send_json(send, 200, dialect.answer(normalize_response(body, model)))
+            await send_json(send, 200, dialect.answer(normalize_response(body, model)))
             return
         kind = "chat" if path.endswith("/chat/completions") else "text"
         normalizer = StreamNormalizer(model, wants_usage, kind)
@@ -217,9 +217,9 @@ class Proxy:
                 try:
                     answer = await until_disconnect(receive, dialect.collected(events))
                 except APIError as exc:
-                    await _send_error(send, exc)
+                    await send_error(send, exc)
                     return
-                await _send_json(send, 200, answer)
+                await send_json(send, 200, answer)
             else:
                 await stream_to_client(dialect.frames(events), receive, send)
         finally:
@@ -292,13 +292,3 @@ async def _close(response: httpx.Response) -> None:
         await asyncio.shield(response.aclose())
     except Exception:  # noqa: BLE001 - closing a broken connection may fail; it is closed either way
         pass
-
-
-async def _send_json(send: Send, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
-    response = JSONResponse(body, status_code=status, headers=headers)
-    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
-    await send({"type": "http.response.body", "body": response.body, "more_body": False})
-
-
-async def _send_error(send: Send, error: APIError) -> None:
-    await _send_json(send, error.status, error.body(), error.headers)

@@ -38,6 +38,7 @@ from flagdeploy.server.responses import (ResponsesRequest, _call_item, _id, _mes
 from flagdeploy.server.responses import validated_request as responses_request
 
 from .normalize import StopMatcher, matched_stop
+from .send import send_error as send_plain_error
 
 _ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 
@@ -67,9 +68,7 @@ class Dialect:
         return self.answer(await _collect(payloads))
 
     async def send_error(self, send: Send, error: APIError) -> None:
-        from .proxy import _send_error
-
-        await _send_error(send, error)
+        await send_plain_error(send, error)
 
 
 PASSTHROUGH = Dialect()
