@@ -17,20 +17,21 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import httpx
 from starlette.types import Receive, Send
 
+from flagdeploy.server.disconnect import ClientDisconnected, until_disconnect
 from flagdeploy.server.errors import APIError
 
 from .balancer import affinity_key
 from .normalize import (
     StreamNormalizer,
     normalize_response,
-    parse_body,
     prepare_request,
     says_which_stop,
+    upstream_body,
     upstream_error,
     upstream_unavailable,
 )
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 
@@ -54,34 +54,6 @@ class Timeouts:
 
     def httpx(self) -> httpx.Timeout:
         return httpx.Timeout(connect=self.connect, read=self.read, write=self.read, pool=self.connect)
-
-
-class ClientGone(Exception):
-    """The client disconnected; nothing is left to answer."""
-
-
-async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work` unless the client disconnects first (then ClientGone, and `work` is cancelled).
-    The request body was read already, so `receive()` only returns when the client goes away."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)  # let it unwind (close what it holds) first
-    raise ClientGone()
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class Proxy:
@@ -147,7 +119,7 @@ class Proxy:
                 if dialect.clamps_max_tokens and response.status_code == 400 and "max_tokens" in body:
                     raw = await until_disconnect(receive, response.aread())
                     await _close(response)
-                    error = upstream_error(400, parse_body(raw), response.headers)
+                    error = upstream_error(400, upstream_body(raw), response.headers)
                     if error.code != "context_length_exceeded":
                         await send_error(send, error)
                         return
@@ -161,7 +133,7 @@ class Proxy:
                 finally:
                     await _close(response)
                 return
-            except ClientGone:
+            except ClientDisconnected:
                 log.info("%s: client disconnected; upstream request to %s closed", model, upstream.url)
                 return
             finally:
@@ -184,7 +156,7 @@ class Proxy:
         if response.status_code >= 400:
             raw = await until_disconnect(receive, response.aread())
             release()
-            error = upstream_error(response.status_code, parse_body(raw), response.headers)
+            error = upstream_error(response.status_code, upstream_body(raw), response.headers)
             if response.status_code >= 500:
                 log.warning("%s: %s answered %d: %s", model, upstream.url, response.status_code, raw[:300])
             await send_error(send, error)
@@ -201,7 +173,7 @@ class Proxy:
                 await send_error(send, upstream_unavailable(model, f"the engine broke off its answer ({exc})"))
                 return
             release()
-            body = parse_body(raw)
+            body = upstream_body(raw)
             if not isinstance(body, dict):
                 await send_error(send, upstream_unavailable(model, "the engine answered something that is not JSON"))
                 return
@@ -280,7 +252,7 @@ async def stream_to_client(events: AsyncIterator[bytes], receive: Receive, send:
     try:
         await until_disconnect(receive, pump())
     except OSError:  # the connection broke while sending
-        raise ClientGone() from None
+        raise ClientDisconnected() from None
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
