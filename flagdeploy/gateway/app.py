@@ -441,19 +441,16 @@ class Gateway:
 
 
 def _check_body(path: str, body: Any) -> APIError | None:
-    """Check the body against the same lenient request models the builtin app uses, before it goes
-    upstream: a malformed request gets our 400 naming the field, whatever the engine would have said
-    (llama-cpp-python answers 500 to a bad max_tokens, and the SDKs retry a 500). The body is
-    forwarded as the client sent it; unknown fields pass through to the engine."""
-    from pydantic import ValidationError
+    """Check the body as the builtin app does (server/openai.py's validated_request for chat, the field
+    types for completions), before it goes upstream: a malformed request gets our 400 naming the field,
+    whatever the engine would have said (llama-cpp-python answers 500 to a bad max_tokens, and the SDKs
+    retry a 500). The body is forwarded as the client sent it; unknown fields pass through to the engine."""
+    from flagdeploy.server.openai import validated_completion, validated_request
 
-    from flagdeploy.server.protocol import ChatCompletionRequest, CompletionRequest
-
-    model = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
     try:
-        model.model_validate(body)
-    except ValidationError as exc:
-        return errors.from_validation(exc.errors(include_url=False))
+        (validated_request if path == "/v1/chat/completions" else validated_completion)(body)
+    except APIError as exc:
+        return exc
     return None
 
 
