@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from flagdeploy.engine.speculative import SpeculativeConfig
 from flagdeploy.errors import ConfigError, FlagdeployError
 from flagdeploy.media_policy import MediaPolicy
+from flagdeploy.server.app import check_parsers
 from flagdeploy.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class ServeOptions:
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{name}: {exc}") from None
         options = cls(**values)
-        check_parsers(options.reasoning_parser, options.tool_call_parser)
+        check_parsers(options.reasoning_parser, options.tool_call_parser)  # server/app.py
         return options
 
 
@@ -134,32 +135,14 @@ def _convert(name: str, value: Any) -> Any:
             raise TypeError(f"a switch (true or false), not {value!r}")
         return value
     kind = _TYPES[name]
-    if "int" in kind and not isinstance(value, bool):
+    if "int" in kind:
         number = int(value)
-        if str(number) != str(value).strip():
-            raise ValueError(f"a whole number, not {value!r}")
+        if str(number) != str(value).strip() or (number < 1 and name != "max_waiting"):
+            raise ValueError(f"must be a whole number >= 1, not {value!r}")
         return number
     if "float" in kind:
         return float(value)
     return str(value)
-
-
-def check_parsers(reasoning_parser: str | None, tool_call_parser: str | None,
-                  spell: Callable[[str], str] = lambda name: name) -> None:
-    """A misspelt parser name fails before any model loads (`spell` names the option the caller's way:
-    --reasoning-parser on the command line, reasoning_parser in serve.yaml)."""
-    from flagdeploy.server.reasoning import get_style
-    from flagdeploy.server.tools import get_parser
-
-    try:
-        get_style(reasoning_parser or "none")
-    except ValueError as exc:
-        raise ConfigError(f"{spell('reasoning_parser')}: {exc}") from None
-    if tool_call_parser and tool_call_parser != "auto":
-        try:
-            get_parser(tool_call_parser)
-        except ValueError as exc:
-            raise ConfigError(f"{spell('tool_call_parser')}: {exc}") from None
 
 
 def checked_source(model: str | None, weights: bool = True) -> "ModelSource":

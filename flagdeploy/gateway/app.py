@@ -35,7 +35,6 @@ from flagdeploy.server.names import normalize_model_name, strip_context_suffix
 from flagdeploy.server.errors import APIError
 from flagdeploy.server.protocol import ModelCard, ModelList, now
 from flagdeploy.server.validate import ANTHROPIC, OPENAI, check_content_encoding, parse_body
-from flagdeploy.units import parse_bytes
 
 from .balancer import Balancer, Replica
 from .config import ConfigError, ModelConfig, ServeConfig
@@ -530,41 +529,18 @@ def _upstreams(entry: ModelConfig, config: ServeConfig, options: dict[str, Any])
 
 
 def builtin_app(entry: ModelConfig, api_key: str | None) -> ASGIApp:
-    """The builtin app for a serve.yaml `engine: builtin` entry; `args` are EngineConfig fields plus
-    default_temperature, reasoning_parser and max_waiting."""
-    import dataclasses
-
-    from flagdeploy.engine import AsyncEngine, EngineConfig
-    from flagdeploy.engine.loader import build_llm_engine, check_source
-    from flagdeploy.loaders.source import resolve
-    from flagdeploy.server import create_app
+    """The builtin app, in this process, for a serve.yaml `engine: builtin` entry with one replica: `args` are
+    a builtin model's options (flagdeploy/assemble.py's SERVE_FLAGS, as with more replicas). Nothing is compiled
+    unless `compile: true` asks for it (the gateway's process serves the other models too)."""
+    from flagdeploy import assemble
 
     args = dict(entry.args)
-    serve = {k: args.pop(k) for k in ("default_temperature", "reasoning_parser", "max_waiting") if k in args}
     if entry.max_model_len:
         args.setdefault("max_model_len", entry.max_model_len)
-    if isinstance(args.get("kv_cache_memory"), str):
-        try:
-            args["kv_cache_memory"] = parse_bytes(args["kv_cache_memory"])
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype", "device"}
-    if unknown := sorted(set(args) - fields):
-        raise ConfigError(f"builtin model {entry.names[:1] or entry.model}: unknown args {unknown}; builtin args "
-                          f"are {sorted(fields)} and default_temperature, reasoning_parser, max_waiting")
     try:
-        src = resolve(entry.model, weights=args.get("load_format", "auto") != "dummy")
-        check_source(src.path, src.format, args.get("load_format", "auto") != "dummy")
-        config = EngineConfig(**args)
-    except (FlagdeployError, TypeError, ValueError) as exc:
-        raise ConfigError(f"builtin model {entry.model or '(default)'}: {exc}") from None
-    names = entry.names or [src.name]
-    chip = entry.chip
-
-    def load() -> AsyncEngine:
-        return AsyncEngine(build_llm_engine(src.path, src.format, config, chip=chip, progress=False))
-
-    max_waiting = serve.get("max_waiting", 64)
-    return create_app(load, names, api_key=api_key, default_temperature=serve.get("default_temperature", 0.0),
-                      reasoning_parser=serve.get("reasoning_parser"),
-                      max_waiting=None if max_waiting is None or max_waiting < 0 else max_waiting)
+        options = assemble.ServeOptions.from_args(args, model=entry.model, chip=entry.chip, api_key=api_key,
+                                                  reasoning_parser=None, compile=False)
+        src = assemble.checked_source(options.model, options.weights)
+    except FlagdeployError as exc:
+        raise ConfigError(f"builtin model {entry.names[:1] or entry.model or '(default)'}: {exc}") from None
+    return assemble.builtin_app(options, assemble.engine_loader(options, src), entry.names or [src.name])

@@ -17,8 +17,8 @@
         upstreams: [http://10.0.0.5:8000, http://10.0.0.6:8000]
 
 `args` are the neutral profile fields (flagdeploy/planner/profile.py) for vllm, vllm-ascend, sglang and
-mindie (the planner's emitter turns them into each engine's flags), the EngineConfig fields for
-builtin, and llama_cpp.server options (n_ctx, n_threads, chat_format, ...) for llama.cpp.
+mindie (the planner's emitter turns them into each engine's flags), `flagdeploy serve`'s options by their
+underscore names for builtin (flagdeploy/assemble.py: SERVE_FLAGS, whatever `replicas` says), and llama_cpp.server options (n_ctx, n_threads, chat_format, ...) for llama.cpp.
 
 The media settings of a model, `limit_mm_per_prompt` and `allowed_media_domains` (serve's flags of
 those names, flagdeploy/media_policy.py), sit beside `args` whatever the engine: the gateway checks

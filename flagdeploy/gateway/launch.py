@@ -17,32 +17,12 @@ import os
 import sys
 from typing import Any, Callable, Mapping
 
+from flagdeploy.assemble import SERVE_FLAGS, ServeOptions, checked_source
 from flagdeploy.errors import FlagdeployError
 
 from .config import PLANNER_ENGINES, ConfigError, ModelConfig
 from .replicas import PARENT_ENV, replica_backend, replica_env
 
-# serve.yaml `args` of a launched builtin replica -> the `flagdeploy serve` option that carries it
-SERVE_FLAGS = {
-    "max_model_len": "--max-model-len",
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "block_size": "--block-size",
-    "kv_cache_memory": "--kv-cache-memory",
-    "weight_format": "--weight-format",
-    "load_format": "--load-format",
-    "default_temperature": "--default-temperature",
-    "reasoning_parser": "--reasoning-parser",
-    "tool_call_parser": "--tool-call-parser",
-    "request_timeout": "--request-timeout",
-    "max_waiting": "--max-waiting",
-    "max_tokens_policy": "--max-tokens-policy",
-    "memory_utilization": "--gpu-memory-utilization",
-    "tp": "--tp",
-    "ep": "--ep",
-    "compile": "--compile",  # a switch: True → --compile, False → --no-compile
-    "speculative_config": "--speculative-config",  # JSON (engine/speculative.py)
-}
 
 
 @dataclasses.dataclass
@@ -164,10 +144,10 @@ def builtin_launch_plan(entry: ModelConfig, port: int, replica: int = 0, *,
     if entry.max_model_len:
         args.setdefault("max_model_len", entry.max_model_len)
     label = entry.names[0] if entry.names else (entry.model or "the builtin model")
-    if unknown := sorted(set(args) - set(SERVE_FLAGS)):
-        raise ConfigError(f"builtin model {label!r} with replicas: {entry.replicas}: unknown args {unknown}; each "
-                          f"replica is a `flagdeploy serve`, whose args are {sorted(SERVE_FLAGS)}")
-    _check_parsers(args)
+    try:  # what every replica would refuse at its start (K times, after the back-off), refused here once
+        options = ServeOptions.from_args(args)
+    except FlagdeployError as exc:
+        raise ConfigError(f"builtin model {label!r} with replicas: {entry.replicas}: {exc}") from None
     src = _source(entry.model, args.get("load_format", "auto") != "dummy")
     names = entry.names or [src.name]
     argv = [sys.executable, "-m", "flagdeploy", "serve", "--model", str(src.path), "--host", "127.0.0.1",
@@ -187,7 +167,7 @@ def builtin_launch_plan(entry: ModelConfig, port: int, replica: int = 0, *,
     if policy.domains is not None:
         argv += ["--allowed-media-domains", ",".join(policy.domains)]
     argv += ["--dp", "1"]  # a replica is one engine; only the gateway fans out
-    per_replica = _int(args.get("tp", 1), "tp") * _int(args.get("ep", 1), "ep")
+    per_replica = options.tp * options.ep
     if backend is None:
         backend = replica_backend(entry.chip)
     env, warnings = replica_env(backend, replica, entry.replicas, per_replica, environ=environ,
@@ -197,44 +177,13 @@ def builtin_launch_plan(entry: ModelConfig, port: int, replica: int = 0, *,
     return LaunchPlan(argv + entry.extra_args, env, warnings=warnings)
 
 
-def _int(value: Any, name: str) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        number = 0
-    if number < 1 or str(number) != str(value).strip():
-        raise ConfigError(f"builtin args: {name} must be a whole number >= 1, not {value!r}")
-    return number
-
-
 @functools.lru_cache(maxsize=8)
 def _source(model: str | None, weights: bool):
     """Resolve (and, for a hub id, download) the model once here, so that K replicas do not race to
     fetch it, and a wrong path fails before anything is launched. Cached: parsing a GGUF header takes
     seconds, and every replica's plan asks for the same model."""
-    from flagdeploy.engine.loader import check_source
-    from flagdeploy.loaders.source import resolve
-
     try:
-        src = resolve(model, weights=weights)
-        check_source(src.path, src.format, weights)
+        src = checked_source(model, weights)
     except FlagdeployError as exc:
         raise ConfigError(f"builtin model {model or '(default)'}: {exc}") from None
     return src
-
-
-def _check_parsers(args: dict[str, Any]) -> None:
-    """A misspelt parser would make every replica exit at start, K times, after the back-off; say it now."""
-    from flagdeploy.server.reasoning import get_style
-
-    try:
-        get_style(args.get("reasoning_parser") or "none")
-    except ValueError as exc:
-        raise ConfigError(f"reasoning_parser: {exc}") from None
-    if (parser := args.get("tool_call_parser")) and parser != "auto":
-        from flagdeploy.server.tools import get_parser
-
-        try:
-            get_parser(parser)
-        except ValueError as exc:
-            raise ConfigError(f"tool_call_parser: {exc}") from None

@@ -10,6 +10,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from flagdeploy.errors import ConfigError
+
 from . import errors
 from .anthropic import MessagesRequest, anthropic_router
 from .auth import api_key_check
@@ -54,8 +56,7 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
     want sampling say so (LangChain and Dify send their temperature). 1.0 is OpenAI's default.
     """
     names = ModelNames(served_model_names)
-    if tool_call_parser != "auto":
-        get_parser(tool_call_parser)  # an unknown name fails here, at startup
+    check_parsers(reasoning_parser, tool_call_parser)  # an unknown name fails here, at startup
     settings = ServerSettings(default_temperature, get_style(reasoning_parser), max_waiting, tool_call_parser,
                               request_timeout, max_tokens_policy, media or MediaSettings())
     slot = EngineSlot(lambda: app_metrics.attach(load_engine()))
@@ -104,6 +105,22 @@ def create_app(load_engine: Callable[[], "AsyncEngine"], served_model_names: lis
                            "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": MessagesRequest,
                            "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest})
     return app
+
+
+def check_parsers(reasoning_parser: str | None, tool_call_parser: str | None,
+                  spell: Callable[[str], str] = lambda name: name) -> None:
+    """A misspelt parser name fails before any model loads: the one check of the command line (cli.py), of
+    serve.yaml's builtin models (assemble.py) and of the app itself. `spell` names the option the caller's
+    way (--reasoning-parser on the command line, reasoning_parser in serve.yaml)."""
+    try:
+        get_style(reasoning_parser or "none")
+    except ValueError as exc:
+        raise ConfigError(f"{spell('reasoning_parser')}: {exc}") from None
+    if tool_call_parser and tool_call_parser != "auto":
+        try:
+            get_parser(tool_call_parser)
+        except ValueError as exc:
+            raise ConfigError(f"{spell('tool_call_parser')}: {exc}") from None
 
 
 def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
