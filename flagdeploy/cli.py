@@ -290,6 +290,20 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
                 fops.require_device(fops.get_backend(chip), chip)
             except FlagdeployError as exc:
                 _fail(str(exc))
+
+    def options():
+        """The builtin server's options, once the command line and a --profile are reconciled."""
+        from flagdeploy.assemble import ServeOptions
+
+        return ServeOptions(
+            model=model, chip=chip, served_names=tuple(served_names), max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            kv_cache_memory=_parse_bytes(kv_cache_memory), memory_utilization=memory_utilization,
+            weight_format=weight_format, load_format=load_format, tp=tp, ep=ep, compile=compile_, speculative=spec,
+            api_key=api_key, default_temperature=default_temperature, reasoning_parser=reasoning_parser,
+            tool_call_parser=tool_call_parser, request_timeout=request_timeout, max_waiting=max_waiting,
+            max_tokens_policy=max_tokens_policy, media=media)
+
     nodes = None
     if nnodes > 1:
         from flagdeploy.engine.nodes import NodeGroup
@@ -310,17 +324,15 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         if not builtin:
             _fail("--dp runs replicas of the builtin engine; for --engine/--upstream/--config give the replicas "
                   "there instead (`replicas: N` in serve.yaml, or one --upstream per replica)")
-        from flagdeploy.gateway.replicas import builtin_replicas_entry
+        from flagdeploy.gateway.launch import builtin_replicas_entry
 
         _parse_bytes(kv_cache_memory)  # a bad size fails here, not K times in the replicas
         if tp * ep > 1:  # so does a split the model cannot take (each replica used to be restarted on it)
-            from flagdeploy.engine import EngineConfig
-            from flagdeploy.engine.model_loading import check_split
+            from flagdeploy import assemble
             from flagdeploy.loaders.source import resolve
 
             try:
-                src = resolve(model, weights=load_format != "dummy")
-                check_split(src.path, src.format, EngineConfig(tp=tp, ep=ep))
+                assemble.check_split(resolve(model, weights=load_format != "dummy"), options())
             except FlagdeployError as exc:
                 _fail(str(exc))
         entry = builtin_replicas_entry(
@@ -346,11 +358,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         from flagdeploy.edge.cli import serve_onnx
 
         _check_port(host, port)
-        serve_onnx(model=model, host=host, port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                   kv_cache_memory=_parse_bytes(kv_cache_memory), served_names=served_names, api_key=api_key,
-                   default_temperature=default_temperature, reasoning_parser=reasoning_parser, max_waiting=max_waiting,
-                   tool_call_parser=tool_call_parser, request_timeout=request_timeout, log_level=log_level,
-                   max_tokens_policy=max_tokens_policy)
+        serve_onnx(options(), host=host, port=port, log_level=log_level)
         return
     if engine != "builtin" or upstreams or config_file:
         _serve_gateway(ctx, engine=engine, upstreams=upstreams, config_file=config_file, model=model, host=host,
@@ -359,46 +367,26 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
                        api_key=api_key, profile_file=profile_file, startup_timeout=startup_timeout, log_level=log_level,
                        memory_utilization=memory_utilization, media=media)
         return
-    from flagdeploy.engine import AsyncEngine, EngineConfig
-    from flagdeploy.engine.loader import build_llm_engine, check_source, check_split
-    from flagdeploy.loaders.source import resolve
-    from flagdeploy.server import create_app, make_server
-    from flagdeploy.server.media import MediaSettings
+    from flagdeploy import assemble
+    from flagdeploy.server.app import check_parsers
 
+    opts = options()
     if nodes is None or nodes.node_rank == 0:
         _check_port(host, port)
-    from flagdeploy.server.reasoning import get_style
-
     try:
-        get_style(reasoning_parser)  # a typo fails now, not after the model has loaded
-    except ValueError as exc:
-        _fail(f"--reasoning-parser: {exc}")
-    if tool_call_parser != "auto":
-        from flagdeploy.server.tools import get_parser
-
-        try:
-            get_parser(tool_call_parser)
-        except ValueError as exc:
-            _fail(f"--tool-call-parser: {exc}")
-    try:
-        weights = load_format != "dummy"
-        src = resolve(model, weights=weights)
-        check_source(src.path, src.format, weights)  # a bad file fails here, before the server starts
+        check_parsers(reasoning_parser, tool_call_parser, spell=lambda name: "--" + name.replace("_", "-"))
+        src = assemble.checked_source(model, opts.weights)  # a bad file fails here, before the server starts
     except FlagdeployError as exc:
         _fail(str(exc))
     if not profile_file and (nodes is None or nodes.node_rank == 0):
-        _print_plan(src, chip, max_model_len, max_num_seqs, _parse_bytes(kv_cache_memory), tp, ep, memory_utilization)
-    config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                          kv_cache_memory=_parse_bytes(kv_cache_memory), weight_format=weight_format,
-                          load_format=load_format, tp=tp, ep=ep, compile=compile_, speculative=spec)
-    if tp * ep > 1:
-        try:
-            check_split(src.path, src.format, config)  # before the server starts, not in its loader
-        except FlagdeployError as exc:
-            _fail(str(exc))
+        _print_plan(src, chip, max_model_len, max_num_seqs, opts.kv_cache_memory, tp, ep, memory_utilization)
+    config = opts.engine_config()
+    try:
+        assemble.check_split(src, opts)  # before the server starts, not in its loader
+    except FlagdeployError as exc:
+        _fail(str(exc))
     if nodes is not None and nodes.node_rank > 0:  # a headless node: its ranks, no HTTP
-        from flagdeploy.engine.nodes import run_headless
+        from flagdeploy.engine.lockstep import run_headless
 
         click.echo(f"flagdeploy: node {nodes.node_rank} of {nodes.nnodes}: joining {master_addr}:{master_port} ...",
                    err=True)
@@ -407,34 +395,20 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         except FlagdeployError as exc:
             _fail(str(exc))
     names = list(served_names) or [src.name]
-    failure: list[BaseException] = []
 
-    def load() -> AsyncEngine:
-        try:
-            llm = build_llm_engine(src.path, src.format, config, chip=chip, progress=True, nodes=nodes)
-            engine = AsyncEngine(llm)
-        except BaseException as exc:
-            failure.append(exc)
-            server.should_exit = True
-            raise
-        _print_held(llm.model, config.device, tp * ep)
-        click.echo(f"flagdeploy: serving {names[0]} on http://{host}:{port}/v1 (ready)", err=True)
-        return engine
+    def ready(engine) -> str:
+        _print_held(engine.engine.model, config.device, tp * ep)
+        return f"flagdeploy: serving {names[0]} on http://{host}:{port}/v1 (ready)"
 
-    app = create_app(load, names, api_key=api_key, default_temperature=default_temperature,
-                     reasoning_parser=reasoning_parser, max_waiting=None if max_waiting < 0 else max_waiting,
-                     tool_call_parser=tool_call_parser, request_timeout=request_timeout,
-                     max_tokens_policy=max_tokens_policy, media=MediaSettings(media))
-    server = make_server(app, host, port, log_level)
-    if nodes is not None:  # another node failed: not ready, with the reason, until node 0 exits
+    def on_node_failure(app) -> None:  # another node failed: not ready, with the reason, until node 0 exits
         from flagdeploy.engine.nodes import on_node_failure
 
         on_node_failure(app.state.engine_slot.fail)
-    click.echo(f"flagdeploy: loading {src.path} ... (/ready answers 503 until done)", err=True)
-    server.run()
-    if failure:
-        exc = failure[0]
-        _fail(str(exc) if isinstance(exc, (FlagdeployError, ValueError)) else repr(exc))
+
+    assemble.run_server(opts, assemble.engine_loader(opts, src, progress=True, nodes=nodes, config=config), names,
+                        host=host, port=port, log_level=log_level,
+                        loading=f"flagdeploy: loading {src.path} ... (/ready answers 503 until done)", ready=ready,
+                        configure=on_node_failure if nodes is not None else None)
 
 
 def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, chip, max_model_len, max_num_seqs,

@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from flagdeploy import ops
+from flagdeploy.ops.registry import active_backend  # where the active backend is kept, not the op package
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ _layout: _Layout | None = None
 def init(rank: int, world_size: int, init_method: str | None = None, timeout_s: float = 600.0, store=None) -> str:
     """Join the group with the active backend's collective library, meeting through `init_method` (a URL)
     or `store` (a torch.distributed Store); returns the library's name."""
-    library = ops.active_backend().collective
+    library = active_backend().collective
     dist.init_process_group(library, init_method=init_method, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     return library

@@ -6,7 +6,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from flagdeploy.chips import get_chip
@@ -14,14 +13,7 @@ from flagdeploy.chips import get_chip
 from . import hdk
 from . import vendors as vendor_data
 from .detect import SystemInfo
-
-
-@dataclass
-class Finding:
-    level: str  # ok, warn, fail
-    what: str
-    why: str = ""
-    fix: str = ""
+from .findings import Finding
 
 
 def _ascend(info: SystemInfo, chip, multi_node: bool = False) -> list[Finding]:

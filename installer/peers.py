@@ -40,7 +40,7 @@ from flagdeploy.chips import get_chip
 from flagdeploy.errors import FlagdeployError
 
 from .detect import ROOT, SystemInfo, chip_family, command_output
-from .doctor import Finding
+from .findings import Finding
 
 __all__ = ["DEFAULT_PORT", "NodeAddr", "Interface", "HccnPort", "PingResult", "Exchange", "parse_nodes",
            "parse_ip_addr", "interfaces", "route_source", "fingerprint", "exchange", "hccn_ports", "hccn_ping",

@@ -254,7 +254,7 @@ def test_serve_passes_the_chip_and_memory_share_to_a_launched_engine(monkeypatch
     flags for that chip and the share, as `plan --emit vllm` prints them (nothing is started here)."""
     import flagdeploy.gateway
     import flagdeploy.server
-    from flagdeploy.gateway.config import launch_plan
+    from flagdeploy.gateway.launch import launch_plan
 
     built = []
 

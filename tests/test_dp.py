@@ -26,8 +26,9 @@ from test_cli import _serve as _serve_cli
 from test_cli import wait_ready
 
 from flagdeploy.gateway import ConfigError, build_gateway, parse_config
-from flagdeploy.gateway.config import launch_plan
-from flagdeploy.gateway.replicas import builtin_replicas_entry, merge_expositions, replica_env
+from flagdeploy.gateway.launch import launch_plan
+from flagdeploy.gateway.launch import builtin_replicas_entry
+from flagdeploy.gateway.replicas import merge_expositions, replica_env
 
 SMALL = ["--max-model-len", "512", "--kv-cache-memory", "64MiB"]
 CUDA_LIKE = SimpleNamespace(name="cuda", device_type="cuda", visible_devices_env="CUDA_VISIBLE_DEVICES")
@@ -75,7 +76,7 @@ def test_launch_plan_argv_and_devices(default_model):
         assert int(plan.env["OMP_NUM_THREADS"]) == max(1, len(os.sched_getaffinity(0)) // 2)
 
     # a CUDA-like backend: replica i sees devices [i*tp*ep, (i+1)*tp*ep)
-    from flagdeploy.gateway.replicas import builtin_launch_plan
+    from flagdeploy.gateway.launch import builtin_launch_plan
 
     cuda = [builtin_launch_plan(entry, 9100 + i, i, backend=CUDA_LIKE, environ={}, device_count=lambda: 8, cores=16)
             for i in range(2)]

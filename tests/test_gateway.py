@@ -30,7 +30,7 @@ from test_server import LiveServer, _free_port, _serve, _wait_ready
 from flagdeploy.gateway import ConfigError, ModelPool, build_gateway, parse_config
 from flagdeploy.gateway.app import Gateway
 from flagdeploy.gateway.balancer import Balancer, affinity_key
-from flagdeploy.gateway.config import launch_plan
+from flagdeploy.gateway.launch import launch_plan
 from flagdeploy.gateway.normalize import (
     StreamNormalizer,
     normalize_response,

@@ -29,7 +29,7 @@ from test_server import _free_port, _serve, _wait_ready
 from flagdeploy.cli import main
 from flagdeploy.gateway import ModelPool, parse_config
 from flagdeploy.gateway.app import Gateway
-from flagdeploy.gateway.config import launch_plan
+from flagdeploy.gateway.launch import launch_plan
 from flagdeploy.gateway.proxy import Timeouts
 from flagdeploy.gateway.supervisor import AttachedUpstream
 from flagdeploy.media_policy import MediaPolicy, MediaPolicyError, parse_limits

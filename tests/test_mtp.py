@@ -25,7 +25,8 @@ from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine import mtp as engine_mtp
 from flagdeploy.engine.loader import build_llm_engine, load_model
 from flagdeploy.engine.mtp import MtpProposer, MtpState
-from flagdeploy.engine.speculative import SpeculativeConfig, build_proposer
+from flagdeploy.engine.llm_engine import build_proposer
+from flagdeploy.engine.speculative import SpeculativeConfig
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.loaders.tiny_checkpoint import (
     TEXT_PREFIX,

@@ -27,7 +27,7 @@ from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
 
 
 def _headless(path, config, nodes, codes) -> None:
-    from flagdeploy.engine.nodes import run_headless
+    from flagdeploy.engine.lockstep import run_headless
 
     codes.put(run_headless(path, "safetensors", config, "cpu", nodes))
 

@@ -505,7 +505,7 @@ def test_serve_with_an_engine_reads_k_back_from_the_profile(tmp_path, monkeypatc
     import flagdeploy.gateway
     import flagdeploy.server
     from flagdeploy.cli import main
-    from flagdeploy.gateway.config import launch_plan
+    from flagdeploy.gateway.launch import launch_plan
     from flagdeploy.planner.profile import Profile
 
     path = tmp_path / "p.yaml"

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flagdeploy.net import free_port as _free_port
 from flagdeploy.server import create_app, make_server
-from flagdeploy.server.app import ContentChunks
+from flagdeploy.server.openai import ContentChunks
 from flagdeploy.server.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,

@@ -8,11 +8,8 @@ import pytest
 from conftest import generate_with_an_abort, make_engine
 
 from flagdeploy.engine import SamplingParams
-from flagdeploy.engine.speculative import (
-    NgramProposer,
-    SpeculativeConfig,
-    build_proposer,
-)
+from flagdeploy.engine.llm_engine import build_proposer
+from flagdeploy.engine.speculative import NgramProposer, SpeculativeConfig
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

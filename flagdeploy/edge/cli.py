@@ -50,22 +50,23 @@ def export_onnx_cmd(model, output, weights, target, block_size, int4_method, ove
     click.echo(f"wrote {out}")
 
 
-def serve_onnx(*, model, host, port, chip, max_model_len, max_num_seqs, kv_cache_memory, served_names, api_key,
-               default_temperature, reasoning_parser, max_waiting, tool_call_parser, request_timeout, log_level,
-               max_tokens_policy: str = "auto", weights: str = "int4") -> None:
-    """`serve --engine onnxruntime`: the same server as the builtin engine, with the ONNX engine in this process."""
+def serve_onnx(options, *, host: str, port: int, log_level: str, weights: str = "int4") -> None:
+    """`serve --engine onnxruntime`: the builtin server (flagdeploy/assemble.py) with the ONNX engine in this
+    process; `options` the ServeOptions of the command line."""
     from pathlib import Path
 
+    from flagdeploy.assemble import run_server
     from flagdeploy.engine import AsyncEngine, EngineConfig
-    from flagdeploy.server import create_app, make_server
 
     from .engine import EdgeError, build_onnx_engine, check_provider, provider_for_chip
 
+    model, chip = options.model, options.chip
     try:
         check_provider(provider_for_chip(chip))  # a missing EP fails now, naming its package
     except (EdgeError, FlagdeployError) as exc:
         _fail(str(exc))
-    config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory)
+    config = EngineConfig(max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
+                          kv_cache_memory=options.kv_cache_memory)
     if model and (Path(model) / "flagdeploy-onnx.json").exists():
         default_name = Path(model).name
     else:
@@ -75,28 +76,14 @@ def serve_onnx(*, model, host, port, chip, max_model_len, max_num_seqs, kv_cache
             default_name = resolve(model).name
         except FlagdeployError as exc:
             _fail(str(exc))
-    names = list(served_names) or [default_name]
-    failure: list[BaseException] = []
+    names = list(options.served_names) or [default_name]
 
     def load() -> AsyncEngine:
-        try:
-            engine = AsyncEngine(build_onnx_engine(model, config, chip=chip, weights=weights))
-        except BaseException as exc:
-            failure.append(exc)
-            server.should_exit = True
-            raise
-        click.echo(f"flagdeploy: serving {names[0]} (onnxruntime, {engine.engine.decoder.ep}) on "
-                   f"http://{host}:{port}/v1 (ready)", err=True)
-        return engine
+        return AsyncEngine(build_onnx_engine(model, config, chip=chip, weights=weights))
 
-    app = create_app(load, names, api_key=api_key, default_temperature=default_temperature,
-                     reasoning_parser=reasoning_parser, max_waiting=None if max_waiting < 0 else max_waiting,
-                     tool_call_parser=tool_call_parser, request_timeout=request_timeout,
-                     max_tokens_policy=max_tokens_policy)
-    server = make_server(app, host, port, log_level)
-    click.echo(f"flagdeploy: loading {model or names[0]} with onnxruntime (exported on first use) ... "
-               f"(/ready answers 503 until done)", err=True)
-    server.run()
-    if failure:
-        exc = failure[0]
-        _fail(str(exc) if isinstance(exc, (FlagdeployError, ValueError)) else repr(exc))
+    def ready(engine: AsyncEngine) -> str:
+        return f"flagdeploy: serving {names[0]} (onnxruntime, {engine.engine.decoder.ep}) on http://{host}:{port}/v1 (ready)"
+
+    run_server(options, load, names, host=host, port=port, log_level=log_level, ready=ready,
+               loading=f"flagdeploy: loading {model or names[0]} with onnxruntime (exported on first use) ... "
+                       f"(/ready answers 503 until done)")

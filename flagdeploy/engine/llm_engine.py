@@ -18,15 +18,26 @@ from .grammar import Matcher
 from .kv_transfer import KvTransfer, KvTransferConfig, KvTransferError, layout_key
 from .lockstep import LockstepRunner, Workers
 from .model_runner import build_runner
+from .mtp import MtpProposer
 from .multimodal import MediaItem
 from .rejection import rejection_sample
 from .sampler import adjust_logits, probs_for, sample
 from .sampling import RequestOutput, SamplingParams, TokenLogprob
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .speculative import SpeculativeConfig, build_proposer
+from .speculative import NgramProposer, Proposer, SpeculativeConfig
 
 log = logging.getLogger(__name__)
+
+
+def build_proposer(config: SpeculativeConfig, model=None) -> Proposer | None:
+    """The drafter `config` asks for: prompt lookup (engine/speculative.py) or the model's own MTP layer
+    (engine/mtp.py, attached when the model was loaded); None when the replica does not speculate."""
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "mtp":  # GLM-5.3-Flash's draft layer
+        return MtpProposer(model)  # refuses a model without an attached MTP layer
+    return None
 
 
 @dataclass

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,7 @@ from flagdeploy.lifetime import on_parent_exit
 from flagdeploy.net import free_port
 
 from .mtp import MtpForwards
-from .nodes import NodeGroup, NodeMonitor, connect, join
+from .nodes import HEARTBEAT_S, Heartbeat, NodeGroup, NodeMonitor, connect, join, post_failure
 
 log = logging.getLogger(__name__)
 
@@ -250,3 +252,39 @@ def start(path: Path, fmt: str, config, chip: str | None, nodes: NodeGroup | Non
         workers.monitor = NodeMonitor(nodes, world)
     parallel.init_model_parallel(parallel.ParallelConfig(config.tp, config.ep), 0, store=_group_store(store))
     return workers
+
+
+def run_headless(path, fmt: str, config, chip: str | None, nodes: NodeGroup) -> int:
+    """A node other than 0: start this node's ranks, report them, keep the heartbeat, and return the exit
+    code once they stop (0 when rank 0 told them to)."""
+    from .model_loading import check_split
+
+    world = config.tp * config.ep
+    nodes.check(world)
+    config.device = ops.use_backend(chip).device_type
+    check_split(path, fmt, config)  # what node 0 refuses, refused here too before anything starts
+    store = connect(nodes)
+    heartbeat = Heartbeat(nodes)
+    workers = Workers(path, fmt, config, chip, nodes, list(nodes.ranks(world)))
+    try:
+        try:
+            workers.wait("loaded")
+        except ModelLoadError as exc:
+            post_failure(store, nodes.node_rank, str(exc))
+            raise
+        print(f"flagdeploy: node {nodes.node_rank} of {nodes.nnodes} ready (ranks "
+              f"{', '.join(map(str, nodes.ranks(world)))}); serving steps from {nodes.master_addr}", file=sys.stderr,
+              flush=True)
+        while all(p.is_alive() for p in workers.procs):
+            if heartbeat.lost is not None:  # node 0's store went away: the replica is over
+                log.warning("node 0 stopped answering (%s); stopping this node's ranks", heartbeat.lost)
+                workers.close(force=True)
+                return 1
+            time.sleep(HEARTBEAT_S / 2)
+        codes = [p.exitcode or 0 for p in workers.procs if not p.is_alive()]
+        if any(codes):
+            post_failure(store, nodes.node_rank, f"a rank exited with code {max(codes, key=abs)}")
+        workers.close()
+        return 1 if any(codes) else 0
+    finally:
+        heartbeat.stop()

@@ -204,7 +204,7 @@ class NodeMonitor:
 # ---- nodes 1..N-1: headless ---------------------------------------------------------------------------
 
 
-class _Heartbeat:
+class Heartbeat:
     """A headless node's pulse in the store, from its start (loading a large shard takes longer than the
     timeout) until it stops; `lost` once node 0's store stops answering."""
 
@@ -228,42 +228,3 @@ class _Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-def run_headless(path, fmt: str, config, chip: str | None, nodes: NodeGroup) -> int:
-    """A node other than 0: start this node's ranks, report them, keep the heartbeat, and return the exit
-    code once they stop (0 when rank 0 told them to)."""
-    from flagdeploy import ops
-
-    from .lockstep import Workers
-    from .model_loading import check_split
-
-    world = config.tp * config.ep
-    nodes.check(world)
-    config.device = ops.use_backend(chip).device_type
-    check_split(path, fmt, config)  # what node 0 refuses, refused here too before anything starts
-    store = connect(nodes)
-    heartbeat = _Heartbeat(nodes)
-    workers = Workers(path, fmt, config, chip, nodes, list(nodes.ranks(world)))
-    try:
-        try:
-            workers.wait("loaded")
-        except ModelLoadError as exc:
-            post_failure(store, nodes.node_rank, str(exc))
-            raise
-        print(f"flagdeploy: node {nodes.node_rank} of {nodes.nnodes} ready (ranks "
-              f"{', '.join(map(str, nodes.ranks(world)))}); serving steps from {nodes.master_addr}", file=sys.stderr,
-              flush=True)
-        while all(p.is_alive() for p in workers.procs):
-            if heartbeat.lost is not None:  # node 0's store went away: the replica is over
-                log.warning("node 0 stopped answering (%s); stopping this node's ranks", heartbeat.lost)
-                workers.close(force=True)
-                return 1
-            time.sleep(HEARTBEAT_S / 2)
-        codes = [p.exitcode or 0 for p in workers.procs if not p.is_alive()]
-        if any(codes):
-            post_failure(store, nodes.node_rank, f"a rank exited with code {max(codes, key=abs)}")
-        workers.close()
-        return 1 if any(codes) else 0
-    finally:
-        heartbeat.stop()

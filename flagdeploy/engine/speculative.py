@@ -4,7 +4,7 @@ The shape (docs/speculative.md, DESIGN.md "Where the next capabilities live"):
 
 - a *proposer* drafts up to K tokens per decoding sequence before a step (`Proposer.propose`): the prompt
   lookup (`ngram`) proposer here costs no weights; a model's own MTP layer (`engine/mtp.py`) drafts from
-  the target's hidden states;
+  the target's hidden states; the engine picks one (`llm_engine.build_proposer`);
 - the *scheduler* only learns that a sequence may advance by 1 + k tokens in a step (the verify rows count
   in the token budget; drafts are dropped, never preempting anything, when budget or blocks are short);
 - the *runner* computes the 1 + k positions as decode rows of the same sequence and returns logits for
@@ -181,13 +181,3 @@ class NgramProposer(Proposer):
         if best < 0:
             return []
         return t[best + 1 : best + 1 + k].tolist()
-
-
-def build_proposer(config: SpeculativeConfig, model=None) -> Proposer | None:
-    if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.method == "mtp":  # the model's own draft layer (GLM-5.3-Flash), attached when it was loaded
-        from .mtp import MtpProposer
-
-        return MtpProposer(model)  # refuses a model without an attached MTP layer
-    return None

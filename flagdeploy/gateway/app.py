@@ -35,12 +35,13 @@ from flagdeploy.server.names import normalize_model_name, strip_context_suffix
 from flagdeploy.server.errors import APIError
 from flagdeploy.server.protocol import ModelCard, ModelList, now
 from flagdeploy.server.validate import ANTHROPIC, OPENAI, check_content_encoding, parse_body
-from flagdeploy.units import parse_bytes
 
 from .balancer import Balancer, Replica
-from .config import ConfigError, ModelConfig, ServeConfig, launch_plan
+from .config import ConfigError, ModelConfig, ServeConfig
+from .launch import launch_plan
 from .normalize import RETRY_AFTER_S, prepare_request, upstream_unavailable
-from .proxy import Proxy, Timeouts, _send_error, _send_json
+from .proxy import Proxy, Timeouts
+from .send import send_error, send_json
 from .supervisor import AttachedUpstream, State, Supervisor, Upstream
 from .tokens import TokenCounter, count_on_builtin
 from .translate import AnthropicDialect, dialect_for
@@ -214,12 +215,12 @@ class Gateway:
             return
         path, method = scope["path"], scope["method"]
         if path == "/health":
-            await _send_json(send, 200, {"status": "ok"})
+            await send_json(send, 200, {"status": "ok"})
         elif path == "/ready":
             await self._ready(send)
         elif path == "/v1/models" and method == "GET":
             if await self._authorized(scope, send, path):
-                await _send_json(send, 200, self._models().model_dump())
+                await send_json(send, 200, self._models().model_dump())
         elif method == "POST" and path in PROXIED + TRANSLATED + (COUNT_TOKENS,):
             await self._model_route(scope, receive, send, path)
         elif path in PROXIED + TRANSLATED + (COUNT_TOKENS,) and self.inner is None:  # as the builtin app answers
@@ -229,9 +230,9 @@ class Gateway:
         elif self.inner is not None:
             await self.inner(scope, receive, send)
         elif path == "/" and method in ("GET", "HEAD"):
-            await _send_json(send, 200, {"status": "ok", "service": "flagdeploy"})
+            await send_json(send, 200, {"status": "ok", "service": "flagdeploy"})
         else:
-            await _send_error(send, APIError(404, f"Invalid URL ({method} {path})"))
+            await send_error(send, APIError(404, f"Invalid URL ({method} {path})"))
 
     async def _model_route(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         raw = await _read_body(receive)
@@ -297,7 +298,7 @@ class Gateway:
         except APIError as exc:
             await self._error(send, COUNT_TOKENS, exc)
             return
-        await _send_json(send, 200, {"input_tokens": counted})
+        await send_json(send, 200, {"input_tokens": counted})
 
     async def _to_builtin_replica(self, pool: ModelPool, path: str, body: dict[str, Any], send: Send) -> None:
         """A builtin-only route (count_tokens) of a builtin model served by launched replicas (--dp):
@@ -358,7 +359,7 @@ class Gateway:
             await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
             await send({"type": "http.response.body", "body": response.body, "more_body": False})
         else:
-            await _send_error(send, error)
+            await send_error(send, error)
 
     # ---- state -------------------------------------------------------------------------------------
 
@@ -400,10 +401,10 @@ class Gateway:
     async def _ready(self, send: Send) -> None:
         ready, retry, models = self.readiness()
         if ready:
-            await _send_json(send, 200, {"status": "ready", "models": models})
+            await send_json(send, 200, {"status": "ready", "models": models})
             return
         headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
-        await _send_json(send, 503, {"status": "not_ready" if retry else "failed", "models": models}, headers)
+        await send_json(send, 503, {"status": "not_ready" if retry else "failed", "models": models}, headers)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The builtin app's metrics (if any), one line per upstream replica, then the metrics of the
@@ -439,19 +440,16 @@ class Gateway:
 
 
 def _check_body(path: str, body: Any) -> APIError | None:
-    """Check the body against the same lenient request models the builtin app uses, before it goes
-    upstream: a malformed request gets our 400 naming the field, whatever the engine would have said
-    (llama-cpp-python answers 500 to a bad max_tokens, and the SDKs retry a 500). The body is
-    forwarded as the client sent it; unknown fields pass through to the engine."""
-    from pydantic import ValidationError
+    """Check the body as the builtin app does (server/openai.py's validated_request for chat, the field
+    types for completions), before it goes upstream: a malformed request gets our 400 naming the field,
+    whatever the engine would have said (llama-cpp-python answers 500 to a bad max_tokens, and the SDKs
+    retry a 500). The body is forwarded as the client sent it; unknown fields pass through to the engine."""
+    from flagdeploy.server.openai import validated_completion, validated_request
 
-    from flagdeploy.server.protocol import ChatCompletionRequest, CompletionRequest
-
-    model = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
     try:
-        model.model_validate(body)
-    except ValidationError as exc:
-        return errors.from_validation(exc.errors(include_url=False))
+        (validated_request if path == "/v1/chat/completions" else validated_completion)(body)
+    except APIError as exc:
+        return exc
     return None
 
 
@@ -531,41 +529,18 @@ def _upstreams(entry: ModelConfig, config: ServeConfig, options: dict[str, Any])
 
 
 def builtin_app(entry: ModelConfig, api_key: str | None) -> ASGIApp:
-    """The builtin app for a serve.yaml `engine: builtin` entry; `args` are EngineConfig fields plus
-    default_temperature, reasoning_parser and max_waiting."""
-    import dataclasses
-
-    from flagdeploy.engine import AsyncEngine, EngineConfig
-    from flagdeploy.engine.loader import build_llm_engine, check_source
-    from flagdeploy.loaders.source import resolve
-    from flagdeploy.server import create_app
+    """The builtin app, in this process, for a serve.yaml `engine: builtin` entry with one replica: `args` are
+    a builtin model's options (flagdeploy/assemble.py's SERVE_FLAGS, as with more replicas). Nothing is compiled
+    unless `compile: true` asks for it (the gateway's process serves the other models too)."""
+    from flagdeploy import assemble
 
     args = dict(entry.args)
-    serve = {k: args.pop(k) for k in ("default_temperature", "reasoning_parser", "max_waiting") if k in args}
     if entry.max_model_len:
         args.setdefault("max_model_len", entry.max_model_len)
-    if isinstance(args.get("kv_cache_memory"), str):
-        try:
-            args["kv_cache_memory"] = parse_bytes(args["kv_cache_memory"])
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype", "device"}
-    if unknown := sorted(set(args) - fields):
-        raise ConfigError(f"builtin model {entry.names[:1] or entry.model}: unknown args {unknown}; builtin args "
-                          f"are {sorted(fields)} and default_temperature, reasoning_parser, max_waiting")
     try:
-        src = resolve(entry.model, weights=args.get("load_format", "auto") != "dummy")
-        check_source(src.path, src.format, args.get("load_format", "auto") != "dummy")
-        config = EngineConfig(**args)
-    except (FlagdeployError, TypeError, ValueError) as exc:
-        raise ConfigError(f"builtin model {entry.model or '(default)'}: {exc}") from None
-    names = entry.names or [src.name]
-    chip = entry.chip
-
-    def load() -> AsyncEngine:
-        return AsyncEngine(build_llm_engine(src.path, src.format, config, chip=chip, progress=False))
-
-    max_waiting = serve.get("max_waiting", 64)
-    return create_app(load, names, api_key=api_key, default_temperature=serve.get("default_temperature", 0.0),
-                      reasoning_parser=serve.get("reasoning_parser"),
-                      max_waiting=None if max_waiting is None or max_waiting < 0 else max_waiting)
+        options = assemble.ServeOptions.from_args(args, model=entry.model, chip=entry.chip, api_key=api_key,
+                                                  reasoning_parser=None, compile=False)
+        src = assemble.checked_source(options.model, options.weights)
+    except FlagdeployError as exc:
+        raise ConfigError(f"builtin model {entry.names[:1] or entry.model or '(default)'}: {exc}") from None
+    return assemble.builtin_app(options, assemble.engine_loader(options, src), entry.names or [src.name])

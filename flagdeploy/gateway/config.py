@@ -17,8 +17,8 @@
         upstreams: [http://10.0.0.5:8000, http://10.0.0.6:8000]
 
 `args` are the neutral profile fields (flagdeploy/planner/profile.py) for vllm, vllm-ascend, sglang and
-mindie (the planner's emitter turns them into each engine's flags), the EngineConfig fields for
-builtin, and llama_cpp.server options (n_ctx, n_threads, chat_format, ...) for llama.cpp.
+mindie (the planner's emitter turns them into each engine's flags), `flagdeploy serve`'s options by their
+underscore names for builtin (flagdeploy/assemble.py: SERVE_FLAGS, whatever `replicas` says), and llama_cpp.server options (n_ctx, n_threads, chat_format, ...) for llama.cpp.
 
 The media settings of a model, `limit_mm_per_prompt` and `allowed_media_domains` (serve's flags of
 those names, flagdeploy/media_policy.py), sit beside `args` whatever the engine: the gateway checks
@@ -27,8 +27,6 @@ them on every request to the model, and an engine with an equivalent flag is pas
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -192,99 +190,3 @@ def parse_config(data: dict[str, Any], where: str = "serve.yaml") -> ServeConfig
 
 
 # ---- what to launch -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class LaunchPlan:
-    """One engine process: exact argv, extra environment, shell setup lines, files to write first."""
-
-    argv: list[str]
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
-    setup: list[str] = dataclasses.field(default_factory=list)
-    files: dict[str, str] = dataclasses.field(default_factory=dict)
-    warnings: list[str] = dataclasses.field(default_factory=list)
-
-
-def launch_plan(entry: ModelConfig, port: int, replica: int = 0) -> LaunchPlan:
-    """How to start replica `replica` of a launched model so that it listens on `port`."""
-    if entry.command:
-        fill = {"port": str(port), "model": entry.model or ""}
-        return LaunchPlan([a.format(**fill) for a in entry.command] + entry.extra_args, dict(entry.env))
-    if entry.engine == "llama.cpp":
-        return _llama_cpp(entry, port)
-    if entry.engine == "builtin" and entry.replicas > 1:
-        from .replicas import builtin_launch_plan
-
-        return builtin_launch_plan(entry, port, replica)
-    if entry.engine in PLANNER_ENGINES:
-        return _planned(entry, port, replica)
-    raise ConfigError(f"engine {entry.engine!r} is not launched by the gateway")
-
-
-def _llama_cpp(entry: ModelConfig, port: int) -> LaunchPlan:
-    """llama-cpp-python's OpenAI server (`pip install 'llama-cpp-python[server]'`) on a GGUF file."""
-    from flagdeploy.loaders.source import resolve
-
-    try:
-        src = resolve(entry.model)
-    except FlagdeployError as exc:
-        raise ConfigError(f"llama.cpp model {entry.model!r}: {exc}") from None
-    if src.format != "gguf":
-        raise ConfigError(f"llama.cpp runs GGUF files; {entry.model!r} resolved to a {src.format} model at "
-                          f"{src.path}. Give a .gguf file, or serve it with another engine.")
-    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(src.path), "--host", "127.0.0.1",
-            "--port", str(port)]
-    args = dict(entry.args)
-    # Its default cuts a running stream short whenever another request waits; behind the gateway,
-    # requests queue for the model instead.
-    args.setdefault("interrupt_requests", False)
-    if entry.max_model_len and "n_ctx" not in args:
-        args["n_ctx"] = entry.max_model_len
-    for key, value in args.items():
-        argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
-    # llama_cpp.server has no media limit or domain list: the gateway's check is the only one.
-    warnings = [f"llama.cpp (llama_cpp.server) has no equivalent of --{name.replace('_', '-')}: not passed; the "
-                f"gateway enforces it on every request" for name in entry.media_policy().profile_fields()]
-    return LaunchPlan(argv + entry.extra_args, dict(entry.env), warnings=warnings)
-
-
-def _planned(entry: ModelConfig, port: int, replica: int) -> LaunchPlan:
-    """vLLM / SGLang / MindIE through the planner's emitter, so the flags are the ones `flagdeploy plan
-    --emit` prints for the same profile."""
-    from flagdeploy.chips import get_chip
-    from flagdeploy.planner.emit import emit
-    from flagdeploy.planner.profile import Profile
-
-    known = {f.name for f in dataclasses.fields(Profile)}
-    args = dict(entry.args)
-    if unknown := sorted(set(args) - known):
-        raise ConfigError(f"model {entry.names[:1] or entry.model}: unknown args {unknown} for {entry.engine}; "
-                          f"args are profile fields: {sorted(known - {'model', 'chip', 'port'})}. Pass engine "
-                          f"flags the profile lacks through `extra_args`.")
-    if misplaced := sorted(set(args) & {"limit_mm_per_prompt", "allowed_media_domains"}):
-        raise ConfigError(f"model {entry.names[:1] or entry.model}: {', '.join(misplaced)} go beside `args`, not in "
-                          f"it: the gateway checks them for every engine, and passes them to {entry.engine}")
-    args |= entry.media_policy().profile_fields()
-    if entry.max_model_len:
-        args.setdefault("max_model_len", entry.max_model_len)
-    if entry.names:
-        args.setdefault("served_model_name", entry.names[0])
-    try:
-        profile = Profile(model=entry.model or "", chip=entry.chip or "", port=port,
-                          **{k: v for k, v in args.items() if k not in ("model", "chip", "port")})
-        launch = emit(profile, entry.engine)
-        backend = get_chip(profile.chip).backend
-    except (FlagdeployError, ValueError, TypeError) as exc:
-        raise ConfigError(f"cannot launch {entry.engine} for {entry.model}: {exc}") from None
-    env = dict(launch.env)
-    if entry.replicas > 1:  # replica i takes the next `devices` devices
-        devices = ",".join(str(replica * profile.devices + d) for d in range(profile.devices))
-        var = {"cuda": "CUDA_VISIBLE_DEVICES", "ascend": "ASCEND_RT_VISIBLE_DEVICES"}.get(backend)
-        if var:
-            env[var] = devices
-        else:
-            launch.warnings.append(f"replica {replica}: no device-visibility variable known for backend "
-                                   f"{backend}; all replicas see every device")
-    env.update(entry.env)
-    return LaunchPlan(launch.argv + entry.extra_args, env, list(launch.setup), dict(launch.files),
-                      list(launch.warnings))

@@ -393,7 +393,7 @@ def upstream_unavailable(model: str, why: str, retry_after: int = RETRY_AFTER_S)
                     code="upstream_unavailable", headers={"Retry-After": str(retry_after)})
 
 
-def parse_body(raw: bytes) -> Any:
+def upstream_body(raw: bytes) -> Any:
     """An upstream body as JSON if it is JSON, else as text."""
     try:
         return json.loads(raw)

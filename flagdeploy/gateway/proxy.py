@@ -17,24 +17,25 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import httpx
-from starlette.responses import JSONResponse
 from starlette.types import Receive, Send
 
+from flagdeploy.server.disconnect import ClientDisconnected, until_disconnect
 from flagdeploy.server.errors import APIError
 
 from .balancer import affinity_key
 from .normalize import (
     StreamNormalizer,
     normalize_response,
-    parse_body,
     prepare_request,
     says_which_stop,
+    upstream_body,
     upstream_error,
     upstream_unavailable,
 )
+from .send import send_json
 from .translate import PASSTHROUGH, Dialect
 
 if TYPE_CHECKING:
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 
@@ -54,34 +54,6 @@ class Timeouts:
 
     def httpx(self) -> httpx.Timeout:
         return httpx.Timeout(connect=self.connect, read=self.read, write=self.read, pool=self.connect)
-
-
-class ClientGone(Exception):
-    """The client disconnected; nothing is left to answer."""
-
-
-async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work` unless the client disconnects first (then ClientGone, and `work` is cancelled).
-    The request body was read already, so `receive()` only returns when the client goes away."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)  # let it unwind (close what it holds) first
-    raise ClientGone()
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class Proxy:
@@ -147,7 +119,7 @@ class Proxy:
                 if dialect.clamps_max_tokens and response.status_code == 400 and "max_tokens" in body:
                     raw = await until_disconnect(receive, response.aread())
                     await _close(response)
-                    error = upstream_error(400, parse_body(raw), response.headers)
+                    error = upstream_error(400, upstream_body(raw), response.headers)
                     if error.code != "context_length_exceeded":
                         await send_error(send, error)
                         return
@@ -161,7 +133,7 @@ class Proxy:
                 finally:
                     await _close(response)
                 return
-            except ClientGone:
+            except ClientDisconnected:
                 log.info("%s: client disconnected; upstream request to %s closed", model, upstream.url)
                 return
             finally:
@@ -180,34 +152,34 @@ class Proxy:
     async def _answer(self, response: httpx.Response, model: str, path: str, stream: bool, wants_usage: bool,
                       upstream: Any, receive: Receive, send: Send, release: Callable[[], None],
                       dialect: Dialect) -> None:
-        _send_error = dialect.send_error
+        send_error = dialect.send_error
         if response.status_code >= 400:
             raw = await until_disconnect(receive, response.aread())
             release()
-            error = upstream_error(response.status_code, parse_body(raw), response.headers)
+            error = upstream_error(response.status_code, upstream_body(raw), response.headers)
             if response.status_code >= 500:
                 log.warning("%s: %s answered %d: %s", model, upstream.url, response.status_code, raw[:300])
-            await _send_error(send, error)
+            await send_error(send, error)
             return
         is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
         if not stream or not is_sse:
             try:
                 raw = await until_disconnect(receive, response.aread())
             except httpx.TimeoutException:
-                await _send_error(send, upstream_unavailable(model, "the answer did not come within the read timeout"))
+                await send_error(send, upstream_unavailable(model, "the answer did not come within the read timeout"))
                 return
             except httpx.HTTPError as exc:
                 upstream.report_failure(str(exc))
-                await _send_error(send, upstream_unavailable(model, f"the engine broke off its answer ({exc})"))
+                await send_error(send, upstream_unavailable(model, f"the engine broke off its answer ({exc})"))
                 return
             release()
-            body = parse_body(raw)
+            body = upstream_body(raw)
             if not isinstance(body, dict):
-                await _send_error(send, upstream_unavailable(model, "the engine answered something that is not JSON"))
+                await send_error(send, upstream_unavailable(model, "the engine answered something that is not JSON"))
                 return
             choices = [c for c in body.get("choices") or [] if isinstance(c, dict)]
             upstream.says_which_stop |= any(says_which_stop(c) for c in choices)
-            await _send_json(send, 200, dialect.answer(normalize_response(body, model)))
+            await send_json(send, 200, dialect.answer(normalize_response(body, model)))
             return
         kind = "chat" if path.endswith("/chat/completions") else "text"
         normalizer = StreamNormalizer(model, wants_usage, kind)
@@ -217,9 +189,9 @@ class Proxy:
                 try:
                     answer = await until_disconnect(receive, dialect.collected(events))
                 except APIError as exc:
-                    await _send_error(send, exc)
+                    await send_error(send, exc)
                     return
-                await _send_json(send, 200, answer)
+                await send_json(send, 200, answer)
             else:
                 await stream_to_client(dialect.frames(events), receive, send)
         finally:
@@ -280,7 +252,7 @@ async def stream_to_client(events: AsyncIterator[bytes], receive: Receive, send:
     try:
         await until_disconnect(receive, pump())
     except OSError:  # the connection broke while sending
-        raise ClientGone() from None
+        raise ClientDisconnected() from None
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
@@ -292,13 +264,3 @@ async def _close(response: httpx.Response) -> None:
         await asyncio.shield(response.aclose())
     except Exception:  # noqa: BLE001 - closing a broken connection may fail; it is closed either way
         pass
-
-
-async def _send_json(send: Send, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
-    response = JSONResponse(body, status_code=status, headers=headers)
-    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
-    await send({"type": "http.response.body", "body": response.body, "more_body": False})
-
-
-async def _send_error(send: Send, error: APIError) -> None:
-    await _send_json(send, error.status, error.body(), error.headers)

@@ -17,101 +17,20 @@ on the CPU backend, where the cores are the device.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import signal
-import sys
 from typing import Any, Callable, Mapping
 
 from flagdeploy.errors import FlagdeployError
 from flagdeploy.lifetime import on_parent_exit
 
-from .config import ConfigError, LaunchPlan, ModelConfig
+from .config import ConfigError
 
-# serve.yaml `args` of a launched builtin replica -> the `flagdeploy serve` option that carries it
-SERVE_FLAGS = {
-    "max_model_len": "--max-model-len",
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "block_size": "--block-size",
-    "kv_cache_memory": "--kv-cache-memory",
-    "weight_format": "--weight-format",
-    "load_format": "--load-format",
-    "default_temperature": "--default-temperature",
-    "reasoning_parser": "--reasoning-parser",
-    "tool_call_parser": "--tool-call-parser",
-    "request_timeout": "--request-timeout",
-    "max_waiting": "--max-waiting",
-    "max_tokens_policy": "--max-tokens-policy",
-    "memory_utilization": "--gpu-memory-utilization",
-    "tp": "--tp",
-    "ep": "--ep",
-    "compile": "--compile",  # a switch: True → --compile, False → --no-compile
-    "speculative_config": "--speculative-config",  # JSON (engine/speculative.py)
-}
 READY_PATH = "/ready"  # the builtin app answers /health and /v1/models while it loads; /ready only once loaded
 PARENT_ENV = "FLAGDEPLOY_PARENT_PID"  # set for each replica: the gateway whose end it outlives by a second at most
 
 log = logging.getLogger(__name__)
-
-
-def builtin_replicas_entry(model: str | None, dp: int, *, chip: str | None = None,
-                           served_names: tuple[str, ...] | list[str] = (), **options: Any) -> dict[str, Any]:
-    """The serve.yaml model entry (as a dict, for `parse_config`) of `flagdeploy serve --dp K`:
-    `options` are serve's engine options by their parameter names (max_model_len, tp, ep, ...);
-    None means the replica's own default."""
-    if unknown := sorted(set(options) - set(SERVE_FLAGS)):
-        raise ConfigError(f"builtin replicas take {sorted(SERVE_FLAGS)}; not {unknown}")
-    args = {k: v for k, v in options.items() if v is not None}
-    entry: dict[str, Any] = {"names": list(served_names), "engine": "builtin", "model": model, "chip": chip,
-                             "replicas": dp, "args": args}
-    if "max_model_len" in args:
-        entry["max_model_len"] = args["max_model_len"]
-    return entry
-
-
-def builtin_launch_plan(entry: ModelConfig, port: int, replica: int = 0, *,
-                        backend: Any = None, environ: Mapping[str, str] | None = None,
-                        device_count: Callable[[], int | None] | None = None,
-                        cores: int | None = None) -> LaunchPlan:
-    """How to start replica `replica` of a builtin `entry` on `port`. `backend`, `environ`,
-    `device_count` and `cores` default to this host's (tests pass their own)."""
-    args = dict(entry.args)
-    if entry.max_model_len:
-        args.setdefault("max_model_len", entry.max_model_len)
-    label = entry.names[0] if entry.names else (entry.model or "the builtin model")
-    if unknown := sorted(set(args) - set(SERVE_FLAGS)):
-        raise ConfigError(f"builtin model {label!r} with replicas: {entry.replicas}: unknown args {unknown}; each "
-                          f"replica is a `flagdeploy serve`, whose args are {sorted(SERVE_FLAGS)}")
-    _check_parsers(args)
-    src = _source(entry.model, args.get("load_format", "auto") != "dummy")
-    names = entry.names or [src.name]
-    argv = [sys.executable, "-m", "flagdeploy", "serve", "--model", str(src.path), "--host", "127.0.0.1",
-            "--port", str(port)]
-    if entry.chip:
-        argv += ["--chip", entry.chip]
-    for name in names:
-        argv += ["--served-model-name", name]
-    for key, value in args.items():
-        if isinstance(value, bool):
-            argv.append(SERVE_FLAGS[key] if value else SERVE_FLAGS[key].replace("--", "--no-", 1))
-        elif value is not None:
-            argv += [SERVE_FLAGS[key], str(value)]
-    policy = entry.media_policy()  # the gateway checks it too; a replica fetches from the allowed hosts itself
-    if policy.limits is not None:
-        argv += ["--limit-mm-per-prompt", ",".join(f"{k}={v}" for k, v in policy.limits.items())]
-    if policy.domains is not None:
-        argv += ["--allowed-media-domains", ",".join(policy.domains)]
-    argv += ["--dp", "1"]  # a replica is one engine; only the gateway fans out
-    per_replica = _int(args.get("tp", 1), "tp") * _int(args.get("ep", 1), "ep")
-    if backend is None:
-        backend = replica_backend(entry.chip)
-    env, warnings = replica_env(backend, replica, entry.replicas, per_replica, environ=environ,
-                                device_count=device_count, cores=cores)
-    env[PARENT_ENV] = str(os.getpid())
-    env.update(entry.env)
-    return LaunchPlan(argv + entry.extra_args, env, warnings=warnings)
 
 
 def exit_with_parent(environ: Mapping[str, str] | None = None, interval: float = 1.0) -> None:
@@ -191,49 +110,6 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))  # what this process may use (taskset, cgroups' cpusets)
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def _int(value: Any, name: str) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        number = 0
-    if number < 1 or str(number) != str(value).strip():
-        raise ConfigError(f"builtin args: {name} must be a whole number >= 1, not {value!r}")
-    return number
-
-
-@functools.lru_cache(maxsize=8)
-def _source(model: str | None, weights: bool):
-    """Resolve (and, for a hub id, download) the model once here, so that K replicas do not race to
-    fetch it, and a wrong path fails before anything is launched. Cached: parsing a GGUF header takes
-    seconds, and every replica's plan asks for the same model."""
-    from flagdeploy.engine.loader import check_source
-    from flagdeploy.loaders.source import resolve
-
-    try:
-        src = resolve(model, weights=weights)
-        check_source(src.path, src.format, weights)
-    except FlagdeployError as exc:
-        raise ConfigError(f"builtin model {model or '(default)'}: {exc}") from None
-    return src
-
-
-def _check_parsers(args: dict[str, Any]) -> None:
-    """A misspelt parser would make every replica exit at start, K times, after the back-off; say it now."""
-    from flagdeploy.server.reasoning import get_style
-
-    try:
-        get_style(args.get("reasoning_parser") or "none")
-    except ValueError as exc:
-        raise ConfigError(f"reasoning_parser: {exc}") from None
-    if (parser := args.get("tool_call_parser")) and parser != "auto":
-        from flagdeploy.server.tools import get_parser
-
-        try:
-            get_parser(parser)
-        except ValueError as exc:
-            raise ConfigError(f"tool_call_parser: {exc}") from None
 
 
 # ---- /metrics: the replicas' own metrics through the gateway -------------------------------------

@@ -28,16 +28,17 @@ from starlette.types import Send
 
 from flagdeploy.server import errors
 from flagdeploy.server.answer import AnswerDelta
-from flagdeploy.server.anthropic import (MessagesRequest, StreamEnd, _input, _message, _signature, _tool_use_id,
-                                         message_events)
+from flagdeploy.server.anthropic import (MessagesRequest, StreamEnd, message_body, message_events, thinking_signature,
+                                         tool_input, tool_use_id)
 from flagdeploy.server.anthropic import validated_request as anthropic_request
 from flagdeploy.server.errors import APIError
 from flagdeploy.server.protocol import now
-from flagdeploy.server.responses import (ResponsesRequest, _call_item, _id, _message_item, _reasoning_item, _response,
-                                         response_events, usage_body)
+from flagdeploy.server.responses import (ResponsesRequest, call_item, message_item, new_item_id, reasoning_item,
+                                         response_body, response_events, usage_body)
 from flagdeploy.server.responses import validated_request as responses_request
 
 from .normalize import StopMatcher, matched_stop
+from .send import send_error as send_plain_error
 
 _ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 
@@ -67,9 +68,7 @@ class Dialect:
         return self.answer(await _collect(payloads))
 
     async def send_error(self, send: Send, error: APIError) -> None:
-        from .proxy import _send_error
-
-        await _send_error(send, error)
+        await send_plain_error(send, error)
 
 
 PASSTHROUGH = Dialect()
@@ -167,7 +166,7 @@ class AnthropicDialect(Dialect):
 
     def __init__(self, model: str, engine_says_stop: bool = False):
         self.model = model
-        self.mid = _id("msg")
+        self.mid = new_item_id("msg")
         self.engine_says_stop = engine_says_stop
         self.stops: list[str] = []
         self.matcher: StopMatcher | None = None
@@ -212,13 +211,13 @@ class AnthropicDialect(Dialect):
         message = choice.get("message") or {}
         thought = message.get("reasoning_content")
         calls = message.get("tool_calls") or []
-        blocks = [{"type": "thinking", "thinking": thought, "signature": _signature(thought)}] if thought else []
+        blocks = [{"type": "thinking", "thinking": thought, "signature": thinking_signature(thought)}] if thought else []
         if message.get("content") or not calls:
             blocks.append({"type": "text", "text": message.get("content") or ""})
-        blocks += [{"type": "tool_use", "id": _tool_use_id(c.get("id") or _id("call")), "name": c["function"]["name"],
-                    "input": _input(c["function"].get("arguments") or "")} for c in calls]
+        blocks += [{"type": "tool_use", "id": tool_use_id(c.get("id") or new_item_id("call")), "name": c["function"]["name"],
+                    "input": tool_input(c["function"].get("arguments") or "")} for c in calls]
         usage = body.get("usage") or {}
-        return _message(self.mid, self.model, blocks, self._stop(choice.get("finish_reason"), matched_stop(choice)),
+        return message_body(self.mid, self.model, blocks, self._stop(choice.get("finish_reason"), matched_stop(choice)),
                         self._input_tokens(usage), usage.get("completion_tokens", 0))
 
     async def collected(self, payloads: AsyncIterator[str]) -> dict[str, Any]:
@@ -251,7 +250,7 @@ class ResponsesDialect(Dialect):
 
     def __init__(self, model: str):
         self.model = model
-        self.rid = _id("resp")
+        self.rid = new_item_id("resp")
         self.req: ResponsesRequest | None = None
 
     def chat_request(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -279,13 +278,13 @@ class ResponsesDialect(Dialect):
         choice = (body.get("choices") or [{}])[0]
         message = choice.get("message") or {}
         calls = message.get("tool_calls") or []
-        items = [_reasoning_item(_id("rs"), message["reasoning_content"])] if message.get("reasoning_content") else []
+        items = [reasoning_item(new_item_id("rs"), message["reasoning_content"])] if message.get("reasoning_content") else []
         if message.get("content") or not calls:
-            items.append(_message_item(_id("msg"), message.get("content") or ""))
-        items += [_call_item(_id("fc"), c.get("id") or _id("call"), c["function"]["name"],
+            items.append(message_item(new_item_id("msg"), message.get("content") or ""))
+        items += [call_item(new_item_id("fc"), c.get("id") or new_item_id("call"), c["function"]["name"],
                              c["function"].get("arguments") or "") for c in calls]
         status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
-        return _response(self.rid, now(), self.model, self.req, items, status, self._usage(body.get("usage") or {}))
+        return response_body(self.rid, now(), self.model, self.req, items, status, self._usage(body.get("usage") or {}))
 
     async def frames(self, payloads: AsyncIterator[str]) -> AsyncIterator[bytes]:
         assert self.req is not None

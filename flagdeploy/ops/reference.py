@@ -102,7 +102,7 @@ def linear_fp8_block(x: torch.Tensor, weight: Fp8BlockWeight, bias: torch.Tensor
 
 def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sum `x` over the ranks of `group` (the tensor-parallel group), in place; the identity on one rank."""
-    from flagdeploy import parallel  # the collectives need the op layer themselves: imported late
+    from flagdeploy import parallel  # torch.distributed is loaded only by what runs on several ranks
 
     return parallel.all_reduce(x, group)
 

@@ -33,7 +33,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -43,11 +43,11 @@ from . import errors
 from .answer import AnswerDelta, AnswerParser, parse_answer
 from .engine_slot import EngineSlot
 from .errors import APIError, anthropic_response
-from .generation import ClientDisconnected, EventStream, Generation, unless_disconnected
+from .generation import EventStream, Generation, collect
 from .media import takes_media
 from .names import ModelNames, strip_context_suffix
 from .pipeline import ServerSettings, chat_prompt, check_grammar, first_output, make_jobs, tool_plan
-from .protocol import SamplingFields, thinking_switch, thinking_template_kwargs
+from .protocol import Lenient, SamplingFields, thinking_switch, thinking_template_kwargs
 from .reasoning import RequestReasoning
 from .tools import ToolPlan
 from .validate import (ANTHROPIC, ANTHROPIC_ROLES, check_anthropic_tools, content_parts, one_of, read_body,
@@ -61,11 +61,7 @@ log = logging.getLogger(__name__)
 # ---- requests ------------------------------------------------------------------------------------
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class Block(_Lenient):
+class Block(Lenient):
     """A content block. Text is the conversation; tool_use / tool_result become plain text so that
     an agent's history still renders on a template without tools; thinking and documents are dropped
     (Claude Code echoes earlier thinking blocks back, which must not fail); images become OpenAI image
@@ -145,7 +141,7 @@ def _chat_content(content: str | list[Block] | None, media: bool, text: str) -> 
     return parts + ([{"type": "text", "text": "\n".join(run)}] if run else [])
 
 
-class Message(_Lenient):
+class Message(Lenient):
     role: str  # a plain string: Claude Code >= 2.1.154 sends "system" here
     content: str | list[Block] | None = None
 
@@ -175,7 +171,7 @@ def _structured(m: Message, media: bool = False) -> list[dict[str, Any]]:
     return turns
 
 
-class MessagesRequest(_Lenient):
+class MessagesRequest(Lenient):
     """Both routes' body. `max_tokens` is required by Anthropic but optional here (whatever fits,
     as on the OpenAI routes); a missing `model` means the one model served."""
 
@@ -319,7 +315,7 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def _signature(thinking: str) -> str:
+def thinking_signature(thinking: str) -> str:
     """A thinking block's `signature`. Anthropic's is an opaque token that Claude Code echoes back
     and we never verify (earlier thinking is dropped from prompts), so a digest of the text does."""
     return hashlib.sha256(thinking.encode()).hexdigest()
@@ -329,25 +325,25 @@ def _content(text: str, reasoning: RequestReasoning | None, tools: ToolPlan | No
     """The content blocks of an answer (a thinking block first when the model thought, then the
     text, then tool_use blocks), and whether it calls tools."""
     thought, text, calls = parse_answer(text, reasoning, tools)
-    blocks = [{"type": "thinking", "thinking": thought, "signature": _signature(thought)}] if thought is not None else []
+    blocks = [{"type": "thinking", "thinking": thought, "signature": thinking_signature(thought)}] if thought is not None else []
     if text or not calls:
         blocks.append({"type": "text", "text": text})
-    blocks += [{"type": "tool_use", "id": _tool_use_id(c.id), "name": c.name, "input": _input(c.arguments)} for c in calls]
+    blocks += [{"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": tool_input(c.arguments)} for c in calls]
     return blocks, bool(calls)
 
 
-def _tool_use_id(call_id: str) -> str:
+def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def _input(arguments: str) -> Any:
+def tool_input(arguments: str) -> Any:
     try:
         return json.loads(arguments) if arguments else {}
     except json.JSONDecodeError:
         return {"_raw": arguments}  # a call whose arguments the model left unfinished
 
 
-def _message(mid: str, model: str, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
+def message_body(mid: str, model: str, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
              input_tokens: int, output_tokens: int) -> dict[str, Any]:
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop[0], "stop_sequence": stop[1],
@@ -378,7 +374,7 @@ class _Blocks:
         events = []
         for d in deltas:
             if "id" in d:
-                events += self._switch("tool_use", {"type": "tool_use", "id": _tool_use_id(d["id"]),
+                events += self._switch("tool_use", {"type": "tool_use", "id": tool_use_id(d["id"]),
                                                     "name": d["function"]["name"], "input": {}})
             fragment = d["function"].get("arguments")
             if fragment:
@@ -401,7 +397,7 @@ class _Blocks:
     def close(self) -> list[str]:
         events = []
         if self.kind == "thinking":
-            signature = _signature("".join(self.thought))
+            signature = thinking_signature("".join(self.thought))
             events.append(_event("content_block_delta", {"index": self.index,
                                                          "delta": {"type": "signature_delta", "signature": signature}}))
         if self.kind is not None:
@@ -437,7 +433,7 @@ async def message_events(deltas: AsyncIterator[AnswerDelta], mid: str, model: st
     blocks = _Blocks()
     called = False
     try:
-        yield _event("message_start", {"message": _message(mid, model, [], (None, None), input_tokens, 0)})
+        yield _event("message_start", {"message": message_body(mid, model, [], (None, None), input_tokens, 0)})
         if text_first:
             for event in blocks._switch("text"):
                 yield event
@@ -538,28 +534,16 @@ def anthropic_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
                 return Response(status_code=499)
             return EventStream(_events(engine, gen, first, mid, model, stops, reasoning, tools), gen.close)
 
-        async def run() -> tuple[str, list[int]]:
-            parts, ids = [], []
-            while not gen.done:
-                _, out = await gen.next()
-                parts.append(out.text)
-                ids += out.token_ids
-            return "".join(parts), ids
-
-        try:
-            text, ids = await unless_disconnected(request, run())
-        except ClientDisconnected:
-            log.info("%s: client disconnected, aborted", mid)
+        outputs = await collect(request, gen, "messages")
+        if outputs is None:
             return Response(status_code=499)
-        except Exception as exc:
-            raise errors.from_generation(exc, "messages") from None
-        finally:
-            gen.close()
+        text = "".join(out.text for out in outputs[0])
+        ids = [token for out in outputs[0] for token in out.token_ids]
         final = gen.finals[0]
         content, called = _content(text, reasoning, tools)
         cut = final.finish_reason == "length"
         stop = ("tool_use", None) if called and not cut else _stop_reason(engine, final, text, ids, stops)
-        return JSONResponse(_message(mid, model, content, stop, len(prompt), final.num_output_tokens))
+        return JSONResponse(message_body(mid, model, content, stop, len(prompt), final.num_output_tokens))
 
     @router.post("/count_tokens")
     async def count_tokens(request: Request) -> dict[str, int]:

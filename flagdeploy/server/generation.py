@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -22,18 +22,12 @@ from starlette.types import Receive, Scope, Send
 from flagdeploy.engine.sampling import RequestOutput, SamplingParams
 
 from . import errors
+from .disconnect import ClientDisconnected, until_disconnect
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the answer was ready; nothing is left to send."""
-
 
 @dataclass
 class Job:
@@ -136,32 +130,6 @@ class Generation:
         return sum(out.num_output_tokens for out in self.finals.values())
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, but give up (ClientDisconnected) as soon as the client hangs up.
-
-    Reading `receive()` after the body was consumed blocks until the client disconnects, so this
-    costs nothing while the connection is alive (no polling).
-    """
-    work_task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_wait_for_disconnect(request.receive))
-    try:
-        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        work_task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if work_task.done():
-        return work_task.result()
-    work_task.cancel()
-    raise ClientDisconnected()
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 async def collect(request: Request, gen: Generation, param: str) -> dict[int, list[RequestOutput]] | None:
     """Run every choice to its end; the outputs of each choice by index, or None when the client left
     (the generation is then aborted). A failed generation is raised as the API error it maps to, naming
@@ -174,7 +142,7 @@ async def collect(request: Request, gen: Generation, param: str) -> dict[int, li
             outputs[index].append(out)
 
     try:
-        await unless_disconnected(request, run())
+        await until_disconnect(request.receive, run())
     except ClientDisconnected:
         log.info("client disconnected, aborted")
         return None

@@ -26,7 +26,8 @@ from flagdeploy.errors import PromptTooLongError
 
 from . import errors
 from .errors import APIError
-from .generation import ClientDisconnected, Generation, Job, unless_disconnected
+from .disconnect import ClientDisconnected, until_disconnect
+from .generation import Generation, Job
 from .media import MediaSettings, takes_media
 from .media import prepare as prepare_media
 from .protocol import SamplingFields
@@ -264,7 +265,7 @@ async def first_output(request: Request, gen: Generation, prompt_param: str) -> 
     long or a bad sampling value still gets a proper 4xx instead of an error event. None: the
     client left meanwhile."""
     try:
-        return await unless_disconnected(request, gen.next())
+        return await until_disconnect(request.receive, gen.next())
     except ClientDisconnected:
         gen.close()
         log.info("client disconnected before the first token, aborted")

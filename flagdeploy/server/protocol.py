@@ -29,18 +29,21 @@ def now() -> int:
 # ---- requests ------------------------------------------------------------------------------------
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
+    """The base of every protocol's request models (OpenAI here, Anthropic, Responses): fields a client
+    sends that we do not know pass through (SDKs add new ones before servers learn them)."""
+
     model_config = ConfigDict(extra="allow")
 
 
-class ContentPart(_Lenient):
+class ContentPart(Lenient):
     """One element of a content array; only `text` parts reach a text-only model."""
 
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -68,11 +71,11 @@ class ChatMessage(_Lenient):
         return msg
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool | None = False
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(Lenient):
     """Fields shared by both generation routes (OpenAI's, plus vLLM's `top_k`, `stop_token_ids`,
     `ignore_eos`). Ranges are checked here so that a bad value is a 400 naming its field."""
 
@@ -135,16 +138,16 @@ def thinking_template_kwargs(on: bool | None) -> dict[str, Any]:
     return {} if on is None else {"enable_thinking": on, "thinking": on}
 
 
-class FunctionChoice(_Lenient):
+class FunctionChoice(Lenient):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     type: Literal["function"] = "function"
     function: FunctionChoice
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     """`text`, `json_object`, or `json_schema` with `json_schema: {name, schema, strict}` (OpenAI);
     Dify sends the schema itself under `json_schema`, so both nestings are read."""
 
@@ -193,7 +196,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(Lenient):
     """vLLM's `/tokenize`: a `prompt`, or chat `messages` (with `tools`, `chat_template_kwargs`) rendered by
     the model's chat template as a chat completion renders them (the generation prompt always added)."""
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from flagdeploy.engine.grammar import GrammarSpec
 from flagdeploy.engine.sampling import RequestOutput
@@ -35,7 +35,7 @@ from .generation import EventStream, Generation, collect
 from .media import takes_media
 from .names import ModelNames
 from .pipeline import ServerSettings, chat_prompt, check_grammar, first_output, make_jobs, tool_plan
-from .protocol import SamplingFields, now
+from .protocol import Lenient, SamplingFields, now
 from .reasoning import RequestReasoning
 from .tools import ToolPlan
 from .validate import (OPENAI, check_responses_input, check_responses_tools, content_parts, read_body,
@@ -47,27 +47,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _id(prefix: str) -> str:
+def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
 # ---- request -------------------------------------------------------------------------------------
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class TextFormat(_Lenient):
+class TextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"] = "text"
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
-class TextOptions(_Lenient):
+class TextOptions(Lenient):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(Lenient):
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(min_length=1)
     instructions: str | None = None
@@ -217,22 +213,22 @@ async def _parse(request: Request) -> ResponsesRequest:
 # ---- output items --------------------------------------------------------------------------------
 
 
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def _reasoning_item(item_id: str, thought: str) -> dict[str, Any]:
+def reasoning_item(item_id: str, thought: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [],
             "content": [{"type": "reasoning_text", "text": thought}]}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
 
 
-def _response(rid: str, created: int, model: str, req: ResponsesRequest, output: list[dict[str, Any]],
+def response_body(rid: str, created: int, model: str, req: ResponsesRequest, output: list[dict[str, Any]],
               status: str, usage: dict[str, Any] | None) -> dict[str, Any]:
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
             "output": output, "usage": usage, "error": None,
@@ -282,11 +278,11 @@ class _Events:
                                   text=self.text, logprobs=[]),
                        self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                   content_index=0, part=part)]
-            item = _message_item(item["id"], self.text)
+            item = message_item(item["id"], self.text)
         elif item["type"] == "reasoning":
             events.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                      content_index=0, text=self.text))
-            item = _reasoning_item(item["id"], self.text)
+            item = reasoning_item(item["id"], self.text)
         else:
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                      name=item["name"], arguments=item["arguments"]))
@@ -305,13 +301,13 @@ class _Events:
         return events
 
     def empty_message(self) -> list[str]:
-        return self._start({"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant", "content": []})
+        return self._start({"type": "message", "id": new_item_id("msg"), "status": "in_progress", "role": "assistant", "content": []})
 
     def thought(self, delta: str) -> list[str]:
         if not delta:
             return []
         events = [] if self.open and self.open["type"] == "reasoning" else self._start(
-            {"type": "reasoning", "id": _id("rs"), "summary": [], "content": []})
+            {"type": "reasoning", "id": new_item_id("rs"), "summary": [], "content": []})
         self.text += delta
         return events + [self.event("response.reasoning_text.delta", item_id=self.open["id"],
                                     output_index=len(self.output), content_index=0, delta=delta)]
@@ -328,7 +324,7 @@ class _Events:
         events = []
         for d in deltas:
             if "id" in d:
-                events += self._start(_call_item(_id("fc"), d["id"], d["function"]["name"], "", "in_progress"))
+                events += self._start(call_item(new_item_id("fc"), d["id"], d["function"]["name"], "", "in_progress"))
             fragment = d["function"].get("arguments")
             if fragment and self.open is not None:
                 self.open["arguments"] += fragment
@@ -346,7 +342,7 @@ async def response_events(deltas: AsyncIterator[AnswerDelta], rid: str, model: s
     created, ev = now(), _Events()
     try:
         for kind in ("response.created", "response.in_progress"):
-            yield ev.event(kind, response=_response(rid, created, model, req, [], "in_progress", None))
+            yield ev.event(kind, response=response_body(rid, created, model, req, [], "in_progress", None))
         async for d in deltas:
             for event in ev.thought(d.thought) + ev.content(d.content) + ev.tool_calls(d.tool_calls):
                 yield event
@@ -356,11 +352,11 @@ async def response_events(deltas: AsyncIterator[AnswerDelta], rid: str, model: s
             for event in ev.empty_message() + ev.close():
                 yield event
         status, usage = end()
-        done = _response(rid, created, model, req, ev.output, status, usage)
+        done = response_body(rid, created, model, req, ev.output, status, usage)
         yield ev.event("response.completed" if status == "completed" else "response.incomplete", response=done)
     except APIError as exc:  # the error, then the response as failed: a stream still ends in its final state
         yield ev.event("error", code=exc.code, message=exc.message, param=exc.param)
-        failed = _response(rid, created, model, req, ev.output, "failed", None)
+        failed = response_body(rid, created, model, req, ev.output, "failed", None)
         yield ev.event("response.failed", response=failed | {"error": {"code": exc.code or exc.type,
                                                                         "message": exc.message}})
 
@@ -413,7 +409,7 @@ def responses_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
                            param="previous_response_id")
         model = names.resolve(req.model)
         engine: "AsyncEngine" = slot.get()
-        rid = _id("resp")
+        rid = new_item_id("resp")
         refuse_media(req.media_parts(), engine.input_modalities, model)
         tools = tool_plan(engine, req.function_tools(), req.choice(), settings.tool_call_parser)
         prompt, prompt_text, media = await chat_prompt(engine, req.messages(media=takes_media(engine)),
@@ -433,10 +429,10 @@ def responses_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Reques
         if outputs is None:
             return Response(status_code=499)
         thought, text, calls = parse_answer("".join(o.text for o in outputs[0]), reasoning, tools)
-        items = [_reasoning_item(_id("rs"), thought)] if thought else []
+        items = [reasoning_item(new_item_id("rs"), thought)] if thought else []
         if text or not calls:
-            items.append(_message_item(_id("msg"), text))
-        items += [_call_item(_id("fc"), c.id, c.name, c.arguments) for c in calls]
-        return JSONResponse(_response(rid, now(), model, req, items, _status(gen.finals[0]), _usage(gen)))
+            items.append(message_item(new_item_id("msg"), text))
+        items += [call_item(new_item_id("fc"), c.id, c.name, c.arguments) for c in calls]
+        return JSONResponse(response_body(rid, now(), model, req, items, _status(gen.finals[0]), _usage(gen)))
 
     return router
