@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from flagdeploy.engine.kv_transfer import KvTransferConfig
 from flagdeploy.engine.speculative import SpeculativeConfig
 from flagdeploy.errors import ConfigError, FlagdeployError
 from flagdeploy.media_policy import MediaPolicy
@@ -53,6 +54,7 @@ SERVE_FLAGS = {
     "ep": "--ep",
     "compile": "--compile",  # a switch: True → --compile, False → --no-compile
     "speculative_config": "--speculative-config",  # JSON (engine/speculative.py)
+    "kv_transfer_config": "--kv-transfer-config",  # vLLM's JSON (engine/kv_transfer.py)
 }
 
 
@@ -77,6 +79,7 @@ class ServeOptions:
     ep: int = 1
     compile: bool | None = None  # None: in the background (serve's default)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kv_transfer: KvTransferConfig | None = None  # prefill-decode disaggregation: this instance's role
     # the server
     api_key: str | None = None
     default_temperature: float = 0.0
@@ -99,7 +102,7 @@ class ServeOptions:
                             max_num_batched_tokens=self.max_num_batched_tokens, block_size=self.block_size,
                             kv_cache_memory=self.kv_cache_memory, weight_format=self.weight_format,
                             load_format=self.load_format, tp=self.tp, ep=self.ep, compile=self.compile,
-                            speculative=self.speculative)
+                            speculative=self.speculative, kv_transfer=self.kv_transfer)
 
     @classmethod
     def from_args(cls, args: dict[str, Any], **given: Any) -> "ServeOptions":
@@ -113,7 +116,7 @@ class ServeOptions:
             if value is None:
                 continue
             try:
-                values[name if name != "speculative_config" else "speculative"] = _convert(name, value)
+                values[_FIELD.get(name, name)] = _convert(name, value)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{name}: {exc}") from None
         options = cls(**values)
@@ -121,6 +124,7 @@ class ServeOptions:
         return options
 
 
+_FIELD = {"speculative_config": "speculative", "kv_transfer_config": "kv_transfer"}  # arg name -> field name
 _TYPES: dict[str, type] = {f.name: f.type for f in dataclasses.fields(ServeOptions)}  # type: ignore[misc]
 
 
@@ -130,6 +134,8 @@ def _convert(name: str, value: Any) -> Any:
     if name == "speculative_config":
         text = value if isinstance(value, str) else __import__("json").dumps(value)
         return SpeculativeConfig.parse(None, None, text)
+    if name == "kv_transfer_config":
+        return KvTransferConfig.parse(value if isinstance(value, str) else __import__("json").dumps(value))
     if name == "compile":
         if not isinstance(value, bool):
             raise TypeError(f"a switch (true or false), not {value!r}")

@@ -231,6 +231,11 @@ def main() -> None:
 @click.option("--speculative-config", "speculative_config", default=None, metavar="JSON",
               help='vLLM\'s spelling, e.g. \'{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4}\' '
                    "(--speculative/--num-speculative-tokens override its fields).")
+@click.option("--kv-transfer-config", "kv_transfer_config", default=None, metavar="JSON",
+              help='Prefill-decode disaggregation, vLLM\'s spelling: \'{"kv_connector":"NixlConnector","kv_role":'
+                   '"kv_producer"}\' on a prefill instance, "kv_consumer" on a decode one; a router (vllm-router '
+                   "--vllm-pd-disaggregation) drives the pair. The caches move through the Mooncake transfer engine "
+                   "(pip install 'flagdeploy[pd]'); docs/pd.md.")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--engine", default="builtin", show_default=True,
               type=click.Choice(["builtin", "vllm", "vllm-ascend", "sglang", "mindie", "llama.cpp", "onnxruntime"]),
@@ -248,8 +253,8 @@ def main() -> None:
 def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
           memory_utilization, weight_format, load_format, served_names, default_temperature, api_key, reasoning_parser,
           max_waiting, max_tokens_policy, tool_call_parser, request_timeout, profile_file, tp, ep, dp, compile_,
-          speculative, num_speculative_tokens, speculative_config, log_level, engine, upstreams, config_file,
-          startup_timeout, limit_mm_per_prompt, allowed_media_domains, nnodes, node_rank, master_addr, master_port,
+          speculative, num_speculative_tokens, speculative_config, kv_transfer_config, log_level, engine, upstreams,
+          config_file, startup_timeout, limit_mm_per_prompt, allowed_media_domains, nnodes, node_rank, master_addr, master_port,
           node_timeout) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
@@ -270,6 +275,17 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     if spec.enabled and not builtin:
         _fail("--speculative/--speculative-config apply to the builtin engine; for --engine/--upstream/--config give "
               "the engine's own speculative flags there")
+    kv_transfer = None
+    if kv_transfer_config is not None:
+        from flagdeploy.engine.kv_transfer import KvTransferConfig
+
+        if not builtin or dp > 1 or nnodes > 1:
+            _fail("--kv-transfer-config makes this builtin-engine instance a prefill or decode one: start one `flagdeploy "
+                  "serve` per instance (no --dp, --nnodes, --engine, --upstream or --config), and a router in front")
+        try:
+            kv_transfer = KvTransferConfig.parse(kv_transfer_config)
+        except ValueError as exc:
+            _fail(str(exc))
     from flagdeploy.media_policy import MediaPolicy
 
     media = MediaPolicy.parse(limit_mm_per_prompt, allowed_media_domains)
@@ -302,7 +318,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
             weight_format=weight_format, load_format=load_format, tp=tp, ep=ep, compile=compile_, speculative=spec,
             api_key=api_key, default_temperature=default_temperature, reasoning_parser=reasoning_parser,
             tool_call_parser=tool_call_parser, request_timeout=request_timeout, max_waiting=max_waiting,
-            max_tokens_policy=max_tokens_policy, media=media)
+            max_tokens_policy=max_tokens_policy, media=media, kv_transfer=kv_transfer)
 
     nodes = None
     if nnodes > 1:

@@ -60,6 +60,19 @@ _ENGINE_COUNTERS = {
     # media: items run through the vision encoder, and items found in its cache instead
     "mm_items_encoded": ("mm_items_encoded", "Images and videos run through the model's vision encoder."),
     "mm_encoder_cache_hits": ("mm_encoder_cache_hits", "Images and videos whose features came from the encoder cache."),
+    # prefill-decode disaggregation (engine/kv_transfer.py): a prefill instance sends, a decode instance receives
+    "kv_transfer_sent_requests": ("kv_transfer_sent_requests", "Prefills whose caches were staged for a decode instance."),
+    "kv_transfer_sent_blocks": ("kv_transfer_sent_blocks", "KV blocks staged for decode instances."),
+    "kv_transfer_sent_bytes": ("kv_transfer_sent_bytes", "Bytes staged for decode instances."),
+    "kv_transfer_sent_seconds": ("kv_transfer_sent_seconds", "Seconds spent staging caches for decode instances."),
+    "kv_transfer_received_requests": ("kv_transfer_received_requests", "Requests whose prompt caches came from a prefill instance."),
+    "kv_transfer_received_blocks": ("kv_transfer_received_blocks", "KV blocks received from prefill instances."),
+    "kv_transfer_received_bytes": ("kv_transfer_received_bytes", "Bytes received from prefill instances."),
+    "kv_transfer_received_seconds": ("kv_transfer_received_seconds", "Seconds spent receiving caches."),
+    "kv_transfer_received_prompt_tokens": ("kv_transfer_received_prompt_tokens",
+                                           "Prompt tokens received from a prefill instance rather than computed here."),
+    "kv_transfer_failed": ("kv_transfer_failed", "Transfers that failed (the request failed, or computed its prompt)."),
+    "kv_transfer_expired": ("kv_transfer_expired", "Staged caches no decode instance collected (freed at the timeout)."),
 }
 _ENGINE_GAUGES = {
     "running": ("num_requests_running", "Requests in the running batch."),
@@ -68,6 +81,8 @@ _ENGINE_GAUGES = {
     "kv_blocks_total": ("kv_cache_blocks_total", "KV-cache blocks in all."),
     "decode_step_compiled": ("decode_step_compiled", "1 while decode steps run through the compiled step, else 0."),
     "decode_step_compiling": ("decode_step_compiling", "1 while the decode step compiles in the background, else 0."),
+    "kv_transfer_held": ("kv_transfer_held", "Staged caches waiting for their decode instance."),
+    "kv_transfer_buffer_bytes_in_use": ("kv_transfer_buffer_bytes_in_use", "Bytes of the KV transfer buffer in use."),
 }
 
 

@@ -160,6 +160,16 @@ async def _completion_prompts(engine: "AsyncEngine", req: CompletionRequest) -> 
     return ids, texts
 
 
+def _with_transfer(body, gen: Generation) -> dict[str, Any]:
+    """The response body, with vLLM's `kv_transfer_params` where a prefill staged its caches for a decode
+    instance (engine/kv_transfer.py): a router hands them to the decode request."""
+    out = body.model_dump()
+    params = [f.kv_transfer_params for f in gen.finals.values() if f is not None and f.kv_transfer_params]
+    if params:
+        out["kv_transfer_params"] = params[0]
+    return out
+
+
 def _usage(gen: Generation) -> Usage:
     prompt_tokens, cached = gen.prompt_usage()
     return Usage.of(prompt_tokens, gen.completion_tokens(), cached)
@@ -235,7 +245,7 @@ def openai_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Request],
             lps = [lp for out in outputs[i] for lp in out.logprobs or []]
             choices.append(ChatChoice(index=i, message=message, logprobs=_chat_logprobs(engine, lps) if logprobs is not None else None,
                                       finish_reason=_finish_reason(gen.finals[i], called)))
-        return JSONResponse(ChatCompletion(id=cid, model=model, choices=choices, usage=_usage(gen)).model_dump())
+        return JSONResponse(_with_transfer(ChatCompletion(id=cid, model=model, choices=choices, usage=_usage(gen)), gen))
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -269,7 +279,7 @@ def openai_router(slot: EngineSlot, names: ModelNames, auth: Callable[[Request],
                 lps = _completion_logprobs(engine, scored + [lp for out in outs for lp in out.logprobs or []])
             choices.append(CompletionChoice(index=job.index, text=echo.get(job.index, "") + text, logprobs=lps,
                                             finish_reason=_finish_reason(gen.finals[job.index])))
-        return JSONResponse(Completion(id=cid, model=model, choices=choices, usage=_usage(gen)).model_dump())
+        return JSONResponse(_with_transfer(Completion(id=cid, model=model, choices=choices, usage=_usage(gen)), gen))
 
     return router
 

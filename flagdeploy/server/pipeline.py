@@ -217,6 +217,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed: int | None, defa
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_p=req.min_p or 0.0,
             logit_bias=req.token_biases(),
+            kv_transfer_params=req.kv_transfer_params,
             **engine_fields,
         )
     except ValueError as exc:
@@ -240,6 +241,9 @@ def make_jobs(engine: "AsyncEngine", settings: ServerSettings, req: SamplingFiel
     if len(prompts) * n > MAX_CHOICES:
         raise APIError(400, f"This request asks for {len(prompts) * n} completions (prompts x n); at most "
                             f"{MAX_CHOICES} are served per request. Split it into several requests.", param="n")
+    if req.kv_transfer_params and len(prompts) * n > 1:
+        raise APIError(400, "kv_transfer_params (prefill-decode disaggregation) applies to one prompt and n=1; a "
+                            "router sends each request on its own", param="kv_transfer_params")
     jobs = []
     for p, prompt_ids in enumerate(prompts):
         room = engine.max_model_len - len(prompt_ids)

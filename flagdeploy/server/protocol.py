@@ -97,6 +97,9 @@ class SamplingFields(Lenient):
     repetition_penalty: float | None = Field(default=None, gt=0, le=2)  # vLLM's
     min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's keys) -> bias in [-100, 100]
+    # vLLM's prefill-decode two-step (a router sets it; engine/kv_transfer.py): {"do_remote_decode": true} asks a
+    # prefill instance to stage the prompt's caches; a prefill instance's answer points a decode instance at them
+    kv_transfer_params: dict[str, Any] | None = None
 
     def token_biases(self) -> dict[int, float]:
         """`logit_bias` with int keys; a key that is no token id is a 400 naming it."""
