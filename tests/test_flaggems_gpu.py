@@ -31,7 +31,10 @@ def generic(tmp_path_factory):
     # FLAGDEPLOY_TUNE_SHAPES=llama-8b measures at Llama-3-8B's shapes (minutes: FlagGems autotunes mm per bucket
     # and the float64 references of the 128k-row LM head run on the host); default: the tuner's own shapes
     shapes = tune.SHAPES_LLAMA_8B if os.environ.get("FLAGDEPLOY_TUNE_SHAPES") == "llama-8b" else None
-    table = tune.measure(be, "h200", "nvidia", shapes=shapes, dtypes=(torch.float32, torch.bfloat16))
+    # FLAGDEPLOY_TUNE_QUICK=1: float32 at rows 1 and 16 only, what the tiny models below run (~2 minutes)
+    quick = os.environ.get("FLAGDEPLOY_TUNE_QUICK") == "1"
+    table = tune.measure(be, "h200", "nvidia", shapes=shapes, dtypes=(torch.float32,) if quick else
+                         (torch.float32, torch.bfloat16), **({"buckets": (1, 16)} if quick else {}))
     out = os.environ.get("FLAGDEPLOY_TUNE_OUT") or str(tmp_path_factory.mktemp("tune") / "h200.yaml")
     be.state.load(choices.write(table, out))
     print(tune.summary(table))
@@ -64,6 +67,12 @@ def test_a_failing_candidate_is_never_chosen_on_the_gpu(generic, monkeypatch):
     assert choices.Choices(table).lookup("rms_norm", torch.bfloat16, 1)[0] != "flaggems"
 
 
+def _flaggems_chosen(be) -> list[str]:
+    """The ops whose float32 one-row calls (a tiny model's decode) run FlagGems under the loaded table."""
+    return [op for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "write_kv_cache", "argmax", "embedding")
+            if be.state.choices().lookup(op, torch.float32, 1)[0] == "flaggems"]
+
+
 def _engine(path, be, **kw):
     from flagdeploy.engine import EngineConfig
     from flagdeploy.engine.loader import build_llm_engine
@@ -93,6 +102,7 @@ def test_llama_through_the_generic_backend_matches_transformers(generic, tmp_pat
                             pad_token_id=0)[0, len(ids):].tolist()
     engine = _engine(tmp_path, be, cuda_graphs=graphs)
     assert engine.generate([ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0] == want
+    print("FlagGems ran:", _flaggems_chosen(be))
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
