@@ -503,6 +503,8 @@ class LLMEngine:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
 
     def stats(self) -> dict[str, int | float | list[int]]:
         return {
