@@ -34,7 +34,7 @@ from flagdeploy.planner.profile import Profile
 from flagdeploy.profiles import PROFILES_DIR
 
 __all__ = ["ENGINES", "LAYOUT_ENGINES", "EmitError", "Launch", "chip_engines", "emit", "emit_nodes", "emit_worker",
-           "engine_data", "engine_form", "layout_refusal", "shell_word"]
+           "engine_data", "engine_form", "layout_refusal", "shell_word", "uneven_expert_engines"]
 
 ENGINES_FILE = PROFILES_DIR / "engines.yaml"
 # Names usable in `when` and templates besides the Profile fields (see the engines.yaml header).
@@ -157,6 +157,12 @@ def layout_refusal(profile: Profile, engine: str) -> str | None:
         if engine in _as_list(entry["engine"]) and all(_match(ctx.get(k), c) for k, c in entry["when"].items()):
             return f"{_render(entry['why'], ctx, None)} [{entry['id']}; {entry['source']}]"
     return None
+
+
+def uneven_expert_engines() -> list[str]:
+    """The engines that run expert parallelism over a number of ranks that does not divide the experts (the first
+    ranks take one more): engines.yaml `layouts.uneven_experts`."""
+    return [e["engine"] for e in _spec()["layouts"].get("uneven_experts", [])]
 
 
 def chip_engines(chip: str) -> list[str]:
