@@ -1058,8 +1058,10 @@ def doctor(chip, model, devices, max_model_len, nodes, node_rank, nic, port, nod
               help="image: build from this flagdeploy wheel instead of the source tree (copied beside the Dockerfile).")
 @click.option("-o", "--output", default=".", show_default=True, help="Directory to write the files into.")
 @click.option("--overwrite", is_flag=True)
+@pd_options
 def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic, master_addr, max_model_len,
-           memory_utilization, image, wheel, output, overwrite) -> None:
+           memory_utilization, image, wheel, output, overwrite, pd, prefill_nodes, decode_nodes, prefill_devices,
+           decode_devices, input_len, output_len, kv_interconnect, kv_connector) -> None:
     """Container and Kubernetes artefacts that run the planner's profile: `flagdeploy serve`, or an external
     engine's own launch (vLLM, vLLM-Ascend, SGLang; over several nodes their multi-node modes); `image`: the
     Dockerfile of an image to run them with (flagdeploy plus the chip's pinned stack)."""
@@ -1078,6 +1080,19 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic,
         return _deploy_image(chip.chip.id, engine, wheel, output, overwrite)
     if engine == "onnxruntime" or wheel:
         raise click.UsageError("--engine onnxruntime and --wheel are options of `deploy image`")
+    pd_given = [n for n, v in (("--prefill-nodes", prefill_nodes), ("--decode-nodes", decode_nodes),
+                                ("--prefill-devices", prefill_devices), ("--decode-devices", decode_devices),
+                                ("--input-len", input_len), ("--output-len", output_len),
+                                ("--kv-interconnect", kv_interconnect), ("--kv-connector", kv_connector)) if v]
+    if pd_given and not pd:
+        raise click.UsageError(f"{', '.join(pd_given)} describe a prefill-decode disaggregated deployment: add --pd")
+    if pd:
+        return _deploy_pd(kind, chip, model, profile_file, devices, nodes, layout, engine, nic, master_addr,
+                          max_model_len, memory_utilization, image, output, overwrite,
+                          prefill_nodes=prefill_nodes, decode_nodes=decode_nodes, prefill_devices=prefill_devices,
+                          decode_devices=decode_devices, input_len=input_len or PD_INPUT_LEN,
+                          output_len=output_len or PD_OUTPUT_LEN, kv_interconnect=kv_interconnect,
+                          connector=kv_connector)
     if profile_file and (chip or model or devices or layout):
         raise click.UsageError("--profile already names the chip, model, devices and layout: drop "
                                "--chip/--model/--devices/--layout, or drop --profile to plan here")
@@ -1114,6 +1129,41 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic,
                  else f"installer/matrix.yaml names no {engine} image for {profile.chip}")
         click.echo(f"warning: no --image given: the files name the placeholder {PLACEHOLDER_IMAGE}; {build} and "
                    "render again with --image REF", err=True)
+
+
+def _deploy_pd(kind, chip, model, profile_file, devices, nodes, layout, engine, nic, master_addr, max_model_len,
+               memory_utilization, image, output, overwrite, **pd) -> None:
+    """`deploy k8s|compose --pd`: plan both roles as `plan --pd` does, then write their instances and the router."""
+    from flagdeploy.installer.deploy import PLACEHOLDER_IMAGE, image_for, write_pd
+    from flagdeploy.planner import PlanRequest
+    from flagdeploy.planner.pd import PDRequest, make_pd_plan
+
+    if profile_file or layout:
+        raise click.UsageError("--pd plans two roles, each its own layout: give --chip and --model, not "
+                               "--profile/--layout")
+    if master_addr:
+        raise click.UsageError("--pd: each role's head address comes from the environment (compose: PREFILL_IP, "
+                               "DECODE_IP, NODE_IP; Kubernetes: the LeaderWorkerSets); drop --master-addr")
+    if not (chip and model):
+        raise click.UsageError("give --chip and --model: the planner lays out both roles")
+    try:
+        req = PlanRequest(model, chip.chip.id, devices or chip.chip.devices_per_node, nodes=nodes or 1,
+                          max_model_len=max_model_len, memory_utilization=memory_utilization, engine=engine)
+        result = make_pd_plan(PDRequest(req, **pd))
+        paths = write_pd(kind, result, output, image=image, nic=nic, overwrite=overwrite)
+    except (FlagdeployError, ValueError, FileExistsError) as exc:
+        _fail(str(exc))
+    for p in paths:
+        click.echo(f"wrote {p}")
+    for r in (result.prefill, result.decode):
+        click.echo(f"{r.role}: {r.nodes} node(s) x {r.devices} {chip.chip.id}, {r.layout}"
+                   + (f" (recipe {r.recipe})" if r.recipe else ""), err=True)
+    click.echo(f"engine: {result.engine} ({result.connector} connector), P:D ratio {result.ratio_text()}", err=True)
+    for why in result.verdict.reasons:
+        click.echo(f"warning: PD does not pay here: {why}", err=True)
+    if image_for(result.profiles()["prefill"], result.engine, image) == PLACEHOLDER_IMAGE:
+        click.echo(f"warning: no --image given: the files name the placeholder {PLACEHOLDER_IMAGE}; render again "
+                   "with --image REF", err=True)
 
 
 def _deploy_image(chip_id: str, engine: str | None, wheel: str | None, output: str, overwrite: bool) -> None:

@@ -130,12 +130,12 @@ def _tp_pairing(engine: str, connector: str, model_type: str, hybrid: bool) -> s
     return pairing.get("all") or (pairing.get("hybrid") if hybrid else None)
 
 
-def _candidates(total: int, tp_ok=lambda tp: True) -> tuple[Layout, ...]:
-    """Every DP x TP split of `total` devices without pipeline stages, EP off and on."""
+def _candidates(total: int, moe: bool, tp_ok=lambda tp: True) -> tuple[Layout, ...]:
+    """Every DP x TP split of `total` devices without pipeline stages, EP off and (for a MoE model) on."""
     out = []
     for tp in (d for d in range(1, total + 1) if total % d == 0 and tp_ok(d)):
         dp = total // tp
-        out += [Layout(tp, dp, ep, 1) for ep in sorted({1, tp * dp})]
+        out += [Layout(tp, dp, ep, 1) for ep in (sorted({1, tp * dp}) if moe else [1])]
     return tuple(out)
 
 
@@ -153,7 +153,7 @@ def _recipe_layout(entry: dict) -> Layout:
 
 
 def _plan_role(req: PDRequest, role: str, engine: str, nodes: int, devices: int, recipe: dict | None,
-               tp_ok) -> Role:
+               tp_ok, moe: bool) -> Role:
     b = req.base
     total = nodes * devices
     if role == "prefill":  # the prompts in flight per replica, input_len tokens each (the profile keeps max_model_len)
@@ -164,7 +164,7 @@ def _plan_role(req: PDRequest, role: str, engine: str, nodes: int, devices: int,
     else:  # every sequence at the target concurrency, attending to the prompt and half the output on average
         rreq = replace(b, devices=devices, nodes=nodes, engine=engine, layout=None,
                        avg_context=req.input_len + req.output_len // 2)
-    candidates = _candidates(total, tp_ok)
+    candidates = _candidates(total, moe, tp_ok)
     if recipe is not None:
         lay = _recipe_layout(recipe[role])
         if lay in candidates:
@@ -264,12 +264,14 @@ def _goodput(p: PDPlan) -> tuple:
 def _plan_split(req: PDRequest, engine: str, connector: str, chip, p_nodes: int, d_nodes: int, p_dev: int,
                 d_dev: int) -> PDPlan:
     b = req.base
-    from .ledger import load_config
+    from .ledger import load_config, text_config
 
     config = b.config if b.config is not None else load_config(b.model)[1]
     model_type = config.get("model_type", "?")
     recipe = _recipe(req, engine, model_type, p_nodes, d_nodes)
-    prefill = _plan_role(req, "prefill", engine, p_nodes, p_dev, recipe, lambda tp: True)
+    t = text_config(config)
+    moe = bool(t.get("n_routed_experts") or t.get("num_experts") or t.get("num_local_experts"))
+    prefill = _plan_role(req, "prefill", engine, p_nodes, p_dev, recipe, lambda tp: True, moe)
     hybrid = bool(prefill.plan.cache.state_fp32 and any(prefill.plan.cache.state_fp32))
     pairing = _tp_pairing(engine, connector, model_type, hybrid)
     p_tp = prefill.layout.tp if prefill.plan.chosen else None
@@ -279,7 +281,7 @@ def _plan_split(req: PDRequest, engine: str, connector: str, chip, p_nodes: int,
         tp_ok = lambda tp: tp == p_tp  # noqa: E731
     else:  # prefill_multiple: P tp >= D tp and divisible
         tp_ok = lambda tp: p_tp % tp == 0  # noqa: E731
-    decode = _plan_role(req, "decode", engine, d_nodes, d_dev, recipe, tp_ok)
+    decode = _plan_role(req, "decode", engine, d_nodes, d_dev, recipe, tp_ok, moe)
     notes = []
     if pairing and p_tp:
         src = pd_data()["engines"][engine]["connectors"][connector]["source"]
