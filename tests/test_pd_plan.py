@@ -176,6 +176,12 @@ def test_short_prompts_alone_are_named(recipe):
     assert reasons(p).startswith("short prompts")
 
 
+def test_the_recipe_split_comes_out_of_its_total_nodes():
+    p = make_pd_plan(PDRequest(PlanRequest("glm-5.3-flash", "ascend910c", 16, nodes=6, concurrency=64)))
+    assert (p.prefill.nodes, p.decode.nodes) == (2, 4)
+    assert p.prefill.layout == Layout(16, 2, 32, 1) and p.decode.layout == Layout(4, 16, 64, 1)
+
+
 def test_the_planner_splits_nodes_when_not_told(h200_vllm):
     p = h200_vllm
     assert p.prefill.nodes >= 1 and p.decode.nodes >= 1

@@ -130,6 +130,19 @@ def _spec() -> dict[str, Any]:
             raise ValueError(f"{where}: unknown condition keys {sorted(unknown)}")
         if unknown := set(_as_list(entry.get("engine"))) - {"builtin", *engines} or not entry.get("engine"):
             raise ValueError(f"{where}: unknown engine(s) {sorted(unknown) if unknown is not True else None}")
+    for entry in layouts.get("uneven_experts", []):
+        if entry.get("engine") not in engines or not entry.get("source"):
+            raise ValueError(f"{ENGINES_FILE.name}: layouts.uneven_experts entry {entry!r} needs a known engine and a source")
+    pd = data.get("pd") or {}
+    for name, eng in (pd.get("engines") or {}).items():
+        where = f"{ENGINES_FILE.name}: pd.engines.{name}"
+        if name not in engines:
+            raise ValueError(f"{where}: not an engine of this file")
+        if not (eng.get("router") or {}).get("source") or not all(c.get("source") for c in eng["connectors"].values()):
+            raise ValueError(f"{where}: its router and every connector need a source")
+    for recipe in pd.get("recipes") or []:
+        if recipe.get("engine") not in engines or not recipe.get("source"):
+            raise ValueError(f"{ENGINES_FILE.name}: pd recipe {recipe.get('id')!r} needs a known engine and a source")
     if missing := {"builtin", *engines} - set(layouts["forms"]):
         raise ValueError(f"{ENGINES_FILE.name}: layouts.forms lacks {sorted(missing)}")
     for name, eng in engines.items():

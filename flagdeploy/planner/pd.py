@@ -253,12 +253,14 @@ def _splits(req: PDRequest, chip, p_dev: int, d_dev: int) -> list[tuple[int, int
 
 
 def _goodput(p: PDPlan) -> tuple:
-    """Requests per second the pair sustains (the slower role's), fitting plans first."""
+    """Fitting plans first, then a recipe's split (it has been run), then the requests per second the pair
+    sustains (the slower role's)."""
     fits = p.prefill.plan.chosen is not None and p.decode.plan.chosen is not None
     if not fits:
-        return (0, 0.0)
-    return (1, min(p.prefill.plan.chosen.prefill_tokens_s * p.prefill.layout.dp / p.request.input_len,
-                   p.decode.plan.chosen.decode_tokens_s / p.request.output_len))
+        return (0, 0, 0.0)
+    recipe = bool(p.prefill.recipe and p.decode.recipe)
+    return (1, recipe, min(p.prefill.plan.chosen.prefill_tokens_s * p.prefill.layout.dp / p.request.input_len,
+                           p.decode.plan.chosen.decode_tokens_s / p.request.output_len))
 
 
 def _plan_split(req: PDRequest, engine: str, connector: str, chip, p_nodes: int, d_nodes: int, p_dev: int,
