@@ -231,6 +231,16 @@ def test_cli_plan_pd_table_json_and_emit():
     assert "# router" in r.output and "MooncakeConnectorV1" in r.output
 
 
+def test_cli_nothing_fits_exits_1_with_the_suggestions():
+    r = CliRunner().invoke(main, ["plan", "--model", "glm-5.3-flash", "--chip", "l20", "--pd", "--prefill-nodes", "1",
+                                  "--decode-nodes", "1"])
+    assert r.exit_code == 1 and "prefill: 1 node(s) x 8 l20: nothing fits" in r.output
+    assert "more devices" in r.output and "verdict" not in r.output
+    r = CliRunner().invoke(main, ["plan", "--model", "glm-5.3-flash", "--chip", "l20", "--pd", "--prefill-nodes", "1",
+                                  "--decode-nodes", "1", "--json"])
+    assert r.exit_code == 1 and json.loads(r.output)["ratio_text"] == "n/a"
+
+
 def test_cli_pd_flags_need_pd():
     r = CliRunner().invoke(main, ["plan", "--model", "glm-5.3-flash", "--chip", "h200", "--input-len", "100"])
     assert r.exit_code != 0 and "add --pd" in r.output

@@ -96,6 +96,8 @@ class PDPlan:
                 for r in (self.prefill, self.decode)}
 
     def ratio_text(self) -> str:
+        if self.ratio <= 0:  # a role has no layout that fits
+            return "n/a"
         f = Fraction(self.ratio).limit_denominator(8)
         return f"{f.numerator}:{f.denominator}" if f.numerator else f"1:{round(1 / self.ratio)}"
 
@@ -382,7 +384,9 @@ def table(p: PDPlan) -> str:
                      f"({r.input_len} tokens in at the prefill instance's rate vs {r.output_len} out at the decode "
                      f"instance's)")
     lines += [f"note: {n}" for n in p.notes]
-    if p.verdict.pays:
+    if p.prefill.plan.chosen is None or p.decode.plan.chosen is None:
+        lines.append("nothing fits for a role: more nodes (--prefill-nodes/--decode-nodes), or the suggestions above")
+    elif p.verdict.pays:
         lines.append("verdict: PD pays here (long prompts, enough concurrency, a model that needs several devices, "
                      "a KV fabric fast enough)")
     else:
