@@ -33,6 +33,12 @@ def h200():
                                   prefill_nodes=1, decode_nodes=2, input_len=10000, output_len=1000))
 
 
+@pytest.fixture(scope="module")
+def sglang():
+    return make_pd_plan(PDRequest(PlanRequest("glm-5.3-flash", "h200", 8, concurrency=64, engine="sglang"),
+                                  prefill_nodes=2, decode_nodes=2))
+
+
 def k8s(plan, **kw) -> list[dict]:
     files = render_pd("k8s", plan, **kw)
     assert sorted(files) == ["pd.yaml", "profile.decode.yaml", "profile.prefill.yaml"]
@@ -48,7 +54,7 @@ def command_text(container) -> str:
 
 
 @pytest.mark.parametrize("nic", [None, "eth0"])
-@pytest.mark.parametrize("which", ["a3", "h200"])
+@pytest.mark.parametrize("which", ["a3", "h200", "sglang"])
 def test_k8s_objects_pass_the_crd_and_the_kubernetes_models(which, nic, request):
     plan = request.getfixturevalue(which)
     docs = k8s(plan, nic=nic)
@@ -114,6 +120,20 @@ def test_k8s_vllm_router_reaches_the_role_services(h200):
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(NODE_IP)"  # Kubernetes fills it from NODE_IP above
         assert [e["name"] for e in c["env"]].index("NODE_IP") == 0
+
+
+def test_k8s_sglang_roles_and_router(sglang):
+    docs = k8s(sglang)
+    for lws, role in zip(by_kind(docs, "LeaderWorkerSet"), ("prefill", "decode")):
+        for key in ("leaderTemplate", "workerTemplate"):
+            (c,) = lws["spec"]["leaderWorkerTemplate"][key]["spec"]["containers"]
+            text = command_text(c)
+            assert f"--disaggregation-mode {role}" in text and "--disaggregation-transfer-backend mooncake" in text
+            assert "--dist-init-addr" in text  # the role's own multi-node launch
+    (router,) = by_kind(docs, "Deployment")
+    (rc,) = router["spec"]["template"]["spec"]["containers"]
+    assert rc["command"][:4] == ["python3", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    assert "http://flagdeploy-glm-5-3-flash-prefill-leader:8100" in rc["command"]
 
 
 def test_compose_a_file_per_host_of_each_role_and_the_router(h200):
