@@ -15,7 +15,7 @@ from typing import Any
 
 from flagdeploy.chips import get_chip
 
-from .emit import SHELL_VARIABLES, EmitError, Launch, _context, _render, emit, emit_nodes, emit_worker, shell_word
+from .emit import SHELL_VARIABLES, Launch, _context, _render, emit, emit_nodes, emit_worker, shell_word
 from .pd import PDPlan, pd_data
 from .profile import Profile
 
@@ -157,7 +157,3 @@ def script(p: PDPlan, head_addr: str = "$HEAD_IP", nic: str | None = "$NIC", npu
         out.insert(0, "".join(f"# warning: PD does not pay here: {why}\n" for why in p.verdict.reasons))
     return "\n".join(out)
 
-
-def check_engine(engine: str) -> None:
-    if engine not in pd_data()["engines"]:
-        raise EmitError(f"{engine} has no prefill-decode mode here; --pd emits {', '.join(pd_data()['engines'])}")
