@@ -650,6 +650,60 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
         click.echo(f"serve it with: vllm serve {dst} --quantization ascend")
 
 
+PD_INPUT_LEN, PD_OUTPUT_LEN = 8192, 1024  # plan --pd's defaults: a long-prompt load, the kind PD is for
+
+
+def pd_options(command):
+    """plan's prefill-decode disaggregation flags (flagdeploy/planner/pd.py)."""
+    for option in reversed([
+        click.option("--pd", is_flag=True,
+                     help="Plan a prefill-decode disaggregated deployment: a layout per role, the P:D ratio, and "
+                          "whether PD pays here; with --emit, each role's launch with its KV transfer settings and "
+                          "the router's."),
+        click.option("--prefill-nodes", default=None, type=click.IntRange(min=1),
+                     help="With --pd: nodes of the prefill instance (default: the planner splits --nodes)."),
+        click.option("--decode-nodes", default=None, type=click.IntRange(min=1),
+                     help="With --pd: nodes of the decode instance (default: the planner splits --nodes)."),
+        click.option("--prefill-devices", default=None, type=click.IntRange(min=1),
+                     help="With --pd: devices per node of the prefill role (default --devices; on one node the "
+                          "roles share it: the planner splits it unless given)."),
+        click.option("--decode-devices", default=None, type=click.IntRange(min=1),
+                     help="With --pd: devices per node of the decode role (as --prefill-devices)."),
+        click.option("--input-len", default=None, type=click.IntRange(min=1),
+                     help=f"With --pd: prompt tokens per request, on average (default {PD_INPUT_LEN}; bench's option "
+                          "of that name)."),
+        click.option("--output-len", default=None, type=click.IntRange(min=1),
+                     help=f"With --pd: output tokens per request, on average (default {PD_OUTPUT_LEN})."),
+        click.option("--kv-interconnect", default=None,
+                     type=click.Choice(["hccs", "nvlink", "pcie", "roce", "tcp"]),
+                     help="With --pd: the link the KV crosses from prefill to decode (default: roce between nodes, "
+                          "the chip's own on one node; profiles/interconnects.yaml)."),
+        click.option("--kv-connector", default=None, type=click.Choice(["nixl", "mooncake", "ascend"]),
+                     help="With --pd: the engine's KV connector, as vllm-router's option of that name (default: the "
+                          "engine's, profiles/engines.yaml pd)."),
+    ]):
+        command = option(command)
+    return command
+
+
+def _plan_pd(req, emit, as_json, head_addr, nic, npu_direct_roce, **pd) -> None:
+    """`plan --pd`: the two roles' plans and the verdict, or with --emit their launches and the router's."""
+    import json
+
+    from flagdeploy.planner.pd import PDRequest, make_pd_plan, table, to_json
+
+    result = make_pd_plan(PDRequest(req, **pd))
+    fits = result.prefill.plan.chosen is not None and result.decode.plan.chosen is not None
+    if emit and fits:
+        from flagdeploy.planner.pd_emit import script
+
+        click.echo(script(result, head_addr=head_addr, nic=nic, npu_direct_roce=npu_direct_roce), nl=False)
+        return
+    click.echo(json.dumps(to_json(result), indent=2) if as_json else table(result))
+    if not fits:
+        sys.exit(1)
+
+
 @main.command()
 @click.option("--model", "model", required=True, help="Preset (glm-5.3-flash), a config.json, or a model directory.")
 @click.option("--chip", required=True, type=ChipParam(need_chip=True), metavar="CHIP",
@@ -690,10 +744,13 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 @click.option("--npu-direct-roce", is_flag=True,
               help="With --nodes on Ascend: the NPUs' own RoCE ports are the inter-node network; leaves HCCL_IF_IP "
                    "out, which breaks HCCL init there (vllm-ascend #16754).")
+@pd_options
 def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, objective, mtp, num_speculative_tokens,
          acceptance_length, policy, kv_cache_dtype, memory_utilization, limit_mm_per_prompt, allowed_media_domains,
-         layout, as_json, emit, engine, head_addr, nic, npu_direct_roce) -> None:
-    """Will it fit, and how to split it: TP x DP x EP x PP layouts for a model on a chip."""
+         layout, as_json, emit, engine, head_addr, nic, npu_direct_roce, pd, prefill_nodes, decode_nodes,
+         prefill_devices, decode_devices, input_len, output_len, kv_interconnect, kv_connector) -> None:
+    """Will it fit, and how to split it: TP x DP x EP x PP layouts for a model on a chip (with --pd: one layout per
+    role of a prefill-decode disaggregated deployment, the P:D ratio, and whether PD pays)."""
     import dataclasses
     import json
 
@@ -706,12 +763,25 @@ def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, 
         if engine not in (None, emit):
             raise click.UsageError(f"--emit {emit} launches {emit}: drop --engine {engine}, or emit that engine")
         engine = emit
+    pd_given = [n for n, v in (("--prefill-nodes", prefill_nodes), ("--decode-nodes", decode_nodes),
+                                ("--prefill-devices", prefill_devices), ("--decode-devices", decode_devices),
+                                ("--input-len", input_len), ("--output-len", output_len),
+                                ("--kv-interconnect", kv_interconnect), ("--kv-connector", kv_connector)) if v]
+    if pd_given and not pd:
+        raise click.UsageError(f"{', '.join(pd_given)} describe a prefill-decode disaggregated deployment: add --pd")
+    if pd and emit in ("profile", "mindie"):
+        raise click.UsageError(f"--pd --emit {emit}: --pd emits the launches of vllm, vllm-ascend or sglang")
     try:
         req = PlanRequest(model, chip.value, devices or chip.chip.devices_per_node, nodes=nodes,
                           interconnect=interconnect, max_model_len=max_model_len, concurrency=concurrency, objective=objective, mtp=mtp,
                           num_speculative_tokens=num_speculative_tokens or 3, acceptance_length=acceptance_length,
                           policy=policy, layout=parse_layout(layout) if layout is not None else None,
                           kv_cache_dtype=kv_cache_dtype, memory_utilization=memory_utilization, engine=engine)
+        if pd:
+            return _plan_pd(req, emit, as_json, head_addr, nic, npu_direct_roce, prefill_nodes=prefill_nodes,
+                            decode_nodes=decode_nodes, prefill_devices=prefill_devices, decode_devices=decode_devices,
+                            input_len=input_len or PD_INPUT_LEN, output_len=output_len or PD_OUTPUT_LEN,
+                            kv_interconnect=kv_interconnect, connector=kv_connector)
         result = make_plan(req)
         if emit and result.chosen:
             from flagdeploy.planner.emit import emit as emit_engine
@@ -981,8 +1051,10 @@ def doctor(chip, model, devices, max_model_len, nodes, node_rank, nic, port, nod
               help="image: build from this flagdeploy wheel instead of the source tree (copied beside the Dockerfile).")
 @click.option("-o", "--output", default=".", show_default=True, help="Directory to write the files into.")
 @click.option("--overwrite", is_flag=True)
+@pd_options
 def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic, master_addr, max_model_len,
-           memory_utilization, image, wheel, output, overwrite) -> None:
+           memory_utilization, image, wheel, output, overwrite, pd, prefill_nodes, decode_nodes, prefill_devices,
+           decode_devices, input_len, output_len, kv_interconnect, kv_connector) -> None:
     """Container and Kubernetes artefacts that run the planner's profile: `flagdeploy serve`, or an external
     engine's own launch (vLLM, vLLM-Ascend, SGLang; over several nodes their multi-node modes); `image`: the
     Dockerfile of an image to run them with (flagdeploy plus the chip's pinned stack)."""
@@ -1001,6 +1073,19 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic,
         return _deploy_image(chip.chip.id, engine, wheel, output, overwrite)
     if engine == "onnxruntime" or wheel:
         raise click.UsageError("--engine onnxruntime and --wheel are options of `deploy image`")
+    pd_given = [n for n, v in (("--prefill-nodes", prefill_nodes), ("--decode-nodes", decode_nodes),
+                                ("--prefill-devices", prefill_devices), ("--decode-devices", decode_devices),
+                                ("--input-len", input_len), ("--output-len", output_len),
+                                ("--kv-interconnect", kv_interconnect), ("--kv-connector", kv_connector)) if v]
+    if pd_given and not pd:
+        raise click.UsageError(f"{', '.join(pd_given)} describe a prefill-decode disaggregated deployment: add --pd")
+    if pd:
+        return _deploy_pd(kind, chip, model, profile_file, devices, nodes, layout, engine, nic, master_addr,
+                          max_model_len, memory_utilization, image, output, overwrite,
+                          prefill_nodes=prefill_nodes, decode_nodes=decode_nodes, prefill_devices=prefill_devices,
+                          decode_devices=decode_devices, input_len=input_len or PD_INPUT_LEN,
+                          output_len=output_len or PD_OUTPUT_LEN, kv_interconnect=kv_interconnect,
+                          connector=kv_connector)
     if profile_file and (chip or model or devices or layout):
         raise click.UsageError("--profile already names the chip, model, devices and layout: drop "
                                "--chip/--model/--devices/--layout, or drop --profile to plan here")
@@ -1037,6 +1122,41 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic,
                  else f"installer/matrix.yaml names no {engine} image for {profile.chip}")
         click.echo(f"warning: no --image given: the files name the placeholder {PLACEHOLDER_IMAGE}; {build} and "
                    "render again with --image REF", err=True)
+
+
+def _deploy_pd(kind, chip, model, profile_file, devices, nodes, layout, engine, nic, master_addr, max_model_len,
+               memory_utilization, image, output, overwrite, **pd) -> None:
+    """`deploy k8s|compose --pd`: plan both roles as `plan --pd` does, then write their instances and the router."""
+    from flagdeploy.installer.deploy import PLACEHOLDER_IMAGE, image_for, write_pd
+    from flagdeploy.planner import PlanRequest
+    from flagdeploy.planner.pd import PDRequest, make_pd_plan
+
+    if profile_file or layout:
+        raise click.UsageError("--pd plans two roles, each its own layout: give --chip and --model, not "
+                               "--profile/--layout")
+    if master_addr:
+        raise click.UsageError("--pd: each role's head address comes from the environment (compose: PREFILL_IP, "
+                               "DECODE_IP, NODE_IP; Kubernetes: the LeaderWorkerSets); drop --master-addr")
+    if not (chip and model):
+        raise click.UsageError("give --chip and --model: the planner lays out both roles")
+    try:
+        req = PlanRequest(model, chip.chip.id, devices or chip.chip.devices_per_node, nodes=nodes or 1,
+                          max_model_len=max_model_len, memory_utilization=memory_utilization, engine=engine)
+        result = make_pd_plan(PDRequest(req, **pd))
+        paths = write_pd(kind, result, output, image=image, nic=nic, overwrite=overwrite)
+    except (FlagdeployError, ValueError, FileExistsError) as exc:
+        _fail(str(exc))
+    for p in paths:
+        click.echo(f"wrote {p}")
+    for r in (result.prefill, result.decode):
+        click.echo(f"{r.role}: {r.nodes} node(s) x {r.devices} {chip.chip.id}, {r.layout}"
+                   + (f" (recipe {r.recipe})" if r.recipe else ""), err=True)
+    click.echo(f"engine: {result.engine} ({result.connector} connector), P:D ratio {result.ratio_text()}", err=True)
+    for why in result.verdict.reasons:
+        click.echo(f"warning: PD does not pay here: {why}", err=True)
+    if image_for(result.profiles()["prefill"], result.engine, image) == PLACEHOLDER_IMAGE:
+        click.echo(f"warning: no --image given: the files name the placeholder {PLACEHOLDER_IMAGE}; render again "
+                   "with --image REF", err=True)
 
 
 def _deploy_image(chip_id: str, engine: str | None, wheel: str | None, output: str, overwrite: bool) -> None:

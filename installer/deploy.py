@@ -37,7 +37,8 @@ from flagdeploy.planner.profile import Profile
 from .atomic import write_set
 
 __all__ = ["DEPLOY_ENGINES", "KINDS", "PLACEHOLDER_IMAGE", "STARTUP_BUDGET_S", "ContainerNeeds", "container_needs",
-           "deploy_engines", "engine_image", "engine_problem", "image_for", "notes", "plan_deploy", "render", "write"]
+           "deploy_engines", "engine_image", "engine_problem", "image_for", "notes", "plan_deploy", "render",
+           "render_pd", "write", "write_pd"]
 
 KINDS = ("docker", "compose", "k8s")
 # The engines deploy renders: flagdeploy's own and the external ones with a multi-node mode (MindIE is driven by a
@@ -536,7 +537,7 @@ class _Run:
 
 
 def _lws(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str, nic: str | None,
-         run: _Run | None = None) -> dict[str, str]:
+         run: _Run | None = None, name: str | None = None) -> dict[str, str]:
     """ConfigMap (the profile), LeaderWorkerSet and a Service on the leader, for a profile over several nodes.
 
     One group of `nodes` pods: the leader (LWS worker index 0) is node 0, serves HTTP and carries the probes;
@@ -544,7 +545,7 @@ def _lws(profile: Profile, needs: ContainerNeeds, image: str, cache_dir: str, ni
     injects LWS_LEADER_ADDRESS (the leader's DNS name under the set's headless Service) and LWS_WORKER_INDEX
     into every container, and Kubernetes expands $(VAR) in the command from the container's environment."""
     c = _data()["common"]
-    name = _name(profile)[:_LWS_NAME_MAX].rstrip("-")
+    name = (name or _name(profile))[:_LWS_NAME_MAX].rstrip("-")
     labels = {"app": name}
     volumes, mounts = _k8s_volumes(name, needs, cache_dir, profile=run is None)
     if run is None:
@@ -743,3 +744,181 @@ def write(kind: str, profile: Profile, out_dir: str | Path, *, overwrite: bool =
     """Write render()'s files into out_dir as one set (atomic.write_set): a failed write (a full disk) leaves the
     old set untouched and a reader never sees half a manifest; existing files are refused unless overwrite."""
     return write_set(out_dir, render(kind, profile, **kw), overwrite=overwrite)
+
+
+# ---- prefill-decode disaggregation (`deploy k8s|compose --pd`) --------------------------------------------------
+
+PD_GROUP_LABEL = "flagdeploy.io/pd-group"  # on both roles' pods: one host runs one pod of the group
+
+
+def render_pd(kind: str, pd, *, image: str | None = None, cache_dir: str = HOST_CACHE, nic: str | None = None
+              ) -> dict[str, str]:
+    """File name -> content running a PD plan (flagdeploy.planner.pd.PDPlan): each role's engine instance as
+    `plan --pd --emit` launches it, plus the router. k8s: a LeaderWorkerSet per role (size = the role's nodes; the
+    leader is the instance's head and serves its port behind a Service) and the router as a Deployment with its
+    Service; compose: one file per host of each role (host network) and one for the router. Profiles of both
+    roles go along (profile.prefill.yaml, profile.decode.yaml)."""
+    from flagdeploy.planner.pd_emit import role_launches, role_worker_launch, router_launch
+
+    if kind not in ("k8s", "compose"):
+        raise ValueError(f"a PD deployment runs a prefill instance, a decode instance and a router: use `deploy k8s "
+                         f"--pd` (LeaderWorkerSets) or `deploy compose --pd` (a file per host), not {kind}")
+    if pd.prefill.plan.chosen is None or pd.decode.plan.chosen is None:
+        raise ValueError("a role has no layout that fits; `flagdeploy plan --pd ...` shows why and what would fit")
+    r = pd.request
+    if r.prefill_nodes is None and r.decode_nodes is None and r.base.nodes == 1:
+        raise ValueError("the plan puts both roles on one node, which deploy does not render (each role's containers "
+                         "would claim the same devices); give --prefill-nodes and --decode-nodes, or a larger --nodes "
+                         "(`flagdeploy plan --pd --emit ENGINE` prints one-node launches)")
+    if nic is not None and not _NIC_RE.fullmatch(nic):
+        raise ValueError(f"--nic {nic!r} is not a network interface name (e.g. eth0, bond0, enp65s0f0)")
+    profiles = pd.profiles()
+    files = {f"profile.{role}.yaml": prof.to_yaml() for role, prof in profiles.items()}
+    base = _name(profiles["prefill"])[:_LWS_NAME_MAX - len("-prefill")].rstrip("-")
+    names = {role: f"{base}-{role}" for role in profiles}
+    engine = pd.engine
+    spec = _engine_spec(engine)
+    router = _pd_router_spec(pd)
+    img = image_for(profiles["prefill"], engine, image)
+    head = [f"prefill-decode disaggregation of {profiles['prefill'].model} on {profiles['prefill'].chip} with "
+            f"{engine} ({pd.connector} connector), as `flagdeploy plan --pd --emit {engine}` launches it:",
+            *(f"  {role}: {p.nodes} node(s) x {p.devices}, tp={p.tp} dp={p.dp} ep={p.ep}, port {p.port}"
+              for role, p in profiles.items()),
+            f"  router: port {router['port']}, P:D ratio {pd.ratio_text()} (flagdeploy/planner/pd.py)"]
+    head += [f"WARNING: PD does not pay here: {why}" for why in pd.verdict.reasons]
+    if router.get("install"):
+        head.append(f"The router runs in {img}; it needs {router['install']} there ({router['source']}).")
+    if kind == "k8s":
+        docs = []
+        for role, prof in profiles.items():
+            needs = container_needs(prof)
+            addr = "$(LWS_LEADER_ADDRESS)"
+            leader = role_launches(pd, role, head_addr=addr, nic=nic, npu_direct_roce=True)[0]
+            worker = (role_worker_launch(pd, role, "LWS_WORKER_INDEX", addr, nic) if prof.nodes > 1 else leader)
+            env = _pd_env(leader, needs, prof, "k8s")
+            extra = [str(x) for kv in (spec.get("container_flags") or {}).items() for x in kv]
+            run = _Run(engine, _engine_command([*leader.argv, *extra], leader.setup, "k8s"),
+                       _engine_command([*worker.argv, *extra], worker.setup, "k8s"), env, spec.get("health", "/health"),
+                       [])
+            text = _lws(prof, needs, img, cache_dir, nic, run, name=names[role])["leaderworkerset.yaml"]
+            for doc in yaml.safe_load_all(text):
+                if doc["kind"] == "LeaderWorkerSet":
+                    _pd_pods(doc, base, role)
+                docs.append(doc)
+        docs += _pd_router_k8s(pd, base, names, router, img)
+        files["pd.yaml"] = _comment(head + ["Needs the LeaderWorkerSet controller (kubernetes-sigs/lws).",
+                                            "Apply with: kubectl apply -f pd.yaml"]) + _dump(docs)
+        return files
+    for role, prof in profiles.items():
+        needs = container_needs(prof)
+        var = f"{role.upper()}_IP"
+        launches = role_launches(pd, role, head_addr=f"${var}", nic=nic, npu_direct_roce=True)
+        extra = [str(x) for kv in (spec.get("container_flags") or {}).items() for x in kv]
+        for rank, launch in enumerate(launches):
+            svc = _compose_service(prof, needs, img, cache_dir)
+            del svc["ports"]
+            svc["network_mode"] = "host"
+            svc["command"] = _engine_command([*launch.argv, *extra], launch.setup, "compose")
+            svc["environment"] = {**_pd_env(launch, needs, prof, "compose"),
+                                  var: f"${{{var}:?set {var} to the {role} instance's node 0 address}}",
+                                  "NODE_IP": "${NODE_IP:?set NODE_IP to this host's address}"}
+            svc["volumes"] = [v for v in svc["volumes"] if not v.endswith(f"{_data()['common']['profile_path']}:ro")]
+            what = [f"{role} node {rank} of {prof.nodes}: on that host, with {var} (the {role} instance's node 0) "
+                    f"and NODE_IP (this host) set in the shell or a .env file beside this file: "
+                    f"`docker compose -f compose.{role}.node{rank}.yaml up -d`"]
+            files[f"compose.{role}.node{rank}.yaml"] = _comment(head + what) + _dump(
+                [{"services": {f"{names[role]}-node{rank}": svc}}])
+    files["compose.router.yaml"] = _comment(head + [
+        "The router: on any host that reaches both instances, with PREFILL_IP and DECODE_IP set: "
+        "`docker compose -f compose.router.yaml up -d`"]) + _dump([{"services": {f"{base}-router": _pd_router_compose(
+            pd, router, img)}}])
+    return files
+
+
+def write_pd(kind: str, pd, out_dir: str | Path, *, overwrite: bool = False, **kw) -> list[Path]:
+    """render_pd's files written as one set (atomic.write_set), as write() does."""
+    return write_set(out_dir, render_pd(kind, pd, **kw), overwrite=overwrite)
+
+
+def _engine_spec(engine: str) -> dict[str, Any]:
+    from flagdeploy.planner.emit import engine_data
+
+    return engine_data(engine)
+
+
+def _pd_router_spec(pd) -> dict[str, Any]:
+    from flagdeploy.planner.pd import pd_data
+
+    router = dict(pd_data()["engines"][pd.engine]["router"])
+    router["port"] = pd_data()["ports"]["router"]
+    return router
+
+
+def _pd_env(launch, needs: ContainerNeeds, profile: Profile, kind: str) -> dict[str, str]:
+    """A role container's environment: the engines' common env, the vendor's, the launch's. Kubernetes: the device
+    plugin picks the devices (no visible-devices variable) and $NODE_IP is the pod's $(NODE_IP); compose: each $ of
+    the launch filled by compose from the host's environment (`${NODE_IP}`), the one place an environment value is
+    expanded."""
+    c = _data()["common"]
+    out = {**{k: v.format(**c) for k, v in c["engine_env"].items()}, **needs.env, **launch.env}
+    visible = _data()["vendors"][get_chip(profile.chip).vendor]["visible_devices_env"]
+    if kind == "k8s":
+        if visible:
+            out.pop(visible, None)
+        return {k: re.sub(r"\$(?:\{(\w+)\}|(\w+))", lambda m: f"$({m.group(1) or m.group(2)})", v) for k, v in out.items()}
+    # compose fills ${NAME} from the host's shell or .env (NODE_IP, the role's head address): each is listed there
+    return {k: re.sub(r"\$(?:\{(\w+)\}|(\w+))", lambda m: f"${{{m.group(1) or m.group(2)}}}", v)
+            for k, v in out.items()}
+
+
+def _pd_pods(lws: dict, group: str, role: str) -> None:
+    """Both roles' pods carry the group label, and no host runs two pods of the group (with the host's network two
+    instances on one host would share its ports); NODE_IP is each pod's own address (with hostNetwork, the host's)."""
+    for key in ("leaderTemplate", "workerTemplate"):
+        t = lws["spec"]["leaderWorkerTemplate"][key]
+        t["metadata"]["labels"] |= {PD_GROUP_LABEL: group, "flagdeploy.io/pd-role": role}
+        (term,) = t["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        term["labelSelector"] = {"matchExpressions": [{"key": PD_GROUP_LABEL, "operator": "In", "values": [group]}]}
+        for container in t["spec"]["containers"]:
+            container["env"] = [{"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                                *container["env"]]
+
+
+def _router_probes(health: str | None) -> dict[str, Any]:
+    check = {"httpGet": {"path": health, "port": "http"}} if health else {"tcpSocket": {"port": "http"}}
+    return {"readinessProbe": {**check, "periodSeconds": _PROBE_PERIOD_S, "failureThreshold": 3},
+            "livenessProbe": {**check, "initialDelaySeconds": 10, "periodSeconds": 20, "timeoutSeconds": 5,
+                              "failureThreshold": 6}}
+
+
+def _pd_router_k8s(pd, base: str, names: dict[str, str], router: dict[str, Any], image: str) -> list[dict]:
+    """The router as a Deployment and its Service; it reaches each role's leader through that role's Service."""
+    from flagdeploy.planner.pd_emit import router_launch
+
+    launch = router_launch(pd, f"{names['prefill']}-leader", f"{names['decode']}-leader")
+    name, labels = f"{base}-router", {"app": f"{base}-router"}
+    env = []
+    if "VLLM_ASCEND_DIR" in " ".join(launch.argv):
+        env.append({"name": "VLLM_ASCEND_DIR", "value": router["repo_dir"]})
+    container: dict[str, Any] = {"name": "router", "image": image,
+                                 "command": _engine_command(launch.argv, launch.setup, "k8s"),
+                                 "ports": [{"name": "http", "containerPort": router["port"]}],
+                                 **({"env": env} if env else {}), **_router_probes(router.get("health"))}
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
+                  "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                           "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}}}}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
+               "spec": {"selector": labels, "ports": [{"name": "http", "port": router["port"], "targetPort": "http"}]}}
+    return [deployment, service]
+
+
+def _pd_router_compose(pd, router: dict[str, Any], image: str) -> dict[str, Any]:
+    from flagdeploy.planner.pd_emit import router_launch
+
+    launch = router_launch(pd)
+    env = {"PREFILL_IP": "${PREFILL_IP:?set PREFILL_IP to the prefill instance's node 0 address}",
+           "DECODE_IP": "${DECODE_IP:?set DECODE_IP to the decode instance's node 0 address}"}
+    if "VLLM_ASCEND_DIR" in " ".join(launch.argv):
+        env["VLLM_ASCEND_DIR"] = router["repo_dir"]
+    return {"image": image, "command": _engine_command(launch.argv, launch.setup, "compose"),
+            "ports": [f"{router['port']}:{router['port']}"], "environment": env}

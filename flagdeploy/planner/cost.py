@@ -182,10 +182,15 @@ class Estimate:
     comm_ms: float  # collectives in one decode step
 
 
-def _divisor(split: str, layout: Layout) -> int:
+def _divisor(split: str, layout: Layout, experts: int = 0) -> float:
+    """What a layout divides a weight group by. Experts that EP does not divide evenly (an engine that gives
+    the remainder to the first ranks, engines.yaml `layouts.uneven_experts`) are counted on the fullest rank:
+    ceil(experts / ep) of them, so the divisor is experts / ceil(experts / ep)."""
     if split == "replicated":
         return 1
     if split == "ep":
+        if layout.ep > 1 and experts and experts % layout.ep:
+            return experts / math.ceil(experts / layout.ep)
         return layout.ep if layout.ep > 1 else layout.tp
     return layout.tp
 
@@ -211,9 +216,9 @@ def memory(groups: list[WeightGroup], cache: CacheShape, facts: ModelFacts, chip
     stages, mtp_w = [0] * pp, [0] * pp
     for g in groups:
         s = _stage(g.layer, g.family, facts.layers, pp)
-        stages[s] += g.bytes // _divisor(g.split, layout)
+        stages[s] += int(g.bytes // _divisor(g.split, layout, facts.experts))
         if is_draft_layer(g, facts.layers):
-            mtp_w[s] += g.bytes // _divisor(g.split, layout)
+            mtp_w[s] += int(g.bytes // _divisor(g.split, layout, facts.experts))
     seqs = math.ceil(load.concurrency / layout.dp)
     kv, state = [0] * pp, [0] * pp
     for i in range(cache.layers):
@@ -292,7 +297,7 @@ def estimate(groups: list[WeightGroup], cache: CacheShape, facts: ModelFacts, ch
         picked = 1 - (1 - share) ** t if facts.experts else 1.0
         weights_read = flops = 0.0
         for g in weights:
-            div = _divisor(g.split, layout) * pp
+            div = _divisor(g.split, layout, facts.experts) * pp
             weights_read += g.bytes / div * (picked if g.family == "experts" else 1.0)
             flops += 2 * t * g.params / div * (share if g.family == "experts" else 1.0)
         flops += 2 * t * ctx * facts.attn_flops_dim * layers / layout.tp

@@ -34,7 +34,7 @@ from flagdeploy.planner.profile import Profile
 from flagdeploy.profiles import PROFILES_DIR
 
 __all__ = ["ENGINES", "LAYOUT_ENGINES", "EmitError", "Launch", "chip_engines", "emit", "emit_nodes", "emit_worker",
-           "engine_data", "engine_form", "layout_refusal", "shell_word"]
+           "engine_data", "engine_form", "layout_refusal", "shell_word", "uneven_expert_engines"]
 
 ENGINES_FILE = PROFILES_DIR / "engines.yaml"
 # Names usable in `when` and templates besides the Profile fields (see the engines.yaml header).
@@ -130,6 +130,19 @@ def _spec() -> dict[str, Any]:
             raise ValueError(f"{where}: unknown condition keys {sorted(unknown)}")
         if unknown := set(_as_list(entry.get("engine"))) - {"builtin", *engines} or not entry.get("engine"):
             raise ValueError(f"{where}: unknown engine(s) {sorted(unknown) if unknown is not True else None}")
+    for entry in layouts.get("uneven_experts", []):
+        if entry.get("engine") not in engines or not entry.get("source"):
+            raise ValueError(f"{ENGINES_FILE.name}: layouts.uneven_experts entry {entry!r} needs a known engine and a source")
+    pd = data.get("pd") or {}
+    for name, eng in (pd.get("engines") or {}).items():
+        where = f"{ENGINES_FILE.name}: pd.engines.{name}"
+        if name not in engines:
+            raise ValueError(f"{where}: not an engine of this file")
+        if not (eng.get("router") or {}).get("source") or not all(c.get("source") for c in eng["connectors"].values()):
+            raise ValueError(f"{where}: its router and every connector need a source")
+    for recipe in pd.get("recipes") or []:
+        if recipe.get("engine") not in engines or not recipe.get("source"):
+            raise ValueError(f"{ENGINES_FILE.name}: pd recipe {recipe.get('id')!r} needs a known engine and a source")
     if missing := {"builtin", *engines} - set(layouts["forms"]):
         raise ValueError(f"{ENGINES_FILE.name}: layouts.forms lacks {sorted(missing)}")
     for name, eng in engines.items():
@@ -157,6 +170,12 @@ def layout_refusal(profile: Profile, engine: str) -> str | None:
         if engine in _as_list(entry["engine"]) and all(_match(ctx.get(k), c) for k, c in entry["when"].items()):
             return f"{_render(entry['why'], ctx, None)} [{entry['id']}; {entry['source']}]"
     return None
+
+
+def uneven_expert_engines() -> list[str]:
+    """The engines that run expert parallelism over a number of ranks that does not divide the experts (the first
+    ranks take one more): engines.yaml `layouts.uneven_experts`."""
+    return [e["engine"] for e in _spec()["layouts"].get("uneven_experts", [])]
 
 
 def chip_engines(chip: str) -> list[str]:

@@ -36,6 +36,11 @@ class PlanRequest:
     # rank only the layouts this engine runs (engines.yaml `layouts`: builtin, vllm, vllm-ascend, sglang, mindie);
     # None: every layout the cost model knows, whichever engine runs it
     engine: str | None = None
+    # evaluate only these layouts (None: every split of the devices); a PD role restricts them (plan --pd)
+    candidates: tuple[Layout, ...] | None = None
+    # sequences per DP replica, whatever the replicas (None: `concurrency` over all of them); the PD prefill role
+    # holds a fixed number of prompts per replica
+    replica_concurrency: int | None = None
 
 
 @dataclass
@@ -121,7 +126,9 @@ def candidate_layouts(total: int, facts: ModelFacts) -> list[Layout]:
 
 
 def rule_violation(layout: Layout, facts: ModelFacts, devices_per_node: int, concurrency: int,
-                   mtp: bool = False) -> str | None:
+                   mtp: bool = False, uneven_experts: bool = False) -> str | None:
+    """Why `layout` breaks a rule, or None. uneven_experts: the engine splits experts EP does not divide
+    (engines.yaml `layouts.uneven_experts`), so only fewer experts than EP ranks is refused."""
     tp = layout.tp
     if tp > devices_per_node:
         return f"TP {tp} would cross nodes ({devices_per_node} devices per node): per-layer all-reduces over the network"
@@ -131,8 +138,13 @@ def rule_violation(layout: Layout, facts: ModelFacts, devices_per_node: int, con
         return f"{facts.kv_heads} KV heads neither divide by nor divide TP {tp}"
     if facts.linear_heads and facts.linear_heads % tp:
         return f"{facts.linear_heads} KDA heads do not divide by TP {tp}"
-    if facts.experts and layout.ep > 1 and facts.experts % layout.ep:
-        return f"{facts.experts} experts do not divide by EP {layout.ep}"
+    if facts.experts and layout.ep > 1 and facts.experts % layout.ep and not uneven_experts:
+        from .emit import uneven_expert_engines
+
+        return (f"{facts.experts} experts do not divide by EP {layout.ep} ({', '.join(uneven_expert_engines())} split "
+                f"them unevenly: --engine {uneven_expert_engines()[0]})")
+    if facts.experts and layout.ep > facts.experts:
+        return f"EP {layout.ep} exceeds the {facts.experts} experts"
     if layout.pp > facts.layers:
         return f"PP {layout.pp} exceeds the {facts.layers} layers"
     if layout.dp > concurrency:
@@ -176,9 +188,17 @@ def engine_refusal(req: PlanRequest, chip: Chip, layout: Layout, engine: str | N
 
 def _evaluate(req: PlanRequest, chip: Chip, groups, cache, facts, load, layouts) -> tuple[list[Estimate], list[Rejected]]:
     intra, inter = _links(chip, req.interconnect)
+    from .emit import uneven_expert_engines
+
+    uneven = req.engine in uneven_expert_engines()
     fits, rejected = [], []
     for lay in layouts:
-        why = rule_violation(lay, facts, req.devices, req.concurrency, req.mtp) or engine_refusal(req, chip, lay)
+        concurrency = req.concurrency
+        if req.replica_concurrency is not None:
+            concurrency = req.replica_concurrency * lay.dp
+            load = replace(load, concurrency=concurrency)
+        why = (rule_violation(lay, facts, req.devices, concurrency, req.mtp, uneven_experts=uneven)
+               or engine_refusal(req, chip, lay))
         if why is None:
             est = estimate(groups, cache, facts, chip, lay, load, intra, inter, req.devices)
             m = est.memory
@@ -196,15 +216,21 @@ def _evaluate(req: PlanRequest, chip: Chip, groups, cache, facts, load, layouts)
     return fits, rejected
 
 
+# throughput: decode tokens/s; latency: ms per decode step; ttft: one prompt's prefill (the PD prefill role)
+OBJECTIVES = ("throughput", "latency", "ttft")
+
+
 def _rank(fits: list[Estimate], objective: str) -> list[Estimate]:
+    if objective == "ttft":  # the fastest prompt, then no pipeline hops, then the most room for prompts' KV
+        return sorted(fits, key=lambda e: (-round(e.prefill_tokens_s, 3), e.layout.pp, -e.memory.free))
     if objective == "latency":
         return sorted(fits, key=lambda e: (e.token_latency_ms, -e.decode_tokens_s))
     return sorted(fits, key=lambda e: (-e.decode_tokens_s, e.token_latency_ms))
 
 
 def make_plan(req: PlanRequest) -> Plan:
-    if req.objective not in ("latency", "throughput"):
-        raise PlanInputError(f"objective must be latency or throughput, not {req.objective!r}.")
+    if req.objective not in OBJECTIVES:
+        raise PlanInputError(f"objective must be one of {', '.join(OBJECTIVES)}, not {req.objective!r}.")
     if req.num_speculative_tokens < 1:
         raise PlanInputError(f"num_speculative_tokens (K, drafts per sequence and step) must be at least 1; "
                              f"got {req.num_speculative_tokens}.")
@@ -264,7 +290,8 @@ def make_plan(req: PlanRequest) -> Plan:
                     mtp=req.mtp, num_speculative_tokens=req.num_speculative_tokens,
                     acceptance_length=req.acceptance_length)
     total = req.devices * req.nodes
-    layouts = [req.layout] if req.layout else candidate_layouts(total, facts)
+    layouts = ([req.layout] if req.layout else list(req.candidates) if req.candidates is not None
+               else candidate_layouts(total, facts))
     if req.layout and req.layout.devices != total:
         raise PlanInputError(f"layout {req.layout} uses {req.layout.devices} devices, the request has {total} "
                              f"({req.nodes} node(s) x {req.devices}); make tp x dp x pp equal that.")
