@@ -36,8 +36,8 @@ def _cfg(role: str, **extra) -> KvTransferConfig:
         role, 16 << 20, "".join(f', "{k}": {v}' for k, v in extra.items())))
 
 
-def _engine(path, role: str | None, spec: SpeculativeConfig | None = None, **extra):
-    cfg = EngineConfig(max_model_len=96, block_size=4, max_num_seqs=4, kv_cache_memory=32 << 20,
+def _engine(path, role: str | None, spec: SpeculativeConfig | None = None, max_num_seqs: int = 4, **extra):
+    cfg = EngineConfig(max_model_len=96, block_size=4, max_num_seqs=max_num_seqs, kv_cache_memory=32 << 20,
                        weight_format="dense", kv_transfer=_cfg(role, **extra) if role else None,
                        speculative=spec or SpeculativeConfig())
     return build_llm_engine(path, "safetensors", cfg, chip="cpu", progress=False)
@@ -167,3 +167,27 @@ def test_glm5_next_state_indexer_and_mtp_travel(tmp_path, mtp):
     if mtp:  # the decode instance drafts: without the MTP state (cache rows, last hidden row) its first observed
         # position would be a gap, and a sequence with a gap never drafts (engine/mtp.py)
         assert decode.stats()["spec_decode_num_drafts"] >= 6
+
+
+def test_a_decode_instance_without_a_free_state_row_computes_the_prompt_itself(tmp_path):
+    """glm5_next holds a state row per sequence; received caches that find none free are not taken (the prompt
+    is computed here instead), and every answer is still one instance's."""
+    _mooncake()
+    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+
+    path = write_tiny_glm5_next(tmp_path / "glm", seed=3)
+    prompts = [torch.randint(2, 60, (20 + i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want = [_engine(path, None).generate([p], params)[0] for p in prompts]
+    prefill, decode = _engine(path, "kv_producer"), _engine(path, "kv_consumer", max_num_seqs=1)
+    handed = [_run(prefill, f"r{i}", p, SamplingParams(max_tokens=1, temperature=0, kv_transfer_params={
+        "do_remote_decode": True}))[-1].kv_transfer_params for i, p in enumerate(prompts)]
+    for i, p in enumerate(prompts):
+        decode.add_request(f"r{i}", p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                                      kv_transfer_params=handed[i]))
+    got = {f"r{i}": [] for i in range(2)}
+    while decode.has_work():
+        for out in decode.step():
+            got[out.request_id] += out.token_ids
+    assert [got["r0"], got["r1"]] == want
+    assert decode.stats()["kv_transfer_received_prompt_tokens"] == len(prompts[0])

@@ -225,8 +225,9 @@ class LLMEngine:
         if fd.get("prompt_tokens") != n:
             raise KvTransferError(f"the prefill instance computed {fd.get('prompt_tokens')} prompt tokens, this "
                                   f"request has {n}: both instances must serve the same model and chat template")
-        if not self.blocks.ensure_slots(seq, n):
-            log.info("request %s: no free KV blocks for the received prompt now; computing it here", seq.request_id)
+        if not self.runner.can_take(seq) or not self.blocks.ensure_slots(seq, n):
+            log.info("request %s: no free KV blocks or state rows for the received prompt now; computing it here",
+                     seq.request_id)
             return False
         shapes = self.runner.transfer_shapes(fd["num_blocks"])
         extra = self.proposer.state_shapes(fd) if self.proposer is not None else []

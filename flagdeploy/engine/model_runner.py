@@ -116,6 +116,10 @@ class _Runner:
     def release(self, seq) -> None:
         self.drop(seq.seq_id)
 
+    def can_take(self, seq) -> bool:
+        """Whether `import_seq` can take one more sequence now (a state row free, where the model has state)."""
+        return True
+
     @staticmethod
     def state_bytes(model, max_seqs: int, spec_tokens: int = 0) -> int:
         """Memory the runner holds per running sequence whatever its length, times `max_seqs`."""
@@ -355,6 +359,9 @@ class SequenceStateRunner(_Runner):
         idx = torch.tensor(blocks, device=self.device)
         row = self._rows_of(seq)[0]
         return [t[row: row + 1].clone() if per_seq else t.index_select(0, idx) for t, per_seq in self._pools()], blocks
+
+    def can_take(self, seq) -> bool:
+        return seq.seq_id in self.state_rows or len(self.free_rows) >= self.group
 
     def transfer_shapes(self, num_blocks: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         return [((1 if per_seq else num_blocks, *t.shape[1:]), t.dtype) for t, per_seq in self._pools()]
