@@ -234,7 +234,8 @@ def main() -> None:
 @click.option("--kv-transfer-config", "kv_transfer_config", default=None, metavar="JSON",
               help='Prefill-decode disaggregation, vLLM\'s spelling: \'{"kv_connector":"NixlConnector","kv_role":'
                    '"kv_producer"}\' on a prefill instance, "kv_consumer" on a decode one; a router (vllm-router '
-                   "--vllm-pd-disaggregation) drives the pair. The caches move through the Mooncake transfer engine "
+                   "--vllm-pd-disaggregation, or serve --upstream DECODE --prefill-upstream PREFILL) drives the pair. "
+                   "The caches move through the Mooncake transfer engine "
                    "(pip install 'flagdeploy[pd]'); docs/pd.md.")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--engine", default="builtin", show_default=True,

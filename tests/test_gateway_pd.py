@@ -13,6 +13,7 @@ need the Mooncake transfer engine (not vllm): skipped without it, failed when FL
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ from test_cli import _serve as _serve_cli
 
 from flagdeploy.cli import main
 from flagdeploy.gateway import ConfigError, build_gateway, parse_config
+from flagdeploy.gateway.proxy import REMOTE_DECODE, Proxy
 from flagdeploy.gateway.supervisor import State
 
 PRODUCER = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_size": 64 << 20}
@@ -91,6 +93,125 @@ def test_prefill_upstream_needs_upstream():
     assert r.exit_code != 0 and "--prefill-upstream" in r.output and "--upstream" in r.output
     r = CliRunner().invoke(main, ["serve", "--upstream", "http://127.0.0.1:9", "--prefill-upstream", "nowhere"])
     assert r.exit_code != 0 and "prefill upstream 'nowhere' is not a URL" in r.output
+
+
+# ---- the two steps, against recorded engines (httpx.MockTransport) -----------------------------------
+
+PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1", "remote_block_ids": [0],
+          "remote_host": "127.0.0.1", "remote_port": 4242}
+
+
+def _run_gateway(entry: dict, engines: dict, requests: list[tuple[str, str]], path: str = "/v1/chat/completions",
+                 body: dict | None = None) -> list[httpx.Response]:
+    """Send `requests` ((path, body) pairs) through a gateway for `entry` whose engines are `engines` (URL ->
+    function(body) -> httpx.Response, or an exception to raise); each engine's received bodies are recorded in
+    engines[url + "#seen"]."""
+    gateway = build_gateway(parse_config({"models": [entry]}))
+    pool = gateway.pools[0]
+    for u in pool.all_upstreams:
+        u.state = State.READY
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        got = json.loads(request.content)
+        engines.setdefault(url + "#seen", []).append((request.url.path, got))
+        answer = engines[url]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer(got)
+
+    async def go() -> list[httpx.Response]:
+        gateway.proxy = Proxy()
+        gateway.proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw") as client:
+            return [await client.post(p, json=b) for p, b in requests]
+
+    return asyncio.run(go())
+
+
+def _chat_answer(body: dict) -> httpx.Response:
+    return httpx.Response(200, json={"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+                                     "choices": [{"index": 0, "finish_reason": "stop",
+                                                  "message": {"role": "assistant", "content": "Paris."}}],
+                                     "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}})
+
+
+def _prefill_answer(params):
+    def answer(body: dict) -> httpx.Response:
+        out = _chat_answer(body).json() | ({"kv_transfer_params": params} if params is not None else {})
+        return httpx.Response(200, json=out)
+    return answer
+
+
+ASK = {"model": "pd", "messages": [{"role": "user", "content": "Capital of France?"}], "max_tokens": 20,
+       "stream_options": {"include_usage": True}, "stream": False}
+DECODE, P1, P2 = "http://10.0.0.8:8000", "http://10.0.0.7:8000", "http://10.0.0.9:8000"
+
+
+def test_prefill_then_decode_with_the_returned_params():
+    calls = []
+
+    def first_refuses(body):  # whichever prefill instance the balancer picks first cannot be reached
+        calls.append(body)
+        if len(calls) == 1:
+            raise httpx.ConnectError("refused")
+        return _prefill_answer(PARAMS)(body)
+
+    engines = {P1: first_refuses, P2: first_refuses, DECODE: _chat_answer}
+    ask = {k: v for k, v in ASK.items() if k != "stream_options"} | {"max_completion_tokens": 20}
+    (r,) = _run_gateway(_pd_entry(), engines, [("/v1/chat/completions", ask)])
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Paris."
+    assert len(engines[P1 + "#seen"]) == len(engines[P2 + "#seen"]) == 1  # one refused, the other one prefilled
+    assert len(calls) == 2
+    assert {path for path, _ in engines[P1 + "#seen"] + engines[P2 + "#seen"]} == {"/v1/chat/completions"}
+    prefill = calls[1]
+    assert prefill["max_tokens"] == 1 and prefill["max_completion_tokens"] == 1 and prefill["min_tokens"] == 1
+    assert prefill["stream"] is False and prefill["kv_transfer_params"] == REMOTE_DECODE
+    assert prefill["messages"] == ASK["messages"]
+    ((_, decode),) = engines[DECODE + "#seen"]
+    assert decode["kv_transfer_params"] == PARAMS and decode["max_completion_tokens"] == 20
+    assert "min_tokens" not in decode and decode["messages"] == ASK["messages"]
+
+
+def test_no_reachable_prefill_instance_is_a_503_naming_them():
+    engines = {P1: httpx.ConnectError("refused"), P2: httpx.ConnectError("refused"), DECODE: _chat_answer}
+    (r,) = _run_gateway(_pd_entry(), engines, [("/v1/completions", {"model": "pd", "prompt": "Hi", "max_tokens": 4})])
+    assert r.status_code == 503 and r.headers.get("retry-after")
+    message = r.json()["error"]["message"]
+    assert "no prefill instance could be reached" in message and P1 in message and P2 in message
+    assert DECODE + "#seen" not in engines  # decode never asked
+
+
+def test_without_kv_transfer_params_decode_computes_the_prompt():
+    engines = {P1: _prefill_answer(None), P2: _prefill_answer(None), DECODE: _chat_answer}
+    completion = {"model": "pd", "prompt": "Hi", "max_tokens": 4}
+    responses = _run_gateway(_pd_entry(), engines, [("/v1/completions", completion),
+                                                    ("/v1/messages", {"model": "pd", "max_tokens": 8, "messages": [
+                                                        {"role": "user", "content": "Hi"}]})])
+    assert [r.status_code for r in responses] == [200, 200]
+    assert responses[1].json()["type"] == "message"
+    seen = engines[DECODE + "#seen"]
+    assert [p for p, _ in seen] == ["/v1/completions", "/v1/chat/completions"]
+    assert all("kv_transfer_params" not in b for _, b in seen)
+    prefills = engines.get(P1 + "#seen", []) + engines.get(P2 + "#seen", [])
+    assert sorted(p for p, _ in prefills) == ["/v1/chat/completions", "/v1/completions"]  # the Anthropic one as chat
+
+
+def test_a_prefill_error_goes_to_the_client_and_plain_pools_have_no_prefill_step():
+    def refuse(body):
+        return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 512 tokens",
+                                                   "type": "BadRequestError", "code": 400}})
+
+    engines = {P1: refuse, P2: refuse, DECODE: _chat_answer}
+    (r,) = _run_gateway(_pd_entry(), engines, [("/v1/chat/completions", ASK)])
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    assert DECODE + "#seen" not in engines
+    engines = {DECODE: _chat_answer}
+    (r,) = _run_gateway({"names": ["pd"], "engine": "upstream", "upstreams": [DECODE]}, engines,
+                        [("/v1/chat/completions", ASK)])
+    assert r.status_code == 200
+    ((_, decode),) = engines[DECODE + "#seen"]
+    assert "kv_transfer_params" not in decode and decode["max_tokens"] == 20
 
 
 # ---- a real pair behind the gateway ----------------------------------------------------------------
