@@ -184,17 +184,19 @@ def test_no_reachable_prefill_instance_is_a_503_naming_them():
 
 def test_without_kv_transfer_params_decode_computes_the_prompt():
     engines = {P1: _prefill_answer(None), P2: _prefill_answer(None), DECODE: _chat_answer}
-    completion = {"model": "pd", "prompt": "Hi", "max_tokens": 4}
+    completion = {"model": "pd", "prompt": "Hi", "max_tokens": 4, "kv_transfer_params": {"do_remote_prefill": True}}
     responses = _run_gateway(_pd_entry(), engines, [("/v1/completions", completion),
                                                     ("/v1/messages", {"model": "pd", "max_tokens": 8, "messages": [
-                                                        {"role": "user", "content": "Hi"}]})])
-    assert [r.status_code for r in responses] == [200, 200]
-    assert responses[1].json()["type"] == "message"
+                                                        {"role": "user", "content": "Hi"}]}),
+                                                    ("/v1/responses", {"model": "pd", "input": "Hi"})])
+    assert [r.status_code for r in responses] == [200, 200, 200]
+    assert responses[1].json()["type"] == "message" and responses[2].json()["object"] == "response"
     seen = engines[DECODE + "#seen"]
-    assert [p for p, _ in seen] == ["/v1/completions", "/v1/chat/completions"]
-    assert all("kv_transfer_params" not in b for _, b in seen)
+    assert [p for p, _ in seen] == ["/v1/completions", "/v1/chat/completions", "/v1/chat/completions"]
+    assert all("kv_transfer_params" not in b for _, b in seen)  # not even the client's own
     prefills = engines.get(P1 + "#seen", []) + engines.get(P2 + "#seen", [])
-    assert sorted(p for p, _ in prefills) == ["/v1/chat/completions", "/v1/completions"]  # the Anthropic one as chat
+    # the Anthropic and Responses requests are prefilled as the chat requests they become
+    assert sorted(p for p, _ in prefills) == ["/v1/chat/completions", "/v1/chat/completions", "/v1/completions"]
 
 
 def test_a_prefill_error_goes_to_the_client_and_plain_pools_have_no_prefill_step():

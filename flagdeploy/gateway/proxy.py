@@ -95,8 +95,9 @@ class Proxy:
             except APIError as exc:
                 await send_error(send, exc)
                 return
+            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # the pair's, never the client's
             if params is not None:
-                body = body | {"kv_transfer_params": params}
+                body["kv_transfer_params"] = params
         tried: set[str] = set()
         while True:
             picked = pool.pick(key, exclude=tried)
