@@ -234,7 +234,8 @@ def main() -> None:
 @click.option("--kv-transfer-config", "kv_transfer_config", default=None, metavar="JSON",
               help='Prefill-decode disaggregation, vLLM\'s spelling: \'{"kv_connector":"NixlConnector","kv_role":'
                    '"kv_producer"}\' on a prefill instance, "kv_consumer" on a decode one; a router (vllm-router '
-                   "--vllm-pd-disaggregation) drives the pair. The caches move through the Mooncake transfer engine "
+                   "--vllm-pd-disaggregation, or serve --upstream DECODE --prefill-upstream PREFILL) drives the pair. "
+                   "The caches move through the Mooncake transfer engine "
                    "(pip install 'flagdeploy[pd]'); docs/pd.md.")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--engine", default="builtin", show_default=True,
@@ -243,6 +244,10 @@ def main() -> None:
                    "--chip/--profile; llama.cpp: llama-cpp-python's server on a GGUF), supervise it and serve it here.")
 @click.option("--upstream", "upstreams", multiple=True, metavar="URL",
               help="Attach an engine that already runs (http://HOST:PORT); repeat for replicas, balanced.")
+@click.option("--prefill-upstream", "prefill_upstreams", multiple=True, metavar="URL",
+              help="A prefill instance of the attached model (http://HOST:PORT; repeat for more): each request is "
+                   "prefilled there, then decoded on an --upstream (the decode instances) with the KV cache it "
+                   "sends, as vllm-router --vllm-pd-disaggregation does (docs/gateway.md).")
 @click.option("--config", "config_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="serve.yaml: several models (builtin, launched, attached) behind this one endpoint.")
 @click.option("--startup-timeout", default=1800.0, show_default=True, type=click.FloatRange(min=1),
@@ -254,7 +259,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
           memory_utilization, weight_format, load_format, served_names, default_temperature, api_key, reasoning_parser,
           max_waiting, max_tokens_policy, tool_call_parser, request_timeout, profile_file, tp, ep, dp, compile_,
           speculative, num_speculative_tokens, speculative_config, kv_transfer_config, log_level, engine, upstreams,
-          config_file, startup_timeout, limit_mm_per_prompt, allowed_media_domains, nnodes, node_rank, master_addr, master_port,
+          prefill_upstreams, config_file, startup_timeout, limit_mm_per_prompt, allowed_media_domains, nnodes, node_rank, master_addr, master_port,
           node_timeout) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
@@ -265,6 +270,9 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     from flagdeploy.gateway.replicas import exit_with_parent
 
     exit_with_parent()  # a replica launched by `--dp` ends with its gateway, however that ends
+    if prefill_upstreams and not upstreams:
+        _fail("--prefill-upstream names the prefill instances of a prefill-decode pair; give its decode instances "
+              "with --upstream (or write the pair in serve.yaml: prefill_upstreams beside upstreams)")
     builtin = engine == "builtin" and not (upstreams or config_file)
     from flagdeploy.engine.speculative import SpeculativeConfig
 
@@ -380,7 +388,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         _serve_gateway(ctx, engine=engine, upstreams=upstreams, config_file=config_file, model=model, host=host,
                        port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names,
-                       api_key=api_key, profile_file=profile_file, startup_timeout=startup_timeout, log_level=log_level,
+                       api_key=api_key, profile_file=profile_file, prefill_upstreams=prefill_upstreams, startup_timeout=startup_timeout, log_level=log_level,
                        memory_utilization=memory_utilization, media=media)
         return
     from flagdeploy import assemble
@@ -429,7 +437,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
 
 def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, chip, max_model_len, max_num_seqs,
                    max_num_batched_tokens, block_size, served_names, api_key, profile_file, startup_timeout,
-                   log_level, memory_utilization=0.9, entry=None, media=None) -> None:
+                   log_level, memory_utilization=0.9, entry=None, media=None, prefill_upstreams=()) -> None:
     """`serve` with external engines: the gateway (flagdeploy/gateway) from serve.yaml or from the options.
     `entry`: the one model entry already built by the caller (--dp's builtin replicas), used as given;
     `media`: the MediaPolicy of --limit-mm-per-prompt / --allowed-media-domains."""
@@ -464,6 +472,8 @@ def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, ch
             entry = {"names": list(served_names)}
             if upstreams:
                 entry |= {"engine": "upstream", "upstreams": list(upstreams), "model": model}
+                if prefill_upstreams:
+                    entry["prefill_upstreams"] = list(prefill_upstreams)
                 if not served_names and model:
                     entry["names"] = [model]  # and, where --model names local files, its template counts tokens
             else:
@@ -497,7 +507,8 @@ def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, ch
     _check_port(host, port)
     for pool in gateway.pools:
         click.echo(f"flagdeploy: {', '.join(pool.names) or '(names from the engine)'} -> {pool.engine} "
-                   f"{', '.join(u.url for u in pool.upstreams)}", err=True)
+                   f"{', '.join(u.url for u in pool.upstreams)}"
+                   + (f" (prefill: {', '.join(u.url for u in pool.prefill)})" if pool.prefill else ""), err=True)
     click.echo(f"flagdeploy: serving on http://{host}:{port}/v1 (/ready answers 503 until every engine is ready)",
                err=True)
     make_server(gateway, host, port, log_level).run()

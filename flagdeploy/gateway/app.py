@@ -60,19 +60,24 @@ _SEVERITY = [State.FAILED, State.DOWN, State.RESTARTING, State.STARTING, State.S
 class ModelPool:
     """The replicas of one upstream model, the names it answers to, and its state. `model`: the
     model's files (GGUF or directory), read for its chat template when its engine cannot count
-    prompt tokens by itself. `media`: what media a request to it may carry."""
+    prompt tokens by itself. `media`: what media a request to it may carry. `prefill`: the prefill
+    instances of a prefill-decode pair (the `upstreams` are then its decode instances; proxy.py runs
+    the two steps), balanced among themselves."""
 
     def __init__(self, names: list[str], upstreams: list[Upstream], engine: str = "upstream",
                  max_model_len: int | None = None, slack: int = 2, model: str | None = None,
-                 media: MediaPolicy | None = None):
+                 media: MediaPolicy | None = None, prefill: list[Upstream] | None = None):
         self.configured_names = list(names)
         self.media = media or MediaPolicy()
         self.upstreams = upstreams
+        self.prefill = list(prefill or [])
         self.engine = engine
         self._max_model_len = max_model_len
         self.balancer = Balancer([u.url for u in upstreams], slack=slack)
+        self.prefill_balancer = Balancer([u.url for u in self.prefill], slack=slack) if self.prefill else None
         self.counter = TokenCounter(model)
         self._by_url = {u.url: u for u in upstreams}
+        self._prefill_by_url = {u.url: u for u in self.prefill}
 
     @property
     def names(self) -> list[str]:
@@ -80,7 +85,7 @@ class ModelPool:
         if self.configured_names:
             return self.configured_names
         seen: list[str] = []
-        for upstream in self.upstreams:
+        for upstream in self.upstreams + self.prefill:
             seen += [m["id"] for m in upstream.models if isinstance(m.get("id"), str) and m["id"] not in seen]
         return seen
 
@@ -94,7 +99,12 @@ class ModelPool:
 
     @property
     def ready(self) -> bool:
-        return all(u.ready for u in self.upstreams)
+        """Every decode replica, and (for a prefill-decode pair) at least one prefill instance."""
+        return all(u.ready for u in self.upstreams) and (not self.prefill or any(u.ready for u in self.prefill))
+
+    @property
+    def all_upstreams(self) -> list[Upstream]:
+        return self.upstreams + self.prefill
 
     async def count_tokens(self, client: httpx.AsyncClient, upstream: Upstream, chat: dict[str, Any],
                            request: dict[str, Any] | None = None) -> int:
@@ -113,15 +123,26 @@ class ModelPool:
     def max_model_len(self) -> int | None:
         if self._max_model_len:
             return self._max_model_len
-        return next((u.max_model_len for u in self.upstreams if u.max_model_len), None)
+        return next((u.max_model_len for u in self.upstreams + self.prefill if u.max_model_len), None)
 
     def pick(self, key: str | None, exclude: set[str] = frozenset()) -> tuple[Replica, Upstream] | None:
         ready = {u.url for u in self.upstreams if u.ready and u.url not in exclude}
         replica = self.balancer.pick(key, ready)
         return None if replica is None else (replica, self._by_url[replica.url])
 
+    def pick_prefill(self, key: str | None, exclude: set[str] = frozenset()) -> tuple[Replica, Upstream] | None:
+        """A ready prefill instance (a pair's first step), balanced like the decode replicas."""
+        assert self.prefill_balancer is not None, "not a prefill-decode pool"
+        ready = {u.url for u in self.prefill if u.ready and u.url not in exclude}
+        replica = self.prefill_balancer.pick(key, ready)
+        return None if replica is None else (replica, self._prefill_by_url[replica.url])
+
     def state(self) -> str:
         states = [u.state for u in self.upstreams]
+        if self.prefill and not any(u.ready for u in self.prefill):  # no first step: nothing can be served
+            states = [u.state for u in self.prefill]
+        elif self.prefill:
+            states += [u.state for u in self.prefill]
         if all(s is State.READY for s in states):
             return "ready"
         if any(s is State.READY for s in states):
@@ -138,19 +159,35 @@ class ModelPool:
         detail = "; ".join(f"{u.state.value}: {u.detail}" if u.detail else u.state.value for u in self.upstreams)
         return upstream_unavailable(self.name, detail, RETRY_AFTER_S)
 
+    def unavailable_prefill(self) -> APIError:
+        """The 503 for a request of a prefill-decode pair that finds no ready prefill instance."""
+        detail = "; ".join(f"{u.url} {u.state.value}" + (f": {u.detail}" if u.detail else "") for u in self.prefill)
+        return upstream_unavailable(self.name, f"no prefill instance is ready ({detail})", RETRY_AFTER_S)
+
+    def counters(self) -> list[tuple[str | None, Upstream, Replica]]:
+        """(role, upstream, its balancer entry) of every instance; role None outside a prefill-decode pair."""
+        out: list[tuple[str | None, Upstream, Replica]] = []
+        for role, upstreams, balancer in (("decode" if self.prefill else None, self.upstreams, self.balancer),
+                                          ("prefill", self.prefill, self.prefill_balancer)):
+            for u in upstreams:
+                out.append((role, u, next(r for r in balancer.replicas if r.url == u.url)))
+        return out
+
     def status(self) -> dict[str, Any]:
-        replicas = []
-        for u in self.upstreams:
-            r = next(r for r in self.balancer.replicas if r.url == u.url)
-            replicas.append(u.status() | {"outstanding": r.outstanding, "served": r.served})
-        return {"state": self.state(), "engine": self.engine, "replicas": replicas}
+        replicas: list[dict[str, Any]] = []
+        prefill: list[dict[str, Any]] = []
+        for role, u, r in self.counters():
+            (prefill if role == "prefill" else replicas).append(
+                u.status() | {"outstanding": r.outstanding, "served": r.served})
+        return {"state": self.state(), "engine": self.engine, "replicas": replicas} | (
+            {"prefill": prefill} if self.prefill else {})
 
     async def start(self, proxy: Proxy) -> None:
-        for upstream in self.upstreams:
+        for upstream in self.all_upstreams:
             await upstream.start(proxy.client)
 
     async def stop(self) -> None:
-        for upstream in self.upstreams:
+        for upstream in self.all_upstreams:
             await upstream.stop()
 
 
@@ -395,7 +432,7 @@ class Gateway:
         for pool in self.pools:
             models[pool.name] = pool.status()
             ready &= pool.ready
-            retry |= any(u.state is not State.FAILED and not u.ready for u in pool.upstreams)
+            retry |= any(u.state is not State.FAILED and not u.ready for u in pool.all_upstreams)
         return ready, retry, models
 
     async def _ready(self, send: Send) -> None:
@@ -421,9 +458,8 @@ class Gateway:
             text = b"".join(captured).decode()
         lines = []
         for pool in self.pools:
-            for u in pool.upstreams:
-                r = next(r for r in pool.balancer.replicas if r.url == u.url)
-                labels = f'model="{pool.name}",url="{u.url}"'
+            for role, u, r in pool.counters():  # a prefill-decode pair's instances carry role="prefill"/"decode"
+                labels = f'model="{pool.name}",url="{u.url}"' + (f',role="{role}"' if role else "")
                 lines += [f"flagdeploy_upstream_ready{{{labels}}} {int(u.ready)}",
                           f"flagdeploy_upstream_outstanding{{{labels}}} {r.outstanding}",
                           f"flagdeploy_upstream_requests_total{{{labels}}} {r.served}"]
@@ -482,9 +518,10 @@ def build_gateway(config: ServeConfig, inner: ASGIApp | None = None,
             continue
         # An attached engine without names answers to the ids it serves (learned from its /v1/models).
         names = entry.names if entry.engine == "upstream" else (entry.names or [_default_name(entry)])
+        prefill = [AttachedUpstream(u, entry.upstream_api_key, entry.upstream_model) for u in entry.prefill_upstreams]
         pools.append(ModelPool(names, _upstreams(entry, config, supervisor_options or {}), engine=entry.engine,
                                max_model_len=entry.max_model_len, model=_model_files(entry),
-                               media=entry.media_policy()))
+                               media=entry.media_policy(), prefill=prefill))
     return Gateway(pools, inner, config.api_key, Timeouts(config.connect_timeout, config.read_timeout))
 
 

@@ -15,6 +15,10 @@
       - names: [qwen3-8b]                        # engines that already run elsewhere
         engine: upstream
         upstreams: [http://10.0.0.5:8000, http://10.0.0.6:8000]
+      - names: [smollm2-pd]                      # a prefill-decode pair of `flagdeploy serve` (or vLLM) instances
+        engine: upstream
+        upstreams: [http://10.0.0.8:8000]        # the decode instances (--kv-transfer-config ... kv_consumer)
+        prefill_upstreams: [http://10.0.0.7:8000]  # the prefill instances (... kv_producer)
 
 `args` are the neutral profile fields (flagdeploy/planner/profile.py) for vllm, vllm-ascend, sglang and
 mindie (the planner's emitter turns them into each engine's flags), `flagdeploy serve`'s options by their
@@ -23,6 +27,12 @@ underscore names for builtin (flagdeploy/assemble.py: SERVE_FLAGS, whatever `rep
 The media settings of a model, `limit_mm_per_prompt` and `allowed_media_domains` (serve's flags of
 those names, flagdeploy/media_policy.py), sit beside `args` whatever the engine: the gateway checks
 them on every request to the model, and an engine with an equivalent flag is passed them too.
+
+`prefill_upstreams` (engine: upstream only) makes the pool a prefill-decode pair: each chat/completions
+request (and each Anthropic or Responses request, turned into a chat one) first goes to a prefill instance
+with max_tokens 1 and `kv_transfer_params: {do_remote_decode: true, ...}`, then to a decode replica (one of
+`upstreams`) with the kv_transfer_params the prefill instance returned, as vllm-router
+--vllm-pd-disaggregation does (gateway/proxy.py; docs/gateway.md).
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -64,7 +75,11 @@ class ModelConfig(BaseModel):
     model: str | None = Field(None, description="GGUF file, model directory, hub id or bundled name; for engine "
                               "'upstream', the files of the model it serves (optional: its chat template makes "
                               "counted prompt tokens exact on engines that cannot count a chat themselves)")
-    upstreams: list[str] = Field(default_factory=list, description="base URLs of running engines (engine: upstream)")
+    upstreams: list[str] = Field(default_factory=list, description="base URLs of running engines (engine: upstream); "
+                                 "with prefill_upstreams, the decode instances")
+    prefill_upstreams: list[str] = Field(default_factory=list, description="base URLs of running prefill instances "
+                                         "(engine: upstream): each request is prefilled there, then decoded on one "
+                                         "of `upstreams` with the KV cache the prefill instance sends")
     replicas: int = Field(1, ge=1, description="engine processes to launch and balance (launched engines; "
                           "builtin: 1 runs in this process, more are launched as `flagdeploy serve` replicas)")
     chip: str | None = Field(None, description="chip catalog id for the planner's flags (vllm, sglang, ...); "
@@ -99,12 +114,13 @@ class ModelConfig(BaseModel):
     def media_policy(self) -> MediaPolicy:
         return MediaPolicy.parse(self.limit_mm_per_prompt, self.allowed_media_domains)
 
-    @field_validator("upstreams")
+    @field_validator("upstreams", "prefill_upstreams")
     @classmethod
-    def _urls(cls, urls: list[str]) -> list[str]:
+    def _urls(cls, urls: list[str], info: ValidationInfo) -> list[str]:
+        kind = "prefill upstream" if info.field_name == "prefill_upstreams" else "upstream"
         for url in urls:
             if not url.startswith(("http://", "https://")):
-                raise ValueError(f"upstream {url!r} is not a URL; write it as http://HOST:PORT (without /v1)")
+                raise ValueError(f"{kind} {url!r} is not a URL; write it as http://HOST:PORT (without /v1)")
         return [u.rstrip("/").removesuffix("/v1") for u in urls]
 
     @model_validator(mode="after")
@@ -116,6 +132,12 @@ class ModelConfig(BaseModel):
         if self.engine != "upstream" and self.upstreams:
             raise ValueError(f"model {label!r}: `upstreams` is only for engine 'upstream'; engine {self.engine!r} "
                              "is launched here. Use engine: upstream to attach running engines.")
+        if self.prefill_upstreams and self.engine != "upstream":
+            raise ValueError(f"model {label!r}: `prefill_upstreams` is only for engine 'upstream' (a running "
+                             "prefill-decode pair: prefill_upstreams beside the decode instances' `upstreams`)")
+        if overlap := set(self.prefill_upstreams) & set(self.upstreams):
+            raise ValueError(f"model {label!r}: {', '.join(sorted(overlap))} is in both `upstreams` (decode "
+                             "instances) and `prefill_upstreams`; an instance is one or the other")
         if self.engine in PLANNER_ENGINES and not self.model and not self.command:
             raise ValueError(f"model {label!r}: engine {self.engine!r} needs `model` (a hub id or a directory)")
         if self.engine in PLANNER_ENGINES and not self.chip and not self.command:

@@ -9,6 +9,13 @@ What a client can rely on, whichever engine answers:
   upstream request at once, so the engine aborts the generation instead of finishing it for nobody.
 - a dialect that shows the prompt's tokens before the engine answers (Anthropic's message_start)
   has them counted first, on the replica that then serves the request (gateway/tokens.py).
+- a prefill-decode pair (a pool with prefill instances, serve.yaml's `prefill_upstreams`) answers in two
+  steps, as vllm-router --vllm-pd-disaggregation does for vLLM's NixlConnector: the chat/completions
+  request (after a dialect's translation) first goes to a prefill instance with max_tokens 1, no stream and
+  `kv_transfer_params: {do_remote_decode: true, ...}`; the kv_transfer_params of its answer are added,
+  unchanged, to the client's request, which then goes to a decode replica as any request does (balancer,
+  retries, stream, disconnect). A prefill instance that cannot be reached is reported and another is
+  tried; none left: 503 naming them. An answer without kv_transfer_params: decode computes the prompt.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PD_PATHS = ("/v1/chat/completions", "/v1/completions")  # the routes a prefill-decode pair runs in two steps
+# What vllm-router sends a prefill instance (vLLM's NixlConnector protocol; engine/kv_transfer.py).
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 
@@ -75,6 +86,18 @@ class Proxy:
         path = dialect.upstream_path or path
         send_error = dialect.send_error
         key = affinity_key(body)
+        if pool.prefill and path in PD_PATHS:
+            try:
+                params = await until_disconnect(receive, self._prefill(pool, path, body, key))
+            except ClientDisconnected:
+                log.info("%s: client disconnected during the prefill step", model)
+                return
+            except APIError as exc:
+                await send_error(send, exc)
+                return
+            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # the pair's, never the client's
+            if params is not None:
+                body["kv_transfer_params"] = params
         tried: set[str] = set()
         while True:
             picked = pool.pick(key, exclude=tried)
@@ -138,6 +161,56 @@ class Proxy:
                 return
             finally:
                 release()
+
+    async def _prefill(self, pool: "ModelPool", path: str, body: dict[str, Any], key: str | None) -> Any:
+        """The first step of a prefill-decode pair: `body` (the upstream request) computed on a prefill
+        instance, which keeps the prompt's cache for the decode instance. Returns the kv_transfer_params
+        of its answer (None: it returned none; decode then computes the prompt), or raises the APIError
+        for the client."""
+        model = pool.name
+        tried: dict[str, str] = {}
+        while True:
+            picked = pool.pick_prefill(key, exclude=set(tried))
+            if picked is None:
+                if not tried:
+                    raise pool.unavailable_prefill()
+                why = "; ".join(f"{url}: {reason}" for url, reason in tried.items())
+                raise upstream_unavailable(model, f"no prefill instance could be reached ({why})")
+            replica, upstream = picked
+            up_body, _ = prepare_request(body, upstream.model_id)
+            up_body |= {"stream": False, "max_tokens": 1, "min_tokens": 1, "kv_transfer_params": dict(REMOTE_DECODE)}
+            up_body.pop("stream_options", None)
+            if "max_completion_tokens" in up_body:  # it wins over max_tokens
+                up_body["max_completion_tokens"] = 1
+            headers = {"Authorization": f"Bearer {upstream.api_key}"} if upstream.api_key else {}
+            pool.prefill_balancer.acquire(replica)
+            try:
+                response = await self.client.post(f"{upstream.url}{path}", json=up_body, headers=headers)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                log.warning("%s: cannot reach prefill instance %s (%s); trying another", model, upstream.url, exc)
+                upstream.report_failure(f"connection failed: {exc}")
+                tried[upstream.url] = f"connection failed: {exc}"
+                continue
+            except httpx.TimeoutException:
+                raise upstream_unavailable(model, f"the prefill instance {upstream.url} did not answer within the "
+                                                  f"read timeout of {self.timeouts.read:.0f} s") from None
+            except httpx.HTTPError as exc:
+                upstream.report_failure(str(exc))
+                raise upstream_unavailable(model, f"prefill instance {upstream.url}: {type(exc).__name__}: {exc}") \
+                    from None
+            finally:
+                pool.prefill_balancer.release(replica)
+            answer = upstream_body(response.content)
+            if response.status_code >= 400:
+                if response.status_code >= 500:
+                    log.warning("%s: prefill instance %s answered %d: %s", model, upstream.url,
+                                response.status_code, response.content[:300])
+                raise upstream_error(response.status_code, answer, response.headers)
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            if params is None:
+                log.info("%s: prefill instance %s returned no kv_transfer_params; decode computes the prompt",
+                         model, upstream.url)
+            return params
 
     async def _prompt_tokens(self, pool: "ModelPool", upstream: Any, body: dict[str, Any],
                              request: dict[str, Any] | None) -> int | None:
