@@ -104,6 +104,10 @@ class LLMEngine:
     media_processor = None  # images and video → pixels and placeholder text (a model with an encoder; loader.py)
     spec_num_drafts = spec_num_draft_tokens = spec_num_accepted_tokens = 0
     spec_accepted_per_pos: list[int] = []
+    # prefill-decode disaggregation off unless __init__ turns it on (never appended to then)
+    kv_transfer: KvTransfer | None = None
+    _handoffs: list = []
+    _pending: list = []
 
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig, workers: Workers | None = None):
         self.model = model
