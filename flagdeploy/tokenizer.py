@@ -98,7 +98,7 @@ def _gguf_tokenizer(path: Path):
     or read is skipped, never an error."""
     import transformers
 
-    from flagdeploy.loaders.source import cache_dir
+    from flagdeploy.checkpoints.source import cache_dir
 
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode())
@@ -128,7 +128,7 @@ def _saved_tokenizer(saved: Path):
     """A converted GGUF tokenizer read back: what a conversion writes is a plain tokenizer.json, which the
     fast tokenizer class reads directly. AutoTokenizer would first map every model family's classes (about
     a second of a server's start); it is the fallback for any other class name."""
-    from flagdeploy.loaders.safetensors_reader import optional_json
+    from flagdeploy.checkpoints.safetensors_reader import optional_json
 
     config = optional_json(saved / "tokenizer_config.json") or {}
     if config.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
@@ -144,7 +144,7 @@ def _processor_chat_template(path: Path) -> str | None:
     """A multimodal checkpoint's processor chat template (chat_template.json, as SmolVLM ships it), or None.
     It wins over the tokenizer's: it is the one that writes the media placeholders (transformers'
     `processor.apply_chat_template` uses it too)."""
-    from flagdeploy.loaders.safetensors_reader import optional_json
+    from flagdeploy.checkpoints.safetensors_reader import optional_json
 
     template = (optional_json(path / "chat_template.json") or {}).get("chat_template")
     return template if isinstance(template, str) else None

@@ -45,7 +45,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from flagdeploy.errors import FlagdeployError
-from flagdeploy.loaders.gguf_metadata import gguf_metadata
+from flagdeploy.checkpoints.gguf_metadata import gguf_metadata
 from flagdeploy.server.errors import APIError
 
 from .normalize import upstream_unavailable
@@ -119,7 +119,7 @@ CHATML = ChatTemplate(
 def load_template(model: str | None) -> ChatTemplate | None:
     """The chat template in a model's own files (a GGUF file, or a directory with a tokenizer
     config), found offline the way `serve --model` finds models; None if there is none to read."""
-    from flagdeploy.loaders.source import resolve
+    from flagdeploy.checkpoints.source import resolve
 
     if model is None:
         return None
