@@ -274,13 +274,15 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
 
     media = MediaPolicy.parse(limit_mm_per_prompt, allowed_media_domains)
     if profile_file and builtin:
-        (model, chip, port, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, served_names, tp, ep,
-         dp, profile_spec) = _from_profile(ctx, profile_file, model=model, chip=chip, port=port,
-                                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                                           served_names=served_names, tp=tp, ep=ep, dp=dp)
+        picked = _from_profile(ctx, profile_file, model=model, chip=chip, port=port, max_model_len=max_model_len,
+                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                               block_size=block_size, served_names=served_names, tp=tp, ep=ep, dp=dp)
+        model, chip, port, served_names = picked["model"], picked["chip"], picked["port"], picked["served_names"]
+        max_model_len, max_num_seqs = picked["max_model_len"], picked["max_num_seqs"]
+        max_num_batched_tokens, block_size = picked["max_num_batched_tokens"], picked["block_size"]
+        tp, ep, dp = picked["tp"], picked["ep"], picked["dp"]
         if not spec.enabled and speculative is None and speculative_config is None:
-            spec = profile_spec  # the plan's `--mtp`, unless the command line says otherwise
+            spec = picked["speculative"]  # the plan's `--mtp`, unless the command line says otherwise
     if builtin and chip:
         from flagdeploy import ops as fops
         from flagdeploy.edge import implied_engine
@@ -488,7 +490,8 @@ def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, ch
 
 
 def _from_profile(ctx, path: str, **given):
-    """Profile values for every serve option not given on the command line."""
+    """Profile values for every serve option not given on the command line, by the options' names (and the
+    plan's speculative decoding as "speculative")."""
     from click.core import ParameterSource
 
     from flagdeploy.chips import get_chip
@@ -520,9 +523,11 @@ def _from_profile(ctx, path: str, **given):
     from flagdeploy.engine.speculative import SpeculativeConfig
 
     spec = SpeculativeConfig(method="mtp" if prof.mtp else "off", num_speculative_tokens=prof.num_speculative_tokens)
-    return (pick("model", prof.model), pick("chip", backend), pick("port", prof.port), pick("max_model_len", prof.max_model_len),
-            pick("max_num_seqs", prof.max_num_seqs), pick("max_num_batched_tokens", prof.max_num_batched_tokens),
-            pick("block_size", prof.block_size), names, pick("tp", tp), pick("ep", ep), pick("dp", dp), spec)
+    return {"model": pick("model", prof.model), "chip": pick("chip", backend), "port": pick("port", prof.port),
+            "max_model_len": pick("max_model_len", prof.max_model_len), "max_num_seqs": pick("max_num_seqs", prof.max_num_seqs),
+            "max_num_batched_tokens": pick("max_num_batched_tokens", prof.max_num_batched_tokens),
+            "block_size": pick("block_size", prof.block_size), "served_names": names, "tp": pick("tp", tp),
+            "ep": pick("ep", ep), "dp": pick("dp", dp), "speculative": spec}
 
 
 def _print_plan(src, chip: str | None, max_model_len: int, max_num_seqs: int, kv_cache_memory: int, tp: int = 1,
