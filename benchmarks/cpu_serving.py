@@ -68,7 +68,7 @@ def bench_transformers(path, prompts, tokens: int) -> dict[str, float]:
 
 def bench_flagdeploy(path, fmt, prompts, tokens: int, weight_format: str, compile: bool = False) -> dict[str, float]:
     from flagdeploy.engine import EngineConfig, SamplingParams
-    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.replica import build_llm_engine
 
     engine = build_llm_engine(path, fmt, EngineConfig(max_model_len=1024, max_num_seqs=len(prompts),
                                                       weight_format=weight_format, compile=compile),
@@ -115,7 +115,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
 
-    from flagdeploy.loaders.source import resolve
+    from flagdeploy.checkpoints.source import resolve
     from flagdeploy.tokenizer import Tokenizer
 
     src = resolve(args.model)

@@ -18,9 +18,9 @@ import time
 import torch
 
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.loader import build_llm_engine
+from flagdeploy.engine.replica import build_llm_engine
 from flagdeploy.engine.speculative import SpeculativeConfig
-from flagdeploy.loaders.source import resolve
+from flagdeploy.checkpoints.source import resolve
 
 PARAGRAPH = (
     "The library opens at nine in the morning and closes at six in the evening. Visitors can borrow up to five "

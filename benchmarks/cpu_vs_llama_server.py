@@ -77,8 +77,8 @@ import httpx
 from cpu_serving import PROMPTS  # the in-process benchmark's prompts (this script runs from benchmarks/)
 
 from flagdeploy.bench.client import Endpoint, StreamResult, stream_request
-from flagdeploy.bench.loadgen import Prompt, ServeConfig, ServeResults, run_round
-from flagdeploy.loaders.source import cache_dir, resolve
+from flagdeploy.bench.loadgen import LoadConfig, Prompt, ServeResults, run_round
+from flagdeploy.checkpoints.source import cache_dir, resolve
 from flagdeploy.net import free_port
 
 LLAMA_CPP_PYTHON = "0.3.36"  # used when llama-cpp-python is not installed (the `gateway` extra)
@@ -325,7 +325,7 @@ async def measure(eps: dict[str, Endpoint], args: argparse.Namespace) -> dict[st
     the greedy answers with EOS honoured for the text comparison."""
     out: dict[str, dict] = {name: {} for name in eps}
     for key, concurrency, n in (("single", 1, 1), ("concurrent", args.concurrency, args.concurrency)):
-        cfg = ServeConfig(concurrencies=[concurrency], rounds=args.rounds + 1, ignore_eos=True)
+        cfg = LoadConfig(concurrencies=[concurrency], rounds=args.rounds + 1, ignore_eos=True)
         results = {name: ServeResults() for name in eps}
         engine_rates: dict[str, list[float]] = {name: [] for name in eps}
         for rnd in range(args.rounds + 1):
@@ -378,7 +378,7 @@ def flagdeploy_argv(port: int, args: argparse.Namespace) -> list[str]:
 async def first_request(ep: Endpoint, args: argparse.Namespace) -> float:
     """Output tokens/s of one request sent as soon as the server is ready (flagdeploy: while its decode
     step may still be compiling in the background)."""
-    cfg = ServeConfig(concurrencies=[1], rounds=1, ignore_eos=True)
+    cfg = LoadConfig(concurrencies=[1], rounds=1, ignore_eos=True)
     stats = await run_round(ep, prompts(1, args.max_tokens, offset=7), 1, 0, cfg, ServeResults())
     return stats.output_throughput
 
@@ -417,7 +417,7 @@ def in_process(args: argparse.Namespace) -> dict[str, float]:
     --compile etc. are EngineConfig's, so the decode step is the one the server settles to), the same chat
     prompts and forced token counts as the HTTP rounds; median tok/s of --rounds after a warm-up."""
     from flagdeploy.engine import EngineConfig, SamplingParams
-    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.replica import build_llm_engine
 
     src = resolve(args.model)
     log("in-process: building the engine with serve's defaults")

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.loader import build_llm_engine
-from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+from flagdeploy.engine.replica import build_llm_engine
+from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer
 
 CONFIG = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32000,

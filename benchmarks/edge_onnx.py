@@ -105,8 +105,8 @@ def main() -> None:
     from flagdeploy.edge.engine import build_onnx_engine
     from flagdeploy.edge.export import cached_export
     from flagdeploy.engine import EngineConfig
-    from flagdeploy.engine.loader import build_llm_engine
-    from flagdeploy.loaders.source import resolve
+    from flagdeploy.engine.replica import build_llm_engine
+    from flagdeploy.checkpoints.source import resolve
     from flagdeploy.tokenizer import Tokenizer
 
     src = resolve(None)

@@ -45,7 +45,7 @@ def main() -> None:
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
     from flagdeploy.engine import EngineConfig, SamplingParams
-    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.replica import build_llm_engine
 
     torch.manual_seed(0)
     hf16 = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=TEXT, vision_config=VISION)).eval()

@@ -7,7 +7,7 @@ The slice: layers 0-2 KDA (linear_attention), layer 3 MLA + DSA indexer (indexed
 MoE (288 routed experts of 2048, 8 per token, 1 shared expert), hidden 4096, 64 heads, 4 mHC streams:
 transformers 5.23's `Glm5NextTextConfig` defaults with num_hidden_layers=4 and all-sparse MLPs.
 Random bf16 weights of the real shapes, drawn on the GPU (N(0, 0.02), norm scales 1: the recipe of
-`engine.loader.init_dummy_weights`, which draws on the CPU and would take minutes at this size); our
+`engine.model_loading.init_dummy_weights`, which draws on the CPU and would take minutes at this size); our
 `Glm5NextForCausalLM` is built directly, and transformers' `Glm5NextTextModel` is given the very same
 tensors (aliased, no copy), so both run identical weights. The LM head is left out of both (it is no
 layer): our model's head is an identity, transformers' text model has none; both return the final

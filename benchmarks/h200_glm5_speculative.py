@@ -52,7 +52,7 @@ from h200_glm5_slice import (  # noqa: E402
 from flagdeploy import ops  # noqa: E402
 from flagdeploy.engine.model_runner import SequenceStateRunner  # noqa: E402
 from flagdeploy.engine.mtp import MtpProposer, MtpState  # noqa: E402
-from flagdeploy.engine.sampling import SamplingParams  # noqa: E402
+from flagdeploy.engine.request import SamplingParams  # noqa: E402
 from flagdeploy.engine.scheduler import ScheduledBatch  # noqa: E402
 from flagdeploy.engine.sequence import Sequence  # noqa: E402
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.loader import build_llm_engine
-from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+from flagdeploy.engine.replica import build_llm_engine
+from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer
 
 CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
           "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

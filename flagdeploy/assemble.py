@@ -12,7 +12,7 @@ serving process, taken by every way the builtin engine is served:
   same start-up (`builtin_app`, `run_server`).
 
 From here a request goes to server/app.py's create_app (the routes, one module per protocol) and the engine
-that `load` builds (engine/loader.py).
+that `load` builds (engine/replica.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from flagdeploy.units import parse_bytes
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine, EngineConfig
-    from flagdeploy.loaders.source import ModelSource
+    from flagdeploy.checkpoints.source import ModelSource
 
 # The one vocabulary of a builtin model's options: serve.yaml `args` of an `engine: builtin` entry (whatever its
 # `replicas`) by name -> the `flagdeploy serve` flag that carries it (how a launched replica is passed it).
@@ -154,8 +154,8 @@ def _convert(name: str, value: Any) -> Any:
 def checked_source(model: str | None, weights: bool = True) -> "ModelSource":
     """The model resolved (downloaded if it is a hub id) and its header or config read: a wrong path or an
     unsupported model fails here, before a server or a replica starts."""
-    from flagdeploy.engine.loader import check_source
-    from flagdeploy.loaders.source import resolve
+    from flagdeploy.engine.model_loading import check_source
+    from flagdeploy.checkpoints.source import resolve
 
     src = resolve(model, weights=weights)
     check_source(src.path, src.format, weights)
@@ -165,7 +165,7 @@ def checked_source(model: str | None, weights: bool = True) -> "ModelSource":
 def check_split(src: "ModelSource", options: ServeOptions) -> None:
     """Refuse a --tp x --ep split the model cannot take before any rank starts."""
     if options.tp * options.ep > 1:
-        from flagdeploy.engine.loader import check_split as check
+        from flagdeploy.engine.model_loading import check_split as check
 
         check(src.path, src.format, options.engine_config())
 
@@ -186,9 +186,9 @@ def builtin_app(options: ServeOptions, load: Callable[[], "AsyncEngine"], names:
 
 def engine_loader(options: ServeOptions, src: "ModelSource", *, progress: bool = False, nodes=None,
                   config: "EngineConfig | None" = None) -> Callable[[], "AsyncEngine"]:
-    """What builds the builtin engine for `options` (engine/loader.py), to run on the app's loading thread."""
+    """What builds the builtin engine for `options` (engine/replica.py), to run on the app's loading thread."""
     from flagdeploy.engine import AsyncEngine
-    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.replica import build_llm_engine
 
     config = config or options.engine_config()
 

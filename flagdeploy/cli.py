@@ -298,13 +298,15 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
 
     media = MediaPolicy.parse(limit_mm_per_prompt, allowed_media_domains)
     if profile_file and builtin:
-        (model, chip, port, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, served_names, tp, ep,
-         dp, profile_spec) = _from_profile(ctx, profile_file, model=model, chip=chip, port=port,
-                                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                                           served_names=served_names, tp=tp, ep=ep, dp=dp)
+        picked = _from_profile(ctx, profile_file, model=model, chip=chip, port=port, max_model_len=max_model_len,
+                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                               block_size=block_size, served_names=served_names, tp=tp, ep=ep, dp=dp)
+        model, chip, port, served_names = picked["model"], picked["chip"], picked["port"], picked["served_names"]
+        max_model_len, max_num_seqs = picked["max_model_len"], picked["max_num_seqs"]
+        max_num_batched_tokens, block_size = picked["max_num_batched_tokens"], picked["block_size"]
+        tp, ep, dp = picked["tp"], picked["ep"], picked["dp"]
         if not spec.enabled and speculative is None and speculative_config is None:
-            spec = profile_spec  # the plan's `--mtp`, unless the command line says otherwise
+            spec = picked["speculative"]  # the plan's `--mtp`, unless the command line says otherwise
     if builtin and chip:
         from flagdeploy import ops as fops
         from flagdeploy.edge import implied_engine
@@ -353,7 +355,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
         _parse_bytes(kv_cache_memory)  # a bad size fails here, not K times in the replicas
         if tp * ep > 1:  # so does a split the model cannot take (each replica used to be restarted on it)
             from flagdeploy import assemble
-            from flagdeploy.loaders.source import resolve
+            from flagdeploy.checkpoints.source import resolve
 
             try:
                 assemble.check_split(resolve(model, weights=load_format != "dummy"), options())
@@ -515,7 +517,8 @@ def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, ch
 
 
 def _from_profile(ctx, path: str, **given):
-    """Profile values for every serve option not given on the command line."""
+    """Profile values for every serve option not given on the command line, by the options' names (and the
+    plan's speculative decoding as "speculative")."""
     from click.core import ParameterSource
 
     from flagdeploy.chips import get_chip
@@ -547,9 +550,11 @@ def _from_profile(ctx, path: str, **given):
     from flagdeploy.engine.speculative import SpeculativeConfig
 
     spec = SpeculativeConfig(method="mtp" if prof.mtp else "off", num_speculative_tokens=prof.num_speculative_tokens)
-    return (pick("model", prof.model), pick("chip", backend), pick("port", prof.port), pick("max_model_len", prof.max_model_len),
-            pick("max_num_seqs", prof.max_num_seqs), pick("max_num_batched_tokens", prof.max_num_batched_tokens),
-            pick("block_size", prof.block_size), names, pick("tp", tp), pick("ep", ep), pick("dp", dp), spec)
+    return {"model": pick("model", prof.model), "chip": pick("chip", backend), "port": pick("port", prof.port),
+            "max_model_len": pick("max_model_len", prof.max_model_len), "max_num_seqs": pick("max_num_seqs", prof.max_num_seqs),
+            "max_num_batched_tokens": pick("max_num_batched_tokens", prof.max_num_batched_tokens),
+            "block_size": pick("block_size", prof.block_size), "served_names": names, "tp": pick("tp", tp),
+            "ep": pick("ep", ep), "dp": pick("dp", dp), "speculative": spec}
 
 
 def _print_plan(src, chip: str | None, max_model_len: int, max_num_seqs: int, kv_cache_memory: int, tp: int = 1,
@@ -611,7 +616,7 @@ def _check_port(host: str, port: int) -> None:
 @click.argument("source", required=False)
 def pull(source) -> None:
     """Fetch a model into the cache (default: the embedded SmolLM2-135M-Instruct)."""
-    from flagdeploy.loaders.source import pull as do_pull
+    from flagdeploy.checkpoints.source import pull as do_pull
 
     try:
         src = do_pull(source)
@@ -623,7 +628,7 @@ def pull(source) -> None:
 @main.command()
 def models() -> None:
     """List the models in the cache."""
-    from flagdeploy.loaders.source import cache_dir, list_cached
+    from flagdeploy.checkpoints.source import cache_dir, list_cached
 
     found = list_cached()
     if not found:
@@ -974,7 +979,7 @@ def install(chip, engine, dry_run, yes, download_only, offline, index_url, vendo
                 inst.install(plan, Path(wheels))
         inst.write_env_file(plan, Path(env_file).resolve())
         if plan.backend == "cpu":  # the builtin CPU path is ready to serve: fetch its default model too
-            from flagdeploy.loaders.source import pull
+            from flagdeploy.checkpoints.source import pull
 
             pull(None)
         facts = inst.verify(plan)

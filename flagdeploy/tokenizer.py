@@ -33,7 +33,9 @@ class Tokenizer:
                 from transformers import AutoTokenizer
 
                 tok = AutoTokenizer.from_pretrained(str(path))
-                tok.chat_template = _processor_chat_template(path) or getattr(tok, "chat_template", None)
+                template = chat_template_source(path)
+                if isinstance(template, str):  # named templates (a list) stay as transformers read them
+                    tok.chat_template = template
         except Exception as exc:
             raise ModelLoadError(
                 f"The tokenizer of {path} could not be loaded ({exc}). A GGUF file must carry its "
@@ -98,7 +100,7 @@ def _gguf_tokenizer(path: Path):
     or read is skipped, never an error."""
     import transformers
 
-    from flagdeploy.loaders.source import cache_dir
+    from flagdeploy.checkpoints.source import cache_dir
 
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode())
@@ -128,7 +130,7 @@ def _saved_tokenizer(saved: Path):
     """A converted GGUF tokenizer read back: what a conversion writes is a plain tokenizer.json, which the
     fast tokenizer class reads directly. AutoTokenizer would first map every model family's classes (about
     a second of a server's start); it is the fallback for any other class name."""
-    from flagdeploy.loaders.safetensors_reader import optional_json
+    from flagdeploy.checkpoints.safetensors_reader import optional_json
 
     config = optional_json(saved / "tokenizer_config.json") or {}
     if config.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
@@ -140,14 +142,21 @@ def _saved_tokenizer(saved: Path):
     return AutoTokenizer.from_pretrained(str(saved))
 
 
-def _processor_chat_template(path: Path) -> str | None:
-    """A multimodal checkpoint's processor chat template (chat_template.json, as SmolVLM ships it), or None.
-    It wins over the tokenizer's: it is the one that writes the media placeholders (transformers'
-    `processor.apply_chat_template` uses it too)."""
-    from flagdeploy.loaders.safetensors_reader import optional_json
+def chat_template_source(path: Path) -> str | list | None:
+    """The chat template of a checkpoint directory, by the one precedence both the builtin engine's prompt
+    (`Tokenizer.from_source`) and the gateway's prompt count (gateway/tokens.py) read it with: a multimodal
+    processor's (chat_template.json, as SmolVLM ships it: it writes the media placeholders, and transformers'
+    `processor.apply_chat_template` uses it too), then chat_template.jinja (transformers >= 4.43 saves it beside
+    the config), then tokenizer_config.json's (a list: named templates). None: the checkpoint has none."""
+    from flagdeploy.checkpoints.safetensors_reader import optional_json
 
     template = (optional_json(path / "chat_template.json") or {}).get("chat_template")
-    return template if isinstance(template, str) else None
+    if isinstance(template, str):
+        return template
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    template = (optional_json(path / "tokenizer_config.json") or {}).get("chat_template")
+    return template if isinstance(template, (str, list)) else None
 
 
 class IncrementalDetokenizer:

@@ -56,7 +56,7 @@ def format_table(report: dict, worst: int = 8) -> str:
 
 def _logits(path: Path, ids: list[int], window: int) -> torch.Tensor:
     """Next-token logits at every position, in windows of `window` tokens (each window from scratch)."""
-    from flagdeploy.engine.loader import load_model
+    from flagdeploy.engine.replica import load_model
 
     model, _ = load_model(path, "safetensors", torch.float32, "cpu", progress=False)
     model.prepare(window)

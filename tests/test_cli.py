@@ -278,7 +278,7 @@ def test_a_preset_names_its_checkpoint_in_every_command(tmp_path):
     """`--model glm-5.3-flash` is the planner's preset in plan/deploy and the checkpoint it describes in
     serve/pull: deploy's profile carries the hub id (serve on it used to fail: "Unknown model source")."""
     from flagdeploy.errors import FlagdeployError
-    from flagdeploy.loaders import source
+    from flagdeploy.checkpoints import source
     from flagdeploy.planner import Profile
 
     with pytest.raises(FlagdeployError, match="zai-org/GLM-5.3-Flash is not in the cache"):

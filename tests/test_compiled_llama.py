@@ -14,9 +14,9 @@ from conftest import write_tiny_llama
 
 from flagdeploy import ops
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.cuda_graphs import DecodeInputs
+from flagdeploy.engine.decode_inputs import DecodeInputs
 from flagdeploy.engine.llm_engine import LLMEngine
-from flagdeploy.engine.loader import build_llm_engine, load_model
+from flagdeploy.engine.replica import build_llm_engine, load_model
 from flagdeploy.models.linear import Linear
 from flagdeploy.ops.weights import Int4Weight
 

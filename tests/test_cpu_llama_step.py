@@ -13,10 +13,10 @@ from flagdeploy.backends.cpu import native
 
 from flagdeploy import ops
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.cuda_graphs import DecodeInputs
+from flagdeploy.engine.decode_inputs import DecodeInputs
 from flagdeploy.engine.llm_engine import LLMEngine
-from flagdeploy.engine.loader import load_model
-from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+from flagdeploy.engine.replica import load_model
+from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer
 from flagdeploy.models.linear import Linear
 from flagdeploy.ops.weights import Int4Weight
 

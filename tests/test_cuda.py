@@ -41,7 +41,7 @@ def test_grouped_gemm_experts_match_the_reference():
 
 def _engine(path, **kw):
     from flagdeploy.engine import EngineConfig
-    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.replica import build_llm_engine
 
     cfg = dict(max_model_len=256, block_size=16, kv_cache_memory=64 << 20, dtype=torch.float32)
     cfg.update(kw)
@@ -62,7 +62,7 @@ def test_glm5_next_on_the_gpu_matches_transformers_on_the_gpu(tmp_path):
     if not hasattr(transformers, "Glm5NextForConditionalGeneration"):
         pytest.skip("this transformers has no glm5_next (5.23 ships it)")
     from flagdeploy.engine import SamplingParams
-    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+    from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 
     src = write_tiny_glm5_next(tmp_path / "glm", index_topk=256)
     ids = torch.randint(2, 64, (40,), generator=torch.Generator().manual_seed(1))
@@ -86,7 +86,7 @@ def test_glm5_next_decode_graphs_match_eager_and_transformers(tmp_path):
     if not hasattr(transformers, "Glm5NextForConditionalGeneration"):
         pytest.skip("this transformers has no glm5_next (5.23 ships it)")
     from flagdeploy.engine import SamplingParams
-    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+    from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 
     src = write_tiny_glm5_next(tmp_path / "glm")
     gen = torch.Generator().manual_seed(2)
@@ -144,7 +144,7 @@ def test_fp8_glm5_next_keeps_fp8_weights_on_the_gpu(tmp_path):
     """An FP8 checkpoint on an FP8 GPU: the MLA projections and the routed experts stay FP8, the logits
     stay near the dequantised model's (the activations are quantised to FP8 too), and decoding through
     the CUDA graphs (FP8 experts in the Triton kernels) gives the eager engine's tokens."""
-    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+    from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
     from flagdeploy.ops.weights import Fp8BlockWeight
 
     src = write_tiny_glm5_next(tmp_path / "fp8", fp8=True, index_topk=256)
@@ -186,7 +186,7 @@ def test_mtp_speculation_on_the_gpu_is_exact_and_accepts_an_agreeing_layer(tmp_p
 
     from flagdeploy.engine import SamplingParams
     from flagdeploy.engine.speculative import SpeculativeConfig
-    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+    from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 
     src = write_tiny_glm5_next(tmp_path / "glm", mtp=True, seed=3)
     gen = torch.Generator().manual_seed(4)
@@ -281,9 +281,9 @@ def test_greedy_tokens_at_indexer_ties_on_the_gpu_graphed_eager_and_the_cpu(tmp_
     from conftest import TIED_INDEXER, greedy_in_every_arrangement
 
     from flagdeploy.engine import EngineConfig, SamplingParams
-    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.replica import build_llm_engine
     from flagdeploy.engine.speculative import SpeculativeConfig
-    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+    from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 
     src = write_tiny_glm5_next(tmp_path / "glm", mtp=True, **TIED_INDEXER)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.loader import build_llm_engine
-from flagdeploy.loaders.source import ModelSourceError, resolve
-from flagdeploy.loaders.tiny_checkpoint import TINY_TEXT, TINY_VISION, write_word_tokenizer
+from flagdeploy.engine.replica import build_llm_engine
+from flagdeploy.checkpoints.source import ModelSourceError, resolve
+from flagdeploy.checkpoints.tiny_checkpoint import TINY_TEXT, TINY_VISION, write_word_tokenizer
 
 CONFIGS = {
     "llama": {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,

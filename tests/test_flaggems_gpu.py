@@ -75,7 +75,7 @@ def _flaggems_chosen(be) -> list[str]:
 
 def _engine(path, be, **kw):
     from flagdeploy.engine import EngineConfig
-    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.replica import build_llm_engine
 
     cfg = dict(max_model_len=256, block_size=16, kv_cache_memory=64 << 20, dtype=torch.float32)
     cfg.update(kw)
@@ -111,7 +111,7 @@ def test_glm5_next_through_the_generic_backend_matches_transformers(generic, tmp
     if not hasattr(transformers, "Glm5NextForConditionalGeneration"):
         pytest.skip("this transformers has no glm5_next (5.23 ships it)")
     from flagdeploy.engine import SamplingParams
-    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+    from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 
     be, _ = generic
     src = write_tiny_glm5_next(tmp_path / "glm", index_topk=256)

@@ -211,7 +211,7 @@ def test_tiny_llama_end_to_end_through_flaggems_matches_transformers(fresh, tmp_
     from conftest import write_tiny_llama
 
     from flagdeploy.engine import EngineConfig, SamplingParams
-    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.replica import build_llm_engine
 
     ref = write_tiny_llama(tmp_path / "llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                            num_attention_heads=4, max_position_embeddings=256)

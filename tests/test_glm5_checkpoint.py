@@ -1,4 +1,4 @@
-"""A tiny GLM-5.3-Flash checkpoint in the published layout (flagdeploy.loaders.tiny_checkpoint), loaded
+"""A tiny GLM-5.3-Flash checkpoint in the published layout (flagdeploy.checkpoints.tiny_checkpoint), loaded
 by transformers and by flagdeploy from the same files: BF16, FP8 block-scaled, written atomically, and a
 bad config rejected before any weight is read."""
 
@@ -17,10 +17,10 @@ from conftest import ties_keep_the_lower_index  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from transformers import AutoConfig, FineGrainedFP8Config, Glm5NextForConditionalGeneration  # noqa: E402
 
-from flagdeploy.engine.loader import check_source, load_model  # noqa: E402
+from flagdeploy.engine.replica import check_source, load_model  # noqa: E402
 from flagdeploy.errors import ModelLoadError  # noqa: E402
-from flagdeploy.loaders import safetensors_reader, tiny_checkpoint  # noqa: E402
-from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next  # noqa: E402
+from flagdeploy.checkpoints import safetensors_reader, tiny_checkpoint  # noqa: E402
+from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next  # noqa: E402
 from flagdeploy.models import build_model, load_weights  # noqa: E402
 
 # float32 on both sides from the same stored values; the remaining difference is summation order.
@@ -147,7 +147,7 @@ def test_auto_keeps_bf16_experts_bf16(bf16_dir, fp8_dir):
 def test_bf16_directory_is_servable(bf16_dir):
     """Tokenizer and chat template included: the engine's greedy tokens are transformers' (full forward)."""
     from flagdeploy.engine import EngineConfig, SamplingParams
-    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.replica import build_llm_engine
 
     engine = build_llm_engine(Path(bf16_dir), "safetensors", EngineConfig(max_model_len=64), chip="cpu",
                               progress=False)

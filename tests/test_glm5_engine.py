@@ -11,8 +11,8 @@ from test_glm5_next import TEXT, _hf_model
 
 from flagdeploy.backends.cpu import ops as cpu_ops
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.loader import build_llm_engine
-from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+from flagdeploy.engine.replica import build_llm_engine
+from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer
 from flagdeploy.ops.registry import OPS
 
 PROMPTS = [[5, 9, 13, 22, 7, 31, 40, 3, 11, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 6, 8],

@@ -23,9 +23,9 @@ from transformers import (  # noqa: E402
 )
 
 from flagdeploy.engine import EngineConfig, SamplingParams  # noqa: E402
-from flagdeploy.engine.loader import build_llm_engine  # noqa: E402
+from flagdeploy.engine.replica import build_llm_engine  # noqa: E402
 from flagdeploy.engine.multimodal import MediaItem  # noqa: E402
-from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer  # noqa: E402
+from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer  # noqa: E402
 from flagdeploy.models.glm5_next import (  # noqa: E402
     Glm5NextForCausalLM,
     from_hf_config,

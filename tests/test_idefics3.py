@@ -12,11 +12,11 @@ from PIL import Image
 from transformers import AutoTokenizer, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil, Idefics3Processor
 
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.loader import build_llm_engine
+from flagdeploy.engine.replica import build_llm_engine
 from flagdeploy.engine.model_loading import load_model
 from flagdeploy.engine.multimodal import MediaItem
-from flagdeploy.loaders import safetensors_reader
-from flagdeploy.loaders.tiny_idefics3 import write_tiny_idefics3
+from flagdeploy.checkpoints import safetensors_reader
+from flagdeploy.checkpoints.tiny_idefics3 import write_tiny_idefics3
 from flagdeploy.models import media_processor
 from flagdeploy.tokenizer import Tokenizer
 

@@ -7,8 +7,8 @@ import torch
 import transformers
 
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.loader import build_llm_engine
-from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+from flagdeploy.engine.replica import build_llm_engine
+from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer
 from flagdeploy.models.attention import AttentionMetadata
 
 PROMPTS = [

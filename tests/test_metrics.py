@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import LiveServer, _serve, _wait_ready, serve_loaded
 
-from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer
 from flagdeploy.server import create_app
 
 TINY = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,

@@ -23,12 +23,12 @@ from safetensors import safe_open
 
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine import mtp as engine_mtp
-from flagdeploy.engine.loader import build_llm_engine, load_model
+from flagdeploy.engine.replica import build_llm_engine, load_model
 from flagdeploy.engine.mtp import MtpProposer, MtpState
 from flagdeploy.engine.llm_engine import build_proposer
 from flagdeploy.engine.speculative import SpeculativeConfig
 from flagdeploy.errors import ModelLoadError
-from flagdeploy.loaders.tiny_checkpoint import (
+from flagdeploy.checkpoints.tiny_checkpoint import (
     TEXT_PREFIX,
     TINY_TEXT,
     write_tiny_glm5_next,

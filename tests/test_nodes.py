@@ -20,10 +20,10 @@ from test_tensor_parallel import _checkpoint as _llama_checkpoint
 
 from flagdeploy import parallel
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.loader import build_llm_engine
+from flagdeploy.engine.replica import build_llm_engine
 from flagdeploy.engine.nodes import NodeGroup
 from flagdeploy.errors import ModelLoadError
-from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 
 
 def _headless(path, config, nodes, codes) -> None:

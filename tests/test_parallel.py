@@ -54,7 +54,7 @@ def _hccl_rank(rank: int, init_method: str, path: str, ids: list[int], results) 
     """One rank of a TP=2 llama on the ascend backend, through the stand-in, its collectives on "hccl"."""
     import torch.distributed as dist
 
-    from flagdeploy.engine.loader import load_model
+    from flagdeploy.engine.replica import load_model
     from flagdeploy.tokenizer import Tokenizer
 
     # transformers looks for torch_npu's attention kernels once, when a tokenizer is first loaded: let it
@@ -79,8 +79,8 @@ def test_tensor_parallel_over_hccl_on_the_stand_in(tmp_path):
     row-parallel sums and vocabulary gathers go through that group: both ranks' logits equal one process's
     on the cpu backend."""
     transformers = pytest.importorskip("transformers")
-    from flagdeploy.engine.loader import load_model
-    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+    from flagdeploy.engine.replica import load_model
+    from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer
 
     cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

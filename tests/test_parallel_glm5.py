@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from flagdeploy import ops, parallel
-from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 from flagdeploy.models.glm5_next import Glm5NextForCausalLM, from_hf_config, load_hf_weights
 from flagdeploy.parallel import ParallelConfig, Shard
 
@@ -42,7 +42,7 @@ def _run(model) -> dict:
 
 
 def _worker(rank: int, tp: int, ep: int, init_method: str, ckpt: str, out: str) -> None:
-    from flagdeploy.engine.loader import load_model
+    from flagdeploy.engine.replica import load_model
 
     torch.set_num_threads(1)
     ops.use_backend("cpu")
@@ -61,7 +61,7 @@ def _worker(rank: int, tp: int, ep: int, init_method: str, ckpt: str, out: str) 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """The tiny checkpoint (BF16 as published, and FP8 block-scaled) and one process's results on it."""
-    from flagdeploy.engine.loader import load_model
+    from flagdeploy.engine.replica import load_model
 
     ops.use_backend("cpu")
     out = {}
@@ -151,7 +151,7 @@ def test_read_plan(ckpt, monkeypatch):
 def test_reader_slices_16bit_tensors_and_reads_fp8_ones_whole(tmp_path, monkeypatch):
     """The safetensors reader follows read_plan: other ranks' experts are never read, BF16 tensors are
     read as this rank's slice, FP8 weights whole (their blocks must meet their scales)."""
-    from flagdeploy.loaders import safetensors_reader
+    from flagdeploy.checkpoints import safetensors_reader
 
     path = tmp_path / "fp8"
     write_tiny_glm5_next(path, fp8=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flagdeploy.errors import UnknownChipError
-from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 from flagdeploy.planner import Layout, PlanRequest, make_plan
 from flagdeploy.planner.ledger import cache_shape, load_config, weight_groups
 from flagdeploy.planner.report import to_json
@@ -72,7 +72,7 @@ def test_ledger_bytes_of_a_policy_equal_the_converted_checkpoint(tmp_path):
 
 def test_kv_and_state_agree_with_our_engine(tmp_path):
     """KV bytes per token as our engine's block pools allocate them, KDA state as our model keeps it."""
-    from flagdeploy.engine.loader import load_model
+    from flagdeploy.engine.replica import load_model
     from flagdeploy.engine.model_runner import PagedRunner
     from flagdeploy.models import build_model, config_from_hf
 

@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from flagdeploy.engine.loader import load_model
+from flagdeploy.engine.replica import load_model
 from flagdeploy.errors import FlagdeployError
-from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 from flagdeploy.ops.weights import Int8Weight, W8A8Weight
 from flagdeploy.quantize import PolicyError, QuantizeError, quantize
 from flagdeploy.quantize.shards import CorruptShardError
@@ -351,7 +351,7 @@ def test_cli_reports_errors_without_a_traceback(src, tmp_path):
 
 def test_engine_serves_the_converted_glm5_next(no_fp8):
     from flagdeploy.engine import EngineConfig, SamplingParams
-    from flagdeploy.engine.loader import build_llm_engine
+    from flagdeploy.engine.replica import build_llm_engine
 
     engine = build_llm_engine(no_fp8[0], "safetensors", EngineConfig(max_model_len=128, kv_cache_memory=8 << 20),
                               chip="cpu", progress=False)
@@ -367,7 +367,7 @@ def test_llama_checkpoint_through_the_no_fp8_policy(tmp_path):
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "src")
-    from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+    from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer
 
     write_word_tokenizer(tmp_path / "src", 211)
     quantize(tmp_path / "src", tmp_path / "int8", chip="ascend910b", progress=False)

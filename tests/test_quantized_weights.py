@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 
 from conftest import make_engine
 from flagdeploy.engine import SamplingParams
-from flagdeploy.loaders import gguf_reader
+from flagdeploy.checkpoints import gguf_reader
 from flagdeploy.ops.weights import Int4Weight
 
 
@@ -88,7 +88,7 @@ def test_packed_prompt_computes_the_same_after_a_prefix_cache_hit(engines):
     assert len(first) == 4 and second == first
 
 
-# ---- the GGUF header and tensor table (loaders/gguf_file.py) ---------------------------------------------
+# ---- the GGUF header and tensor table (checkpoints/gguf_file.py) ---------------------------------------------
 
 
 def _same_as_gguf_reader(path, nested: frozenset[str] = frozenset()) -> None:
@@ -96,7 +96,7 @@ def _same_as_gguf_reader(path, nested: frozenset[str] = frozenset()) -> None:
     arrays of arrays, which its `contents()` flattens into one list)."""
     from gguf import GGUFReader
 
-    from flagdeploy.loaders.gguf_file import GGUFFile
+    from flagdeploy.checkpoints.gguf_file import GGUFFile
 
     ours, theirs = GGUFFile(path), GGUFReader(path)
     keys = [k for k in theirs.fields if not k.startswith("GGUF.")]  # GGUFReader's own header entries
@@ -143,7 +143,7 @@ def test_gguf_file_reads_every_value_type_and_tensor_layout(tmp_path):
     w.write_tensors_to_file()
     w.close()
     _same_as_gguf_reader(path, nested=frozenset({"t.nested"}))
-    from flagdeploy.loaders.gguf_file import GGUFFile
+    from flagdeploy.checkpoints.gguf_file import GGUFFile
 
     f = GGUFFile(path)
     assert f.get("t.nested") == [[1, 2], [3]] and f.array_len("t.strs") == 3 and f.get("absent", 7) == 7

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 from test_server import API_KEY, LiveServer, _serve, _wait_ready, serve_loaded
 
-from flagdeploy.engine.sampling import RequestOutput
+from flagdeploy.engine.request import RequestOutput
 from flagdeploy.server import create_app
 from flagdeploy.server.reasoning import REASONING_PARSERS, ReasoningParser, prompt_opens_reasoning, split
 

@@ -25,7 +25,7 @@ from test_glm5_multimodal import IDS, TEXT, _hf_model, greedy  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from transformers import Glm5NextImageProcessorPil  # noqa: E402
 
-from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer  # noqa: E402
+from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer  # noqa: E402
 
 STEPS = 6
 SPECIALS = {IDS["image_start_token_id"]: "<|begin_of_image|>", IDS["image_end_token_id"]: "<|end_of_image|>",

@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from flagdeploy.loaders.tiny_checkpoint import _config
+from flagdeploy.checkpoints.tiny_checkpoint import _config
 from flagdeploy.planner.shapes import checkpoint_tensors, parameter_count
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,

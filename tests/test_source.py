@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from flagdeploy.loaders import source
-from flagdeploy.loaders.source import (DEFAULT_MODEL, ModelSource, ModelSourceError, cache_dir, list_cached, pull,
+from flagdeploy.checkpoints import source
+from flagdeploy.checkpoints.source import (DEFAULT_MODEL, ModelSource, ModelSourceError, cache_dir, list_cached, pull,
                                        resolve)
 
 REAL = source.BUNDLED[DEFAULT_MODEL]

@@ -11,7 +11,7 @@ from conftest import generate_with_an_abort, graphs_on_the_cpu
 from test_glm5_engine import glm_dir  # noqa: F401  (the module-scoped tiny checkpoint)
 
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.loader import build_llm_engine
+from flagdeploy.engine.replica import build_llm_engine
 from flagdeploy.engine.speculative import Proposer, SpeculativeConfig
 
 PROMPTS = [[5, 9, 13, 22, 7, 5, 9, 13, 22, 7, 5, 9], [12, 14, 16, 12, 14], [33, 35, 37, 39, 41, 33, 35, 37, 2]]

@@ -15,8 +15,8 @@ import transformers
 
 from flagdeploy import parallel
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.loader import build_llm_engine
-from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next, write_word_tokenizer
+from flagdeploy.engine.replica import build_llm_engine
+from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next, write_word_tokenizer
 
 PROMPTS = [[5, 17, 42, 99, 3, 150, 7, 8, 9, 11], [200, 1, 33], list(range(40, 75))]
 # The same agreement over NCCL where two GPUs are lent (skipped elsewhere); float32 matmuls on a GPU

@@ -11,7 +11,7 @@ import pytest
 from test_metrics import TINY
 from test_server import _serve, _wait_ready
 
-from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer
+from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer
 from flagdeploy.server import create_app
 
 LONG = {"model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 120, "ignore_eos": True}

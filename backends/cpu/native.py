@@ -119,7 +119,7 @@ def available() -> bool:
                     "on torch's int4 kernel (and quantize converts slower). Install g++ (or set CXX) to get them.",
                     _cxx())
         return False
-    from flagdeploy.loaders.source import cache_dir
+    from flagdeploy.checkpoints.source import cache_dir
 
     code = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))  # the .cpp sources and their headers
     key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode())

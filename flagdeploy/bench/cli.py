@@ -136,7 +136,7 @@ class _Load:
     the same order with the same arrivals, however often it is run."""
 
     levels: list[int]
-    cfg: object  # loadgen.ServeConfig
+    cfg: object  # loadgen.LoadConfig
     make: object  # n -> list[Prompt]
     check: tuple[str, dict]  # the streaming check: path and body of a request shaped like the load's
     dataset: str | None
@@ -152,10 +152,10 @@ class _Load:
 
 def _load(concurrency, input_len, output_len, rounds, num_prompts, dataset, request_rate, seed, vocab_size,
           ignore_eos) -> _Load:
-    from flagdeploy.bench.loadgen import ServeConfig, dataset_prompts, random_prompts
+    from flagdeploy.bench.loadgen import LoadConfig, dataset_prompts, random_prompts
 
     levels = _int_list(concurrency)
-    cfg = ServeConfig(concurrencies=levels, rounds=rounds, num_prompts=num_prompts, request_rate=request_rate,
+    cfg = LoadConfig(concurrencies=levels, rounds=rounds, num_prompts=num_prompts, request_rate=request_rate,
                       seed=seed, ignore_eos=ignore_eos)
     try:
         if dataset:

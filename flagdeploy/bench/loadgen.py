@@ -98,7 +98,7 @@ def dataset_prompts(path: str | Path, n: int, output_len: int, seed: int) -> lis
 
 
 @dataclass
-class ServeConfig:
+class LoadConfig:
     concurrencies: list[int]
     rounds: int = 3
     num_prompts: int = 0  # per round; 0: 4 x concurrency
@@ -151,7 +151,7 @@ async def _one(client: httpx.AsyncClient, ep: Endpoint, p: Prompt, rec: RequestR
         rec.error = "the stream ended without any output"
 
 
-async def run_round(ep: Endpoint, prompts: list[Prompt], concurrency: int, round_no: int, cfg: ServeConfig,
+async def run_round(ep: Endpoint, prompts: list[Prompt], concurrency: int, round_no: int, cfg: LoadConfig,
                     results: ServeResults, on_done: Callable[[], None] = lambda: None) -> RoundStats:
     """Send `prompts` at `concurrency`; records go into `results` as they are created."""
     records = [RequestRecord(start=0.0, concurrency=concurrency, round=round_no, index=i) for i in range(len(prompts))]
@@ -196,7 +196,7 @@ def _tqdm_disable(progress: bool | None) -> bool | None:
     return None if progress is None else not progress
 
 
-async def run_serve(ep: Endpoint, make_prompts: Callable[[int], list[Prompt]], cfg: ServeConfig,
+async def run_serve(ep: Endpoint, make_prompts: Callable[[int], list[Prompt]], cfg: LoadConfig,
                     results: ServeResults, progress: bool | None = None) -> ServeResults:
     """All rounds at all concurrencies, in order. A KeyboardInterrupt (Ctrl-C) cancels the task running
     this; the caller keeps `results`."""

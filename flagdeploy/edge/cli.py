@@ -37,7 +37,7 @@ def export_onnx_cmd(model, output, weights, target, block_size, int4_method, ove
     and a flagdeploy-onnx.json manifest. Serve it with `flagdeploy serve --engine onnxruntime --model DIR`."""
     from pathlib import Path
 
-    from flagdeploy.loaders.source import resolve
+    from flagdeploy.checkpoints.source import resolve
 
     from .export import ExportError, export_onnx
 
@@ -70,7 +70,7 @@ def serve_onnx(options, *, host: str, port: int, log_level: str, weights: str = 
     if model and (Path(model) / "flagdeploy-onnx.json").exists():
         default_name = Path(model).name
     else:
-        from flagdeploy.loaders.source import resolve
+        from flagdeploy.checkpoints.source import resolve
 
         try:
             default_name = resolve(model).name

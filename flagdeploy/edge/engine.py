@@ -311,7 +311,7 @@ def resolve_export(model: str | Path | None, weights: str = "int4", ep: str = "C
     """An export directory as given, or the cached export of a model source (made on first use)."""
     if model is not None and (Path(model) / "flagdeploy-onnx.json").exists():
         return Path(model)
-    from flagdeploy.loaders.source import resolve
+    from flagdeploy.checkpoints.source import resolve
 
     from .export import cached_export
 

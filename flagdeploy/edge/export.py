@@ -67,7 +67,7 @@ def gguf_to_hf_dir(path: Path, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from flagdeploy.loaders import gguf_reader
+    from flagdeploy.checkpoints import gguf_reader
     from flagdeploy.tokenizer import Tokenizer
 
     reader = gguf_reader.open_gguf(path)
@@ -230,7 +230,7 @@ def read_manifest(path: Path) -> dict:
 def cached_export(source, weights: str = "int4", ep: str = "cpu", int4_method: str = "auto") -> Path:
     """The export of `source` under the flagdeploy cache dir, made on first use (keyed by the source's hash,
     the weights and, for int4, how they were made)."""
-    from flagdeploy.loaders.source import cache_dir
+    from flagdeploy.checkpoints.source import cache_dir
 
     digest = file_sha256(Path(source.path))[:16]
     kind = weights

@@ -96,7 +96,7 @@ def gguf_blocks(gguf_path: Path) -> tuple[dict, tuple | None, str]:
     embedding's (q, d) if it is Q8_0; plus a description of the source types."""
     from gguf import GGMLQuantizationType
 
-    from flagdeploy.loaders import gguf_reader
+    from flagdeploy.checkpoints import gguf_reader
     from flagdeploy.ops.weights import Int4Weight
 
     reader = gguf_reader.open_gguf(gguf_path)
@@ -121,7 +121,7 @@ def gguf_blocks(gguf_path: Path) -> tuple[dict, tuple | None, str]:
 def has_q4_linears(gguf_path: Path) -> bool:
     from gguf import GGMLQuantizationType
 
-    from flagdeploy.loaders import gguf_reader
+    from flagdeploy.checkpoints import gguf_reader
 
     reader = gguf_reader.open_gguf(gguf_path)
     q4 = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)

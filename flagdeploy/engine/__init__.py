@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .async_engine import AsyncEngine
 from .llm_engine import EngineConfig, LLMEngine
-from .sampling import RequestOutput, SamplingParams
+from .request import RequestOutput, SamplingParams
 
 
 def build_engine(model: str | None = None, *, chip: str | None = None, progress: bool = False, **options) -> AsyncEngine:
@@ -12,9 +12,9 @@ def build_engine(model: str | None = None, *, chip: str | None = None, progress:
 
     `options` are EngineConfig fields (max_model_len, max_num_seqs, kv_cache_memory, ...).
     """
-    from flagdeploy.loaders.source import resolve
+    from flagdeploy.checkpoints.source import resolve
 
-    from .loader import build_llm_engine
+    from .replica import build_llm_engine
 
     src = resolve(model, weights=options.get("load_format", "auto") != "dummy")
     return AsyncEngine(build_llm_engine(src.path, src.format, EngineConfig(**options), chip=chip, progress=progress))

@@ -15,7 +15,7 @@ import time
 from typing import AsyncIterator
 
 from .llm_engine import LLMEngine
-from .sampling import RequestOutput, SamplingParams
+from .request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ import torch
 from flagdeploy.ops import active_backend
 from flagdeploy.ops.check import fastest
 
-from .cuda_graphs import DecodeInputs, Step
+from .decode_inputs import DecodeInputs, Step
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class CompiledDecode:
         import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, patched in `_call`)
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-        from flagdeploy.loaders.source import cache_dir
+        from flagdeploy.checkpoints.source import cache_dir
 
         # compiled kernels are kept with the models, so that the next start (of any process) reuses them,
         # unless the user chose a directory (torch writes its /tmp default into the variable on first use)

@@ -22,7 +22,7 @@ from .mtp import MtpProposer
 from .multimodal import MediaItem
 from .rejection import rejection_sample
 from .sampler import adjust_logits, probs_for, sample
-from .sampling import RequestOutput, SamplingParams, TokenLogprob
+from .request import RequestOutput, SamplingParams, TokenLogprob
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative import NgramProposer, Proposer, SpeculativeConfig
@@ -101,7 +101,7 @@ class LLMEngine:
     # speculation off unless __init__ turns it on (engines built on this class without its __init__: edge)
     proposer = None
     step_seconds = 0.0  # wall time inside `step` so far: tokens / this is the engine's own rate under load
-    media_processor = None  # images and video → pixels and placeholder text (a model with an encoder; loader.py)
+    media_processor = None  # images and video → pixels and placeholder text (a model with an encoder; replica.py)
     spec_num_drafts = spec_num_draft_tokens = spec_num_accepted_tokens = 0
     spec_accepted_per_pos: list[int] = []
     # prefill-decode disaggregation off unless __init__ turns it on (never appended to then)

@@ -1,6 +1,6 @@
 """From a model source to a model with its weights and its tokenizer: read the config, build the model,
 stream the weights in. No engine here: the ranks of a parallel replica (engine/lockstep.py) load their
-shard through this module, and the engine is assembled around the model in engine/loader.py."""
+shard through this module, and the engine is assembled around the model in engine/replica.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from flagdeploy import ops, parallel
 from flagdeploy.errors import ModelLoadError
-from flagdeploy.loaders import gguf_reader, safetensors_reader
+from flagdeploy.checkpoints import gguf_reader, safetensors_reader
 from flagdeploy.models import build_model, load_weights
 from flagdeploy.models.linear import Linear
 from flagdeploy.ops.weights import to_device

@@ -27,7 +27,8 @@ from flagdeploy.models.linear import Linear
 from flagdeploy.ops.weights import Int4Weight, Int8Weight
 
 from .compiled_step import CompiledDecode
-from .cuda_graphs import DecodeGraphs, DecodeInputs
+from .cuda_graphs import DecodeGraphs
+from .decode_inputs import DecodeInputs
 from .multimodal import EncoderCache, step_embeds
 from .scheduler import ScheduledBatch
 

@@ -14,7 +14,7 @@ import torch
 
 from flagdeploy import ops
 
-from .sampling import SamplingParams
+from .request import SamplingParams
 from .sequence import Sequence
 
 

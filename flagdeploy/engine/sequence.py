@@ -8,7 +8,7 @@ import itertools
 import torch
 
 from .multimodal import MediaItem, media_keys
-from .sampling import SamplingParams
+from .request import SamplingParams
 
 _ids = itertools.count()
 

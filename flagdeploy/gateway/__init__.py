@@ -5,7 +5,7 @@ serve them beside the builtin model on one port. See docs/gateway.md."""
 from __future__ import annotations
 
 from .app import Gateway, ModelPool, build_gateway
-from .config import ConfigError, ModelConfig, ServeConfig, load_config, parse_config
+from .config import ConfigError, ModelEntry, GatewayConfig, load_config, parse_config
 
-__all__ = ["ConfigError", "Gateway", "ModelConfig", "ModelPool", "ServeConfig", "build_gateway", "load_config",
+__all__ = ["ConfigError", "Gateway", "ModelEntry", "ModelPool", "GatewayConfig", "build_gateway", "load_config",
            "parse_config"]

@@ -37,7 +37,7 @@ from flagdeploy.server.protocol import ModelCard, ModelList, now
 from flagdeploy.server.validate import ANTHROPIC, OPENAI, check_content_encoding, parse_body
 
 from .balancer import Balancer, Replica
-from .config import ConfigError, ModelConfig, ServeConfig
+from .config import ConfigError, ModelEntry, GatewayConfig
 from .launch import launch_plan
 from .normalize import RETRY_AFTER_S, prepare_request, upstream_unavailable
 from .proxy import Proxy, Timeouts
@@ -504,7 +504,7 @@ async def _read_body(receive: Receive) -> bytes:
 # ---- building it from a config -------------------------------------------------------------------
 
 
-def build_gateway(config: ServeConfig, inner: ASGIApp | None = None,
+def build_gateway(config: GatewayConfig, inner: ASGIApp | None = None,
                   supervisor_options: dict[str, Any] | None = None) -> Gateway:
     """The gateway for `config`. The builtin model (if any) becomes `inner` unless one is given;
     launched engines get a Supervisor per replica, attached ones an AttachedUpstream per URL."""
@@ -525,25 +525,25 @@ def build_gateway(config: ServeConfig, inner: ASGIApp | None = None,
     return Gateway(pools, inner, config.api_key, Timeouts(config.connect_timeout, config.read_timeout))
 
 
-def _model_files(entry: ModelConfig) -> str | None:
+def _model_files(entry: ModelEntry) -> str | None:
     """Where the model's own files are (for its chat template): `model`, or the default model that
     a launched llama.cpp runs without one."""
     if entry.model or entry.engine != "llama.cpp" or entry.command:
         return entry.model
-    from flagdeploy.loaders.source import DEFAULT_MODEL
+    from flagdeploy.checkpoints.source import DEFAULT_MODEL
 
     return DEFAULT_MODEL
 
 
-def _default_name(entry: ModelConfig) -> str:
+def _default_name(entry: ModelEntry) -> str:
     if entry.engine in ("llama.cpp", "builtin"):
-        from flagdeploy.loaders.source import resolve
+        from flagdeploy.checkpoints.source import resolve
 
         return resolve(entry.model, weights=entry.args.get("load_format", "auto") != "dummy").name
     return Path(entry.model or entry.engine).name or entry.engine
 
 
-def _upstreams(entry: ModelConfig, config: ServeConfig, options: dict[str, Any]) -> list[Upstream]:
+def _upstreams(entry: ModelEntry, config: GatewayConfig, options: dict[str, Any]) -> list[Upstream]:
     if entry.engine == "upstream":
         return [AttachedUpstream(u, entry.upstream_api_key, entry.upstream_model) for u in entry.upstreams]
     label = (entry.names[0] if entry.names else _default_name(entry)).replace("/", "_")
@@ -565,7 +565,7 @@ def _upstreams(entry: ModelConfig, config: ServeConfig, options: dict[str, Any])
     return out
 
 
-def builtin_app(entry: ModelConfig, api_key: str | None) -> ASGIApp:
+def builtin_app(entry: ModelEntry, api_key: str | None) -> ASGIApp:
     """The builtin app, in this process, for a serve.yaml `engine: builtin` entry with one replica: `args` are
     a builtin model's options (flagdeploy/assemble.py's SERVE_FLAGS, as with more replicas). Nothing is compiled
     unless `compile: true` asks for it (the gateway's process serves the other models too)."""

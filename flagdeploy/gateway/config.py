@@ -64,7 +64,7 @@ class ConfigError(FlagdeployError, ValueError):
     """serve.yaml (or the equivalent serve options) cannot be used; the message says what to change."""
 
 
-class ModelConfig(BaseModel):
+class ModelEntry(BaseModel):
     """One model behind the endpoint: the names it answers to, and what serves it."""
 
     model_config = ConfigDict(extra="forbid")
@@ -124,7 +124,7 @@ class ModelConfig(BaseModel):
         return [u.rstrip("/").removesuffix("/v1") for u in urls]
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ModelConfig":
+    def _consistent(self) -> "ModelEntry":
         label = self.names[0] if self.names else (self.model or self.engine)
         if self.engine == "upstream" and not self.upstreams:
             raise ValueError(f"model {label!r}: engine 'upstream' needs `upstreams: [http://HOST:PORT, ...]` "
@@ -147,7 +147,7 @@ class ModelConfig(BaseModel):
         return self
 
 
-class ServeConfig(BaseModel):
+class GatewayConfig(BaseModel):
     """The whole endpoint: where it listens, its key, and its models."""
 
     model_config = ConfigDict(extra="forbid")
@@ -161,10 +161,10 @@ class ServeConfig(BaseModel):
                                 "answer, or between two streamed chunks) before a 503 / an error event")
     log_dir: str | None = Field(None, description="where launched engines write their logs "
                                 "(default: ~/.cache/flagdeploy/logs)")
-    models: list[ModelConfig] = Field(min_length=1)
+    models: list[ModelEntry] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _unique(self) -> "ServeConfig":
+    def _unique(self) -> "GatewayConfig":
         builtin = [m for m in self.models if m.engine == "builtin" and m.replicas == 1]
         if len(builtin) > 1:
             raise ValueError("at most one model may use engine 'builtin' with one replica (it runs in this process); "
@@ -185,7 +185,7 @@ class ServeConfig(BaseModel):
         return Path(self.log_dir).expanduser() if self.log_dir else Path.home() / ".cache" / "flagdeploy" / "logs"
 
 
-def load_config(path: str | Path) -> ServeConfig:
+def load_config(path: str | Path) -> GatewayConfig:
     """Read and check serve.yaml; every problem is a ConfigError naming the file and the field."""
     path = Path(path)
     try:
@@ -199,9 +199,9 @@ def load_config(path: str | Path) -> ServeConfig:
     return parse_config(data, str(path))
 
 
-def parse_config(data: dict[str, Any], where: str = "serve.yaml") -> ServeConfig:
+def parse_config(data: dict[str, Any], where: str = "serve.yaml") -> GatewayConfig:
     try:
-        return ServeConfig.model_validate(data)
+        return GatewayConfig.model_validate(data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors(include_url=False):

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 from flagdeploy.assemble import SERVE_FLAGS, ServeOptions, checked_source
 from flagdeploy.errors import FlagdeployError
 
-from .config import PLANNER_ENGINES, ConfigError, ModelConfig
+from .config import PLANNER_ENGINES, ConfigError, ModelEntry
 from .replicas import PARENT_ENV, replica_backend, replica_env
 
 
@@ -36,7 +36,7 @@ class LaunchPlan:
     warnings: list[str] = dataclasses.field(default_factory=list)
 
 
-def launch_plan(entry: ModelConfig, port: int, replica: int = 0) -> LaunchPlan:
+def launch_plan(entry: ModelEntry, port: int, replica: int = 0) -> LaunchPlan:
     """How to start replica `replica` of a launched model so that it listens on `port`."""
     if entry.command:
         fill = {"port": str(port), "model": entry.model or ""}
@@ -50,9 +50,9 @@ def launch_plan(entry: ModelConfig, port: int, replica: int = 0) -> LaunchPlan:
     raise ConfigError(f"engine {entry.engine!r} is not launched by the gateway")
 
 
-def _llama_cpp(entry: ModelConfig, port: int) -> LaunchPlan:
+def _llama_cpp(entry: ModelEntry, port: int) -> LaunchPlan:
     """llama-cpp-python's OpenAI server (`pip install 'llama-cpp-python[server]'`) on a GGUF file."""
-    from flagdeploy.loaders.source import resolve
+    from flagdeploy.checkpoints.source import resolve
 
     try:
         src = resolve(entry.model)
@@ -77,7 +77,7 @@ def _llama_cpp(entry: ModelConfig, port: int) -> LaunchPlan:
     return LaunchPlan(argv + entry.extra_args, dict(entry.env), warnings=warnings)
 
 
-def _planned(entry: ModelConfig, port: int, replica: int) -> LaunchPlan:
+def _planned(entry: ModelEntry, port: int, replica: int) -> LaunchPlan:
     """vLLM / SGLang / MindIE through the planner's emitter, so the flags are the ones `flagdeploy plan
     --emit` prints for the same profile."""
     from flagdeploy.chips import get_chip
@@ -134,7 +134,7 @@ def builtin_replicas_entry(model: str | None, dp: int, *, chip: str | None = Non
     return entry
 
 
-def builtin_launch_plan(entry: ModelConfig, port: int, replica: int = 0, *,
+def builtin_launch_plan(entry: ModelEntry, port: int, replica: int = 0, *,
                         backend: Any = None, environ: Mapping[str, str] | None = None,
                         device_count: Callable[[], int | None] | None = None,
                         cores: int | None = None) -> LaunchPlan:

@@ -12,8 +12,9 @@ is counted, by the first of these ways a replica offers (found on first use, the
   or on builds before that route `POST /apply-template` -> `prompt`, then `POST /tokenize {content,
   add_special: true}` -> `tokens` (its chat route tokenizes a prompt that way);
 - the engine tokenizes text only: the template is rendered here from the model's own files
-  (`tokenizer.chat_template` of a GGUF; `chat_template.jinja` or tokenizer_config.json of a
-  directory) the way transformers and llama-cpp-python render it, and the engine counts the text:
+  (`tokenizer.chat_template` of a GGUF; a directory's as the builtin engine reads it,
+  `flagdeploy.tokenizer.chat_template_source`) the way transformers and llama-cpp-python render it, and
+  the engine counts the text:
   SGLang `POST /tokenize {model, prompt, add_special_tokens: false}` -> `count`, llama-cpp-python
   `POST /extras/tokenize/count {input}` -> `count`. What a route adds to any text (llama-cpp-python
   adds the vocabulary's BOS) is measured on an empty text and taken off: the engines' chat routes
@@ -45,7 +46,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from flagdeploy.errors import FlagdeployError
-from flagdeploy.loaders.gguf_metadata import gguf_metadata
+from flagdeploy.checkpoints.gguf_metadata import gguf_metadata
 from flagdeploy.server.errors import APIError
 
 from .normalize import upstream_unavailable
@@ -119,7 +120,7 @@ CHATML = ChatTemplate(
 def load_template(model: str | None) -> ChatTemplate | None:
     """The chat template in a model's own files (a GGUF file, or a directory with a tokenizer
     config), found offline the way `serve --model` finds models; None if there is none to read."""
-    from flagdeploy.loaders.source import resolve
+    from flagdeploy.checkpoints.source import resolve
 
     if model is None:
         return None
@@ -146,12 +147,12 @@ def _gguf_template(path: Path) -> ChatTemplate | None:
 
 
 def _dir_template(path: Path) -> ChatTemplate | None:
+    from flagdeploy.tokenizer import chat_template_source
+
     config_file = path / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    source = config.get("chat_template")
-    if (path / "chat_template.jinja").is_file():  # transformers >= 4.43 saves it beside the config
-        source = (path / "chat_template.jinja").read_text()
-    elif isinstance(source, list):  # named templates: the default one
+    source = chat_template_source(path)  # the builtin engine's own lookup
+    if isinstance(source, list):  # named templates: the default one
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
     if not isinstance(source, str):
         return None

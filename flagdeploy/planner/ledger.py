@@ -23,7 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from flagdeploy.errors import FlagdeployError
-from flagdeploy.loaders.source import PRESETS_DIR
+from flagdeploy.checkpoints.source import PRESETS_DIR
 
 from .shapes import checkpoint_tensors
 
@@ -51,7 +51,7 @@ def load_config(model: str) -> tuple[str, dict]:
     elif path.is_dir():
         path = path / "config.json"
     if not path.is_file() or path.suffix == ".gguf":
-        from flagdeploy.loaders.source import resolve
+        from flagdeploy.checkpoints.source import resolve
 
         try:
             src = resolve(model, download=False, weights=False)
@@ -69,11 +69,11 @@ def load_config(model: str) -> tuple[str, dict]:
 
 
 def source_config(src) -> dict:
-    """The HF config of a resolved model source (`loaders.source.ModelSource`): its config.json, or for a
+    """The HF config of a resolved model source (`checkpoints.source.ModelSource`): its config.json, or for a
     GGUF the llama config its metadata describes."""
     if src.format != "gguf":
         return json.loads((Path(src.path) / "config.json").read_text())
-    from flagdeploy.loaders import gguf_reader
+    from flagdeploy.checkpoints import gguf_reader
 
     c = gguf_reader.read_config(gguf_reader.open_gguf(src.path))
     return {"model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from flagdeploy.chips import Chip, get_chip
-from flagdeploy.loaders.source import preset_source
+from flagdeploy.checkpoints.source import preset_source
 
 from .cost import GIB, Estimate, Layout, Link, ModelFacts, Workload, estimate, interconnects, is_draft_layer, memory
 from .ledger import CacheShape, PlanInputError, WeightGroup, cache_shape, load_config, text_config, weight_groups

@@ -165,7 +165,7 @@ def _llama_like(c: dict) -> Shapes:
 def _glm5_next(config: dict, include_mtp: bool) -> Shapes:
     """Text tensors from our own meta-device model (`tiny_checkpoint._text_model/_text_shapes`, the same
     names the tiny checkpoint writer uses), then the vision tower, then optionally the MTP layer."""
-    from flagdeploy.loaders.tiny_checkpoint import TEXT_PREFIX, _text_model, _text_shapes
+    from flagdeploy.checkpoints.tiny_checkpoint import TEXT_PREFIX, _text_model, _text_shapes
 
     cfg, model = _text_model(config)
     text = list(_text_shapes(model))

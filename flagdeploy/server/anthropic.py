@@ -37,7 +37,7 @@ from pydantic import Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from flagdeploy.engine.sampling import RequestOutput
+from flagdeploy.engine.request import RequestOutput
 
 from . import errors
 from .answer import AnswerDelta, AnswerParser, parse_answer

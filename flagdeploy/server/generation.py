@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from flagdeploy.engine.sampling import RequestOutput, SamplingParams
+from flagdeploy.engine.request import RequestOutput, SamplingParams
 
 from . import errors
 from .disconnect import ClientDisconnected, until_disconnect

@@ -25,7 +25,7 @@ from flagdeploy.engine.async_engine import RequestMetrics
 
 if TYPE_CHECKING:
     from flagdeploy.engine import AsyncEngine
-    from flagdeploy.engine.sampling import RequestOutput
+    from flagdeploy.engine.request import RequestOutput
 
 PREFIX = "flagdeploy:"
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from flagdeploy.engine.grammar import GrammarSpec
-from flagdeploy.engine.sampling import RequestOutput, TokenLogprob
+from flagdeploy.engine.request import RequestOutput, TokenLogprob
 
 from . import errors
 from .answer import AnswerParser, parse_answer

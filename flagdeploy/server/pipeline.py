@@ -21,7 +21,7 @@ from starlette.requests import Request
 from flagdeploy.engine.grammar import GrammarError, GrammarSpec
 from flagdeploy.engine.grammar import validate as validate_grammar
 from flagdeploy.engine.multimodal import MediaItem
-from flagdeploy.engine.sampling import RequestOutput, SamplingParams
+from flagdeploy.engine.request import RequestOutput, SamplingParams
 from flagdeploy.errors import PromptTooLongError
 
 from . import errors

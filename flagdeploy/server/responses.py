@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
 
 from flagdeploy.engine.grammar import GrammarSpec
-from flagdeploy.engine.sampling import RequestOutput
+from flagdeploy.engine.request import RequestOutput
 
 from . import errors
 from .answer import AnswerDelta, AnswerParser, parse_answer

@@ -27,7 +27,7 @@ from transformers import Glm5NextImageProcessorPil
 from transformers.models.glm5_next.image_processing_pil_glm5_next import smart_resize
 
 from flagdeploy.errors import ModelLoadError
-from flagdeploy.loaders.safetensors_reader import optional_json
+from flagdeploy.checkpoints.safetensors_reader import optional_json
 
 from .config import MM_TOKEN_IDS
 from .vision import Glm5VisionConfig

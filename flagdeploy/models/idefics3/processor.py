@@ -22,7 +22,7 @@ from PIL import Image
 from transformers import Idefics3ImageProcessorPil
 
 from flagdeploy.errors import ModelLoadError
-from flagdeploy.loaders.safetensors_reader import optional_json
+from flagdeploy.checkpoints.safetensors_reader import optional_json
 
 from .config import from_hf_config
 

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from flagdeploy import ops, parallel
-from flagdeploy.loaders import safetensors_reader
+from flagdeploy.checkpoints import safetensors_reader
 from flagdeploy.models import media_processor
 
 from . import lockstep
