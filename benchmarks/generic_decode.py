@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from h200_llama8b import CONFIG, PROMPT, hardware, prompts, sync_time  # noqa: E402 - the same model and limits
 
 from flagdeploy.engine import EngineConfig, SamplingParams  # noqa: E402
-from flagdeploy.engine.loader import build_llm_engine  # noqa: E402
-from flagdeploy.loaders.tiny_checkpoint import write_word_tokenizer  # noqa: E402
+from flagdeploy.engine.replica import build_llm_engine  # noqa: E402
+from flagdeploy.checkpoints.tiny_checkpoint import write_word_tokenizer  # noqa: E402
 
 
 def engine_on(root: Path, chip, batches: list[int], steps: int):

@@ -160,7 +160,7 @@ def main() -> None:
     if len(cpus) < 2:
         raise SystemExit("needs at least two cores (one for each PD instance)")
     a, b = cpus[: len(cpus) // 2], cpus[len(cpus) // 2:]
-    from flagdeploy.loaders.source import resolve
+    from flagdeploy.checkpoints.source import resolve
 
     resolve(None)  # the default model in the cache before anything is timed
     print(f"{len(cpus)} cores; aggregated on {cpus}, PD prefill on {a}, decode on {b}; {args.chats} chat streams, a "

@@ -18,7 +18,7 @@ import torch
 
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine.kv_transfer import Arena, KvTransferConfig, KvTransferError
-from flagdeploy.engine.loader import build_llm_engine
+from flagdeploy.engine.replica import build_llm_engine
 from flagdeploy.engine.speculative import SpeculativeConfig
 
 
@@ -153,7 +153,7 @@ def test_a_layout_mismatch_is_refused_with_what_to_do(llama, tmp_path):
 @pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
 def test_glm5_next_state_indexer_and_mtp_travel(tmp_path, mtp):
     _mooncake()
-    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+    from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 
     path = write_tiny_glm5_next(tmp_path / "glm", mtp=mtp, seed=3)
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2) if mtp else None
@@ -173,7 +173,7 @@ def test_a_decode_instance_without_a_free_state_row_computes_the_prompt_itself(t
     """glm5_next holds a state row per sequence; received caches that find none free are not taken (the prompt
     is computed here instead), and every answer is still one instance's."""
     _mooncake()
-    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+    from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 
     path = write_tiny_glm5_next(tmp_path / "glm", seed=3)
     prompts = [torch.randint(2, 60, (20 + i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)]

@@ -175,7 +175,7 @@ def test_a_decode_request_whose_prefill_instance_is_gone_fails_clearly(smollm):
 
 
 def test_glm5_next_with_mtp_through_the_router_equals_one_instance(tmp_path_factory):
-    from flagdeploy.loaders.tiny_checkpoint import write_tiny_glm5_next
+    from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 
     path = write_tiny_glm5_next(tmp_path_factory.mktemp("pd_glm") / "ckpt", mtp=True, seed=3)
     pair = Pair(["--model", str(path), "--speculative", "mtp", "--num-speculative-tokens", "2",
