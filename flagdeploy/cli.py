@@ -669,6 +669,13 @@ def quantize(src, dst, chip, policy, fmt, eval_text, overwrite, log_level) -> No
 PD_INPUT_LEN, PD_OUTPUT_LEN = 8192, 1024  # plan --pd's defaults: a long-prompt load, the kind PD is for
 
 
+def _pd_options_need_pd(pd: bool, **values) -> None:
+    """plan's and deploy's prefill-decode options mean nothing without --pd: say so rather than ignore them."""
+    given = ["--" + name.replace("_", "-") for name, value in values.items() if value]
+    if given and not pd:
+        raise click.UsageError(f"{', '.join(given)} describe a prefill-decode disaggregated deployment: add --pd")
+
+
 def pd_options(command):
     """plan's prefill-decode disaggregation flags (flagdeploy/planner/pd.py)."""
     for option in reversed([
@@ -779,12 +786,9 @@ def plan(model, chip, devices, nodes, interconnect, max_model_len, concurrency, 
         if engine not in (None, emit):
             raise click.UsageError(f"--emit {emit} launches {emit}: drop --engine {engine}, or emit that engine")
         engine = emit
-    pd_given = [n for n, v in (("--prefill-nodes", prefill_nodes), ("--decode-nodes", decode_nodes),
-                                ("--prefill-devices", prefill_devices), ("--decode-devices", decode_devices),
-                                ("--input-len", input_len), ("--output-len", output_len),
-                                ("--kv-interconnect", kv_interconnect), ("--kv-connector", kv_connector)) if v]
-    if pd_given and not pd:
-        raise click.UsageError(f"{', '.join(pd_given)} describe a prefill-decode disaggregated deployment: add --pd")
+    _pd_options_need_pd(pd, prefill_nodes=prefill_nodes, decode_nodes=decode_nodes, prefill_devices=prefill_devices,
+                        decode_devices=decode_devices, input_len=input_len, output_len=output_len,
+                        kv_interconnect=kv_interconnect, kv_connector=kv_connector)
     if pd and emit in ("profile", "mindie"):
         raise click.UsageError(f"--pd --emit {emit}: --pd emits the launches of vllm, vllm-ascend or sglang")
     try:
@@ -1089,12 +1093,9 @@ def deploy(kind, chip, model, profile_file, devices, nodes, layout, engine, nic,
         return _deploy_image(chip.chip.id, engine, wheel, output, overwrite)
     if engine == "onnxruntime" or wheel:
         raise click.UsageError("--engine onnxruntime and --wheel are options of `deploy image`")
-    pd_given = [n for n, v in (("--prefill-nodes", prefill_nodes), ("--decode-nodes", decode_nodes),
-                                ("--prefill-devices", prefill_devices), ("--decode-devices", decode_devices),
-                                ("--input-len", input_len), ("--output-len", output_len),
-                                ("--kv-interconnect", kv_interconnect), ("--kv-connector", kv_connector)) if v]
-    if pd_given and not pd:
-        raise click.UsageError(f"{', '.join(pd_given)} describe a prefill-decode disaggregated deployment: add --pd")
+    _pd_options_need_pd(pd, prefill_nodes=prefill_nodes, decode_nodes=decode_nodes, prefill_devices=prefill_devices,
+                        decode_devices=decode_devices, input_len=input_len, output_len=output_len,
+                        kv_interconnect=kv_interconnect, kv_connector=kv_connector)
     if pd:
         return _deploy_pd(kind, chip, model, profile_file, devices, nodes, layout, engine, nic, master_addr,
                           max_model_len, memory_utilization, image, output, overwrite,

@@ -220,3 +220,17 @@ def ties_keep_the_lower_index():
         yield
     finally:
         torch.Tensor.topk = topk
+
+
+def requires_pd(*modules: str) -> None:
+    """Skip unless prefill-decode disaggregation's libraries import here (`pip install 'flagdeploy[pd]'`: the
+    Mooncake transfer engine, vllm-router); with FLAGDEPLOY_REQUIRE_PD=1 (CI installs them) fail instead."""
+    import importlib
+
+    try:
+        for name in ("mooncake.engine", *modules):
+            importlib.import_module(name)
+    except ImportError as exc:
+        if os.environ.get("FLAGDEPLOY_REQUIRE_PD") == "1":
+            raise
+        pytest.skip(f"pip install 'flagdeploy[pd]' for these tests ({exc})")

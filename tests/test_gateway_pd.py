@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 
 import anthropic
@@ -23,6 +22,7 @@ import httpx
 import openai
 import pytest
 from click.testing import CliRunner
+from conftest import requires_pd
 from test_cli import _free_port, wait_ready
 from test_cli import _serve as _serve_cli
 
@@ -221,12 +221,7 @@ def test_a_prefill_error_goes_to_the_client_and_plain_pools_have_no_prefill_step
 
 @pytest.fixture(scope="module")
 def _needs_pd():
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError as exc:
-        if os.environ.get("FLAGDEPLOY_REQUIRE_PD") == "1":
-            raise
-        pytest.skip(f"pip install 'flagdeploy[pd]' for these tests ({exc})")
+    requires_pd()
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

@@ -10,25 +10,16 @@ The HTTP side, through vllm-router, is tests/test_pd_serve.py.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import torch
+from conftest import requires_pd
 
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine.kv_transfer import Arena, KvTransferConfig, KvTransferError
 from flagdeploy.engine.replica import build_llm_engine
 from flagdeploy.engine.speculative import SpeculativeConfig
-
-
-def _mooncake():
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError as exc:
-        if os.environ.get("FLAGDEPLOY_REQUIRE_PD") == "1":
-            raise
-        pytest.skip(f"the Mooncake transfer engine is not importable here ({exc})")
 
 
 def _cfg(role: str, **extra) -> KvTransferConfig:
@@ -99,7 +90,7 @@ def llama(tmp_path_factory):
 
 
 def test_llama_greedy_through_prefill_transfer_decode_equals_one_instance(llama):
-    _mooncake()
+    requires_pd()
     prompt = [5, 17, 42, 99, 3, 150, 7, 8, 9, 11, 12, 13, 14]
     want = _engine(llama, None).generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     prefill, decode = _engine(llama, "kv_producer"), _engine(llama, "kv_consumer")
@@ -119,7 +110,7 @@ def test_llama_greedy_through_prefill_transfer_decode_equals_one_instance(llama)
 
 
 def test_a_failed_transfer_fails_its_request_alone_and_frees_what_it_took(llama):
-    _mooncake()
+    requires_pd()
     prefill, decode = _engine(llama, "kv_producer"), _engine(llama, "kv_consumer")
     prompt = [5, 17, 42, 99, 3, 150, 7]
     outs = _run(prefill, "a", prompt, SamplingParams(max_tokens=1, temperature=0,
@@ -139,7 +130,7 @@ def test_a_failed_transfer_fails_its_request_alone_and_frees_what_it_took(llama)
 
 
 def test_a_layout_mismatch_is_refused_with_what_to_do(llama, tmp_path):
-    _mooncake()
+    requires_pd()
     prefill = _engine(llama, "kv_producer")
     prompt = [5, 17, 42, 99, 3]
     ktp = _run(prefill, "m", prompt, SamplingParams(max_tokens=1, temperature=0,
@@ -152,7 +143,7 @@ def test_a_layout_mismatch_is_refused_with_what_to_do(llama, tmp_path):
 
 @pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
 def test_glm5_next_state_indexer_and_mtp_travel(tmp_path, mtp):
-    _mooncake()
+    requires_pd()
     from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 
     path = write_tiny_glm5_next(tmp_path / "glm", mtp=mtp, seed=3)
@@ -172,7 +163,7 @@ def test_glm5_next_state_indexer_and_mtp_travel(tmp_path, mtp):
 def test_a_decode_instance_without_a_free_state_row_computes_the_prompt_itself(tmp_path):
     """glm5_next holds a state row per sequence; received caches that find none free are not taken (the prompt
     is computed here instead), and every answer is still one instance's."""
-    _mooncake()
+    requires_pd()
     from flagdeploy.checkpoints.tiny_checkpoint import write_tiny_glm5_next
 
     path = write_tiny_glm5_next(tmp_path / "glm", seed=3)

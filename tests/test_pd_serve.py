@@ -14,7 +14,6 @@ decode instance collects (freed at the abort timeout, gauges back to idle).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import requires_pd
 from test_cli import _free_port, wait_ready
 from test_cli import _serve as _serve_cli
 
@@ -33,13 +33,7 @@ SMALL = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--weight-forma
 
 @pytest.fixture(scope="module", autouse=True)
 def _needs_pd():
-    try:
-        import mooncake.engine  # noqa: F401
-        import vllm_router  # noqa: F401
-    except ImportError as exc:
-        if os.environ.get("FLAGDEPLOY_REQUIRE_PD") == "1":
-            raise
-        pytest.skip(f"pip install 'flagdeploy[pd]' for these tests ({exc})")
+    requires_pd("vllm_router")
 
 
 class Pair:
