@@ -22,6 +22,7 @@ Needs flag_gems (GEMS_VENDOR=nvidia on an NVIDIA GPU).
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -63,7 +64,7 @@ def decode_rates(engine, batches: list[int], steps: int) -> dict[int, float]:
 
 def forced(table: dict, force_mm: bool) -> dict:
     """The table with FlagGems chosen wherever its candidate passed its check (linear only with force_mm)."""
-    out = json.loads(json.dumps(table))
+    out = copy.deepcopy(table)
     for op, entries in out["ops"].items():
         if op == "linear" and not force_mm:
             continue
