@@ -6,6 +6,7 @@ texts are identical (they must be: greedy verification is exact).
 
     python benchmarks/cpu_speculative.py [--k 4] [--max-tokens 160] [--rounds 3] [--threads 1]
 
+FLAGDEPLOY_CPU_ISA=avx2 measures the AVX2 kernels on an AVX-512 CPU (the header says so).
 (`--threads 1` on a machine shared with other jobs: two OpenMP threads on two busy cores wait on each other
 and make every step 5-30x slower, for both modes but not alike.)
 """
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from flagdeploy.backends.cpu import native
 from flagdeploy.engine import EngineConfig, SamplingParams
 from flagdeploy.engine.replica import build_llm_engine
 from flagdeploy.engine.speculative import SpeculativeConfig
@@ -80,8 +82,8 @@ def main() -> None:
     tps = {k: n * len(v) / sum(v) for k, v in times.items()}
     best = {k: n / min(v) for k, v in times.items()}
     same = outs["off"] == outs["ngram"]
-    print(f"prompt {len(ids)} tokens, output {n} tokens, K={args.k}, n-gram {args.min}..{args.max}, "
-          f"{args.rounds} alternating rounds, {torch.get_num_threads()} thread(s)")
+    print(f"CPU ISA class {native.isa_class()}; prompt {len(ids)} tokens, output {n} tokens, K={args.k}, n-gram "
+          f"{args.min}..{args.max}, {args.rounds} alternating rounds, {torch.get_num_threads()} thread(s)")
     print(f"{'mode':8} {'tok/s (mean)':>13} {'tok/s (best)':>13}")
     for k in times:
         print(f"{k:8} {tps[k]:13.1f} {best[k]:13.1f}")

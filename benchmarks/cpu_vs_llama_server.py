@@ -1,7 +1,7 @@
 """`flagdeploy serve` against llama.cpp's `llama-server` on the CPU, same GGUF, same run (issue 33).
 
     python benchmarks/cpu_vs_llama_server.py [--rounds 3] [--max-tokens 128] [--concurrency 16] [--quick]
-        [--llama-server PATH] [--model SRC] [--build-only]
+        [--llama-server PATH] [--model SRC] [--build-only] [--isa avx2]
 
 What a CPU user would otherwise run is llama.cpp's server, so that is the baseline. The script:
 
@@ -76,6 +76,7 @@ import httpx
 
 from cpu_serving import PROMPTS  # the in-process benchmark's prompts (this script runs from benchmarks/)
 
+from flagdeploy.backends.cpu.native import isa_class
 from flagdeploy.bench.client import Endpoint, StreamResult, stream_request
 from flagdeploy.bench.loadgen import LoadConfig, Prompt, ServeResults, run_round
 from flagdeploy.checkpoints.source import cache_dir, resolve
@@ -84,6 +85,12 @@ from flagdeploy.net import free_port
 LLAMA_CPP_PYTHON = "0.3.36"  # used when llama-cpp-python is not installed (the `gateway` extra)
 CMAKE_FLAGS = ["-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
                "-DBUILD_SHARED_LIBS=OFF"]  # static: the cached binary must not need the build tree's .so files
+# --isa avx2: both servers as on a CPU without AVX-512 (an AVX2 Zen 2/3, most desktops): llama.cpp built for AVX2
+# alone, and flagdeploy's kernels built so with torch's own (ATen, oneDNN, MKL) capped there too
+ISA_CMAKE_FLAGS = {"avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                            "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"]}
+ISA_ENV = {"avx2": {"FLAGDEPLOY_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 READY_TIMEOUT = 1800.0  # seconds; flagdeploy's own --startup-timeout default
 COMPARE_PROMPTS = 4  # greedy answers compared between the servers (EOS honoured)
 
@@ -176,10 +183,12 @@ def run_logged(cmd: list[str], logfile: Path, cwd: Path, env: dict[str, str] | N
         raise SystemExit(f"{cmd[0]} failed (exit {proc.returncode}); full log: {logfile}")
 
 
-def build_llama_server(version: str, jobs: int) -> Path:
-    """The cached llama-server for this llama-cpp-python version and this CPU, built first if absent."""
+def build_llama_server(version: str, jobs: int, isa: str | None = None) -> Path:
+    """The cached llama-server for this llama-cpp-python version and this CPU (or ISA), built first if absent."""
     root = cache_dir() / "llama-server"
-    binary = root / "bin" / f"llama-server-{version}-{cpu_key()}"
+    cmake_flags = [f for f in CMAKE_FLAGS if not (isa and f.startswith("-DGGML_NATIVE"))] + ISA_CMAKE_FLAGS.get(isa, [])
+    key = f"{cpu_key()}-{isa}" if isa else cpu_key()
+    binary = root / "bin" / f"llama-server-{version}-{key}"
     if binary.is_file() and os.access(binary, os.X_OK):
         log(f"using cached {binary}")
         return binary
@@ -190,7 +199,7 @@ def build_llama_server(version: str, jobs: int) -> Path:
     sdist_dir.mkdir(parents=True, exist_ok=True)
     sdist = sdist_dir / f"llama_cpp_python-{version}.tar.gz"
     binary.parent.mkdir(parents=True, exist_ok=True)
-    logfile = root / f"build-{version}-{cpu_key()}.log"
+    logfile = root / f"build-{version}-{key}.log"
     logfile.write_text("")
     t0 = time.perf_counter()
     if not sdist.is_file():
@@ -211,7 +220,7 @@ def build_llama_server(version: str, jobs: int) -> Path:
         # .git, so the commit llama-server reports is that repository's, not llama.cpp's)
         env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(work)}
         log(f"configuring llama.cpp {llama_cpp_version(src)} (log: {logfile})")
-        run_logged(["cmake", "-B", "build", *CMAKE_FLAGS], logfile, cwd=src, env=env)
+        run_logged(["cmake", "-B", "build", *cmake_flags], logfile, cwd=src, env=env)
         log(f"building llama-server with {jobs} jobs; this takes minutes, once per machine")
         run_logged(["cmake", "--build", "build", "--target", "llama-server", "-j", str(jobs)], logfile, cwd=src,
                    env=env, progress=re.compile(r"^\[\s*\d+%\] (Built target|Linking)"))
@@ -221,7 +230,7 @@ def build_llama_server(version: str, jobs: int) -> Path:
         os.chmod(tmp, 0o755)
         seconds = time.perf_counter() - t0
         meta = {"llama_cpp_python": version, "llama_cpp": llama_cpp_version(src), "cpu_key": cpu_key(),
-                "cmake_flags": CMAKE_FLAGS, "jobs": jobs, "build_seconds": round(seconds, 1), "built_at": time.time()}
+                "cmake_flags": cmake_flags, "jobs": jobs, "build_seconds": round(seconds, 1), "built_at": time.time()}
         binary.with_name(binary.name + ".json").write_text(json.dumps(meta, indent=1) + "\n")
         os.replace(tmp, binary)  # last: a binary at the final path is always complete
     finally:
@@ -512,9 +521,16 @@ def main() -> None:
                                                                  "CPUs this process may use)")
     ap.add_argument("--ctx-per-slot", type=int, default=4096,
                     help="llama-server context per parallel slot (default 4096, flagdeploy serve's --max-model-len)")
+    ap.add_argument("--isa", choices=sorted(ISA_ENV), default=None,
+                    help="measure both servers as on a CPU of this class: llama.cpp built for it, flagdeploy with "
+                         "FLAGDEPLOY_CPU_ISA and torch capped there (default: each at its best for this CPU)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="extra flag for flagdeploy serve, repeatable, as --serve-arg=--compile (default none: its default flags)")
     args = ap.parse_args()
+    if args.isa and any(os.environ.get(k) != v for k, v in ISA_ENV[args.isa].items()):
+        # torch reads its caps when it starts: this process (the in-process rows) and the server it starts both
+        # run under them, so start again with them set
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ISA_ENV[args.isa]})
     args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     args.max_tokens = args.max_tokens if args.max_tokens is not None else (32 if args.quick else 128)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds the with-blocks: servers are stopped
@@ -524,7 +540,7 @@ def main() -> None:
         if not (binary.is_file() and os.access(binary, os.X_OK)):
             raise SystemExit(f"--llama-server {args.llama_server} is not an executable file")
     else:
-        binary = build_llama_server(args.llama_cpp_python or llama_cpp_python_version(), args.threads)
+        binary = build_llama_server(args.llama_cpp_python or llama_cpp_python_version(), args.threads, args.isa)
     if args.build_only:
         print(binary)
         return
@@ -534,7 +550,8 @@ def main() -> None:
         raise SystemExit(f"{src.path} is not a GGUF file; llama-server needs one")
     print(f"model {src.name} ({src.path})\nllama-server {binary} ({llama_server_version(binary)})\n"
           f"{args.max_tokens} tokens per request, {args.rounds} round(s) after a warm-up, {args.concurrency} concurrent, "
-          f"llama-server -t {args.threads}; {cpu_name()}, {cores()} CPUs{'; QUICK smoke run, not a measurement' if args.quick else ''}")
+          f"llama-server -t {args.threads}; {cpu_name()}, ISA class {isa_class()}, {cores()} CPUs"
+          f"{'; QUICK smoke run, not a measurement' if args.quick else ''}")
     rows: dict[str, dict] = {}
     eps: dict[str, Endpoint] = {}
     with tempfile.TemporaryDirectory(prefix="cpu_vs_llama_server-") as logdir, contextlib.ExitStack() as up:

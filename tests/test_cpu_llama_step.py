@@ -6,6 +6,8 @@ steps the eager step would run on those kernels, and take the place of the backg
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import make_engine
@@ -32,12 +34,13 @@ def _checking(runner) -> list[int]:
     served, step = [], runner.native
     run = step.run
 
-    def both(ids, positions, slots, tables, ctx):
-        got = run(ids, positions, slots, tables, ctx)
-        with torch.inference_mode():  # the same k/v rewritten to the same slots
+    def both(ids, positions, slots, tables, ctx, verify=False):
+        got = run(ids, positions, slots, tables, ctx, verify=verify)
+        # the same k/v rewritten to the same slots; a verify step in the eager step's verify mode
+        with torch.inference_mode(), ops.verify_step() if verify else contextlib.nullcontext():
             eager = runner._decode(DecodeInputs.build(ids, positions, slots, tables, ctx, None, "cpu"))
         assert torch.equal(got, eager), f"{len(ids)} rows: the C++ step's logits differ from the eager step's"
-        served.append(len(ids))
+        served.append((len(ids), verify) if verify else len(ids))
         return got
 
     step.run = both
@@ -58,6 +61,26 @@ def test_the_default_model_decodes_bit_for_bit_as_the_eager_step_and_compiles_no
     alone = engine.generate([prompts[1]], greedy)
     assert batched[1] == alone[0] and batched[0] == batched[3]
     assert 1 in served and max(served) == 4 and len(served) >= 20
+
+
+def test_speculative_verify_steps_run_in_the_cpp_step_and_keep_greedy_output_exact(default_model):
+    """A verify step (a sequence's last token and its drafts) runs in the C++ step too, every row's logits those of
+    the eager step's verify mode bit for bit, its head on the packed kernel at any row count (as a plain decode row
+    takes it): greedy output with ngram speculation equals greedy output without, token for token."""
+    from flagdeploy.engine.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+    on = make_engine(default_model, "auto", compile=None, max_num_seqs=2, max_model_len=512, speculative=spec)
+    off = make_engine(default_model, "auto", compile=None, max_num_seqs=2, max_model_len=512)
+    served = _checking(on.runner)
+    tok = on.tokenizer
+    text = "one two three four five six seven eight nine ten. one two three four five six seven eight nine ten."
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Repeat exactly: {text}"}]))
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    assert on.generate([ids], greedy) == off.generate([ids], greedy)
+    verify_rows = [rows for rows, *verify in (s if isinstance(s, tuple) else (s,) for s in served) if verify]
+    assert verify_rows and max(verify_rows) == 5, f"the C++ step served no verify step of 1 + 4 rows: {served}"
+    assert on.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 @pytest.fixture(scope="module")

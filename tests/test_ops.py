@@ -327,18 +327,21 @@ def _cpu_kernels_or_skip():
 def test_cpu_int4_kernel_rounds_no_worse_than_its_bf16_output(n, k):
     """The cpu backend's int4 kernel carries the activations as two int8 parts (~15 bits), so its only
     visible rounding is the bf16 output's: against float64 its error is that rounding's, where one int8
-    part would add ~4x bf16's noise (and torch's own kernel, bf16 throughout, adds ~1.4x). Every row count the kernel
-    tiles differently (4, 2 and 1 activation rows at a time), and K with an odd number of 32-blocks."""
+    part would add ~4x bf16's noise (and torch's own kernel, bf16 throughout, adds ~1.4x). Every row count the
+    kernel passes over a tile differently (one pass of up to 8 rows, 4 on AVX2, equal passes beyond; tiles in
+    pairs from 12), K with an odd number of 32-blocks; and a row's result is bitwise the same alone."""
     native = _cpu_kernels_or_skip()
     g = torch.Generator().manual_seed(n + k)
     w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
                    torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3, torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
     prepared = ops.get_backend("cpu").prepare["linear_w4a16"](w)
     assert "nib" in prepared.prepared
-    for rows in (1, 2, 3, 7):
+    for rows in (1, 2, 3, 5, 7, 9, 13, 17):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         got = native.q4_linear(x, prepared.prepared["nib"], prepared.prepared["dm"])
         _assert_rounds_as_its_bf16_output(got, x, w)
+        alone = torch.cat([native.q4_linear(r, prepared.prepared["nib"], prepared.prepared["dm"]) for r in x.split(1)])
+        assert torch.equal(alone, got), f"{rows} rows: a row's result depends on the rows beside it"
 
 
 def test_cpu_kernels_thread_pool_gives_one_answer_to_concurrent_callers_thread_counts_and_a_forked_child():
@@ -498,18 +501,46 @@ def test_cpu_tune_table_is_chosen_by_the_cpus_flags(tmp_path):
         cpu_ops.tune_table(frozenset({"avx2"}), bad)
 
 
+def test_cpu_kernels_isa_is_the_cpus_best_unless_forced(monkeypatch):
+    """The kernels are built for the best instruction set the CPU has; FLAGDEPLOY_CPU_ISA=avx2 builds the AVX2
+    ones on an AVX-512 CPU (their own cache file) and tunes that machine as an AVX2 one; asking for what the CPU
+    lacks, or for a name that is none, leaves torch's kernels with a reason that says what to set."""
+    from flagdeploy.backends.cpu import native
+    from flagdeploy.backends.cpu import ops as cpu_ops
+
+    avx512 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"})
+    monkeypatch.setattr(native, "_proc_flags", lambda: avx512)
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("FLAGDEPLOY_CPU_ISA", raising=False)
+    monkeypatch.delenv("FLAGDEPLOY_NATIVE_KERNELS", raising=False)
+    assert native.isa() == "avx512" and native.cpu_flags() == avx512 and native.unsupported() is None
+    assert native.isa_class() == "AVX-512"
+    monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "AVX2")
+    assert native.isa() == "avx2" and native.unsupported() is None
+    assert native.cpu_flags() == {"avx2", "fma", "f16c"}
+    assert native.isa_class() == "AVX2 (FLAGDEPLOY_CPU_ISA=avx2 on an AVX-512 CPU)"
+    assert cpu_ops.tune_table(native.cpu_flags())["weight_only_dense"]["dtype"] == "float32"  # tuned as AVX2
+    monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "avx3")
+    assert "FLAGDEPLOY_CPU_ISA=avx3 is not one of avx512, avx2" in native.unsupported()
+    monkeypatch.setattr(native, "_proc_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "avx512")
+    assert "lacks avx512f, avx512bw, avx512vl, avx512_vnni" in native.unsupported()
+    monkeypatch.delenv("FLAGDEPLOY_CPU_ISA")
+    assert native.isa() == "avx2" and native.isa_class() == "AVX2" and native.unsupported() is None
+
+
 def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
     """CPUs without AVX-512 get the same kernels built for AVX2 (two 8-row halves per tile, vpmaddubsw for
-    vpdpbusd; portable C++ for the FP8 conversions, norms, rope and attention): built here without AVX-512, under
-    another op namespace, they give the default build's outputs bit for bit."""
+    vpdpbusd; portable C++ for the FP8 conversions, norms, rope and attention): built here as FLAGDEPLOY_CPU_ISA=avx2
+    builds them, under another op namespace, they give the default build's outputs bit for bit."""
     from flagdeploy.ops.weights import fp8_block_quantize
 
     native = _cpu_kernels_or_skip()
-    native._compile(tmp_path / "avx2.so", ("-mno-avx512f", "-DFLAGDEPLOY_OPS_NS=flagdeploy_cpu_avx2"))
+    native._compile(tmp_path / "avx2.so", (*native.ISAS["avx2"].cxx_flags, "-DFLAGDEPLOY_OPS_NS=flagdeploy_cpu_avx2"))
     torch.ops.load_library(str(tmp_path / "avx2.so"))
     avx2, default = torch.ops.flagdeploy_cpu_avx2, torch.ops.flagdeploy_cpu
     g = torch.Generator().manual_seed(11)
-    for n, k, rows in [(48, 64, 5), (64, 96, 4), (960, 576, 3), (80, 64, 13), (48, 64, 17)]:  # 13, 17: tiles in pairs
+    for n, k, rows in [(48, 64, 5), (64, 96, 4), (960, 576, 3), (80, 64, 13), (48, 64, 17), (48, 64, 8)]:  # 13, 17: tiles in pairs
         w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
                        torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3,
                        torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)

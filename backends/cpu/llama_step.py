@@ -38,12 +38,15 @@ class LlamaStep:
         return rows <= self.max_rows and width * self.block_size <= self.max_keys
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            ctx: list[int]) -> torch.Tensor:
-        """Logits [n, vocab] (float32) of n decoding sequences, their new k/v written to the caches."""
+            ctx: list[int], verify: bool = False) -> torch.Tensor:
+        """Logits [n, vocab] (float32) of n decoding rows, their new k/v written to the caches. A speculative
+        verify step's rows (a sequence's last token and its drafts, each with its own context length) keep the
+        head's packed kernel at any row count, as the eager step's verify mode does: the kernel is row-invariant,
+        so each row's logits are a plain decode row's, bit for bit."""
         width = max(len(t) for t in tables)
         rows = torch.tensor([ids, positions, slots, ctx], dtype=torch.int64)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-        if len(ids) <= self._head_rows:
+        if len(ids) <= self._head_rows or verify:
             return self._step.step(rows, padded, True)
         # the head's dense copy, as the eager step calls it
         return self._head(self._step.step(rows, padded, False))[..., : self._vocab].float()

@@ -3,7 +3,7 @@
 - `q4_linear`: torch has no x86 kernel that multiplies int4 weights by int8 activations (its int4 GEMV
   converts each nibble to bf16), and that kernel is what a 4-bit GGUF's decode step is made of. This
   one runs AVX-512 VNNI dot products over 16 output rows at a time, or on AVX2 the same arithmetic in
-  two halves (csrc/q4_linear.cpp).
+  two halves (csrc/q4_linear.cpp), each weight chunk unpacked once for up to 8 (AVX2: 6) activation rows.
 - `q8_linear`: the same for int8 weights with per-channel scales (a quantized model's LM head), where torch's
   int8 GEMV converts each weight to float: int16 dot products of 8 output rows at a time (csrc/q8_linear.cpp).
 - `paged_decode_attention`: decode attention over paged caches, each (row, key head) by the same loops
@@ -23,7 +23,8 @@
 
 They are compiled once per source, torch version and CPU into the user's cache directory (~40 s on two
 cores, a compiler per source at once, like inductor's own kernels under `serve --compile`) and loaded as a
-torch library, so that compiled graphs call them without Python. Where they cannot be used (another CPU, no
+torch library, so that compiled graphs call them without Python. They are built for the best instruction set
+the CPU has (ISAS), or the one FLAGDEPLOY_CPU_ISA names (avx2, avx512): both compute the same bits. Where they cannot be used (another CPU, no
 compiler, FLAGDEPLOY_NATIVE_KERNELS=0) the callers keep torch's kernels: `available()` says which, and the log
 says why.
 """
@@ -38,6 +39,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,10 +50,27 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(CSRC.glob("*.cpp"))  # compiled into one library
-# What the kernels' intrinsics need, as /proc/cpuinfo names them
-CPU_FLAGS = ("avx2", "fma", "f16c")  # AVX-512 (VNNI, BW) is used where -march=native has it
 TILE = 16  # output rows per vpdpbusd: the kernel's N must be a multiple
 GROUP = 32  # the activations' and the weights' block along K
+
+
+@dataclass(frozen=True)
+class Isa:
+    """An instruction set the kernels are built for: what the CPU must have (as /proc/cpuinfo names it), the
+    compiler flags beside -march=native, and the flags of larger sets that a build for this one leaves unused
+    (hidden from the tune table too, so that a forced build is measured and tuned as that class of CPU)."""
+
+    cpu_flags: tuple[str, ...]
+    cxx_flags: tuple[str, ...] = ()
+    hides: tuple[str, ...] = ()
+
+
+# Best first: by default the kernels are built for the first of these the CPU has; FLAGDEPLOY_CPU_ISA names one
+# (so that an AVX-512 machine builds, tests and measures the AVX2 kernels too).
+ISAS = {"avx512": Isa(("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")),
+        "avx2": Isa(("avx2", "fma", "f16c"), ("-mno-avx512f",), hides=("avx512", "amx"))}
+# The class of CPU a figure was measured on, for benchmarks' headers: the first whose flag the CPU has
+ISA_CLASSES = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
 
 
 def _cxx() -> str:
@@ -59,7 +78,7 @@ def _cxx() -> str:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
+def _proc_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -67,6 +86,30 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for: FLAGDEPLOY_CPU_ISA's, else the best this CPU has
+    (ISAS' first key where it has none: unsupported() says why)."""
+    forced = os.environ.get("FLAGDEPLOY_CPU_ISA", "").strip().lower()
+    if forced:
+        return forced
+    return next((name for name, want in ISAS.items() if set(want.cpu_flags) <= _proc_flags()), next(iter(ISAS)))
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's flags as the kernels and the tune table see them: without those the kernels' ISA leaves
+    unused (a forced AVX2 build on an AVX-512 CPU is tuned as an AVX2 machine)."""
+    hides = ISAS[isa()].hides if isa() in ISAS else ()
+    return frozenset(f for f in _proc_flags() if not f.startswith(hides))
+
+
+def isa_class() -> str:
+    """How benchmarks name the CPU they ran on: its class (AMX, AVX-512, AVX2), and the kernels' ISA where
+    FLAGDEPLOY_CPU_ISA forces one below it."""
+    real = next((name for flag, name in ISA_CLASSES if flag in _proc_flags()), platform.machine())
+    seen = next((name for flag, name in ISA_CLASSES if flag in cpu_flags()), platform.machine())
+    return real if seen == real else f"{seen} (FLAGDEPLOY_CPU_ISA={isa()} on an {real} CPU)"
 
 
 def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
@@ -98,12 +141,14 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 
 def unsupported() -> str | None:
     """Why this machine cannot run the kernels (None: it can, given a compiler to build them): x86 with
-    AVX2, FMA and F16C, the int4 kernel's least (it uses AVX-512 VNNI where the CPU has it)."""
+    the flags of the ISA they are built for (isa())."""
     if os.environ.get("FLAGDEPLOY_NATIVE_KERNELS", "1") == "0":
         return "switched off by FLAGDEPLOY_NATIVE_KERNELS=0"
-    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
+    if isa() not in ISAS:
+        return f"FLAGDEPLOY_CPU_ISA={isa()} is not one of {', '.join(ISAS)}: set one of those, or unset it for this CPU's best"
+    missing = [f for f in ISAS[isa()].cpu_flags if f not in _proc_flags()]
     if platform.machine() not in ("x86_64", "AMD64") or missing:
-        return f"this CPU lacks {', '.join(missing) or 'x86'}"
+        return f"this CPU lacks {', '.join(missing) or 'x86'}{' (FLAGDEPLOY_CPU_ISA)' if os.environ.get('FLAGDEPLOY_CPU_ISA') else ''}"
     return None
 
 
@@ -111,8 +156,9 @@ def unsupported() -> str | None:
 def available() -> bool:
     """Whether the kernels are loaded, building them first if this machine has not yet."""
     reason = unsupported()
-    if reason:
-        log.info("cpu backend: torch's kernels only, not its own (csrc/): %s", reason)
+    if reason:  # a warning where FLAGDEPLOY_CPU_ISA asked for what cannot be had
+        log.log(logging.WARNING if os.environ.get("FLAGDEPLOY_CPU_ISA") else logging.INFO,
+                "cpu backend: torch's kernels only, not its own (csrc/): %s", reason)
         return False
     if shutil.which(_cxx()) is None:
         log.warning("cpu backend: no C++ compiler (%s) to build its kernels, so 4-bit models decode ~1.7x slower "
@@ -122,12 +168,13 @@ def available() -> bool:
     from flagdeploy.checkpoints.source import cache_dir
 
     code = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))  # the .cpp sources and their headers
-    key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode())
-    so = cache_dir() / "kernels" / f"flagdeploy_cpu-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode() + isa().encode())
+    so = cache_dir() / "kernels" / f"flagdeploy_cpu-{isa()}-{key.hexdigest()[:16]}.so"
     if not so.exists():
-        log.warning("cpu backend: building its C++ kernels (once per machine, ~40 s on two cores) into %s", so)
+        log.warning("cpu backend: building its C++ kernels for %s (once per machine, ~40 s on two cores) into %s",
+                    isa(), so)
         try:
-            _compile(so)
+            _compile(so, ISAS[isa()].cxx_flags)
         except (OSError, RuntimeError) as e:
             log.warning("cpu backend: building csrc/ failed, keeping torch's kernels: %s", e)
             return False

@@ -255,9 +255,9 @@ class PagedRunner(_Runner):
                     logits = self.compiled.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens,
                                                [0] * n)
                     return _rows(logits, step.logits_rows)
-                if self.native is not None and not step.verify and \
-                        self.native.serves(n, max(len(t) for t in step.tables)):
-                    logits = self.native.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens)
+                if self.native is not None and self.native.serves(n, max(len(t) for t in step.tables)):
+                    logits = self.native.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens,
+                                             verify=step.verify)
                     return _rows(logits, step.logits_rows)
                 if self.graphs is not None and n <= self.graphs.max_batch:
                     with torch.inference_mode():

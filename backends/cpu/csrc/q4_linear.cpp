@@ -41,9 +41,18 @@
 
 namespace {
 
+// Activation rows taken in one pass over a tile: each weight chunk is unpacked once for all of them, so
+// the rows between 2 and kMaxRows cost the instructions of their dot products only, not the weight's bytes
+// again. Held by the registers: on AVX-512 a row's two int32 and one float sums for one tile (half as many
+// rows for a pair of tiles), on AVX2 a row's two int16 and one float sums for half a tile (16 ymm registers).
+#if Q4_AVX512
+constexpr int kMaxRows = 8;
+#else
+constexpr int kMaxRows = 4;
+#endif
+
 #if Q4_AVX512
 
-constexpr int kMaxRows = 4;
 // From this many rows on, tiles go two at a time (see q4_linear). Measured on the 2-core AVX-512 EPYC, the
 // default model's 120 linears of a decode step, interleaved A/B: 16 rows 6.31 -> 5.96 ms, 12 rows 5.17 ->
 // 4.85, bitwise equal; at 8 rows pairs were no faster (3.65 / 3.78), at 1-4 rows slower.
@@ -112,7 +121,6 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
 
 #else
 
-constexpr int kMaxRows = 2;
 constexpr int64_t kPairRows = 0;
 
 // AVX2: the same arithmetic on each half of a tile (rows 0-7, then 8-15; the tile's bytes stay in L1
@@ -150,20 +158,22 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
           const int64_t at = (r0 + r) * k + b * QK + 8 * c;
           const int32_t* xh = reinterpret_cast<const int32_t*>(a.hi.data() + at);
           const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + at);
-          hi[r] = _mm256_add_epi16(hi[r], _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(xh[0])),
-                                                           _mm256_maddubs_epi16(q1, _mm256_set1_epi32(xh[1]))));
-          lo[r] = _mm256_add_epi16(lo[r], _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(xl[0])),
-                                                           _mm256_maddubs_epi16(q1, _mm256_set1_epi32(xl[1]))));
+          hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(q0, _mm256_set1_epi32(xh[0])));
+          hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(q1, _mm256_set1_epi32(xh[1])));
+          lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(q0, _mm256_set1_epi32(xl[0])));
+          lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(q1, _mm256_set1_epi32(xl[1])));
         }
+        // Sums in this order, chunk by chunk: otherwise GCC reassociates the integer adds into one tree per
+        // block with all 16 x R products live at once, spilled to the stack (16 ymm registers)
+        for (int r = 0; r < R; ++r) asm("" : "+x"(hi[r]), "+x"(lo[r]));
       }
-      __m256i dot[R];
-      for (int r = 0; r < R; ++r) dot[r] = _mm256_add_epi32(_mm256_madd_epi16(hi[r], by256), _mm256_madd_epi16(lo[r], by1));
       const uint16_t* s = dm + (t * blocks + b) * 32 + 8 * h;
       __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
       __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * blocks + b;
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[r]);
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(hi[r], by256), _mm256_madd_epi16(lo[r], by1));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[r]);
         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sum[at]), acc[r]);
       }
     }
@@ -176,6 +186,16 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
 }
 
 #endif
+
+// Rows [r0, r0 + n) over tiles [t, t + T), 0 < n < R: the one pass of exactly n rows.
+template <int R, int T>
+void rest(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k, int64_t r0, int64_t n, int64_t t,
+          uint16_t* y, int64_t n_out) {
+  if constexpr (R > 1) {
+    if (n == R - 1) return tiles<R - 1, T>(nib, dm, a, k, r0, t, y, n_out);
+    rest<R - 1, T>(nib, dm, a, k, r0, n, t, y, n_out);
+  }
+}
 
 }  // namespace
 
@@ -201,12 +221,17 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
   // at a time share each broadcast activation (one vpbroadcastd per two vpdpbusd, not one each).
   const bool pairs = kPairRows > 0 && rows_n >= kPairRows;
   auto rows_over = [&](auto tile_count, int64_t t) {
-    constexpr int T = decltype(tile_count)::value;
-    int64_t r = 0;
-    if constexpr (kMaxRows >= 4)
-      for (; r + 4 <= rows_n; r += 4) tiles<4, T>(w, s, a, k, r, t, out, n_out);
-    for (; r + 2 <= rows_n; r += 2) tiles<2, T>(w, s, a, k, r, t, out, n_out);
-    for (; r < rows_n; ++r) tiles<1, T>(w, s, a, k, r, t, out, n_out);
+    constexpr int T = decltype(tile_count)::value, most = kMaxRows / T;  // the registers hold T x most rows' sums
+    // as few passes as that allows, of equal sizes: 10 rows on AVX-512 as 5 + 5, not 8 + 2
+    const int64_t passes = (rows_n + most - 1) / most;
+    for (int64_t p = 0, r = 0; p < passes; ++p) {
+      const int64_t n = (rows_n - r) / (passes - p);
+      if (n == most)
+        tiles<most, T>(w, s, a, k, r, t, out, n_out);
+      else
+        rest<most, T>(w, s, a, k, r, n, t, out, n_out);
+      r += n;
+    }
   };
   // chunks of an even count of tiles (pairs stay pairs), about eight a thread
   const int64_t chunk = 2 * std::max<int64_t>(1, (n_tiles + 16 * at::get_num_threads() - 1) / (16 * at::get_num_threads()));

@@ -1,0 +1,110 @@
+"""Decode steps of a few rows against one row on the CPU, in-process: the default model (SmolLM2-135M GGUF, int4
+packed kernels, serve's engine defaults), each step shaped as a speculative verify step of one sequence
+(its last token and k drafts at positions L..L+k, context lengths L+1..L+1+k, one block table), timed through
+the runner's own `execute` as the engine calls it, and beside it the same step's 4-bit linears alone (the
+model's own packed weights through the few-row kernel). Prints ms per step and the ratio to a one-row step
+(issue 54: a 5-row step <= 1.5x one row). Rounds alternate over the row counts, so a host whose speed
+drifts favours none; the figure is the median of the rounds.
+
+    python benchmarks/cpu_few_rows.py [--context 256] [--rounds 15] [--threads N] [--eager]
+
+`--eager` also times the eager (Python) step on the same inputs: the path verify steps took before the C++
+step served them. FLAGDEPLOY_CPU_ISA=avx2 measures the AVX2 kernels on an AVX-512 CPU (the header says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from flagdeploy.backends.cpu import native
+from flagdeploy.checkpoints.source import resolve
+from flagdeploy.engine import EngineConfig
+from flagdeploy.engine.model_runner import PagedStep
+from flagdeploy.engine.replica import build_llm_engine
+
+ROWS = (1, 2, 3, 5, 8, 16)
+
+
+def cpu_name() -> str:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def verify_step(rows: int, context: int, block_size: int, vocab: int) -> PagedStep:
+    """One sequence's last token and rows - 1 drafts, as the engine plans a verify step."""
+    blocks = -(-(context + rows) // block_size)
+    table = list(range(1, blocks + 1))  # block 0 is the padding block
+    positions = list(range(context, context + rows))
+    slots = [table[p // block_size] * block_size + p % block_size for p in positions]
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.randint(0, vocab, (rows,), generator=g).tolist()
+    return PagedStep(ids=ids, positions=positions, slots=slots, num_prefill=0, cu_q=[], cu_k=[], kv_slots=None,
+                     tables=[table] * rows, ctx_lens=[p + 1 for p in positions], logits_rows=list(range(rows)),
+                     verify=rows > 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=256, help="tokens already in the sequence's cache")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--eager", action="store_true", help="also time the eager step (no C++ step)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    src = resolve(None)
+    engine = build_llm_engine(src.path, src.format, EngineConfig(), chip="cpu", progress=False)
+    runner, model = engine.runner, engine.runner.model
+    packed = [m.qweight.prepared for m in model.modules()
+              if getattr(m, "qweight", None) is not None and m is not model.lm_head and "nib" in m.qweight.prepared]
+    steps = {r: verify_step(r, args.context, runner.block_size, model.cfg.vocab_size) for r in ROWS}
+    xs = {r: {p["nib"].shape[1] * 32: torch.randn(r, p["nib"].shape[1] * 32).bfloat16() for p in packed} for r in ROWS}
+    native_step = runner.native
+
+    def step_ms(r: int, use_native: bool = True) -> float:
+        runner.native = native_step if use_native else None
+        try:
+            t = time.perf_counter()
+            runner.execute(steps[r])
+            return (time.perf_counter() - t) * 1e3
+        finally:
+            runner.native = native_step
+
+    def linears_ms(r: int) -> float:
+        t = time.perf_counter()
+        for p in packed:
+            native.q4_linear(xs[r][p["nib"].shape[1] * 32], p["nib"], p["dm"])
+        return (time.perf_counter() - t) * 1e3
+
+    kinds = {"step": step_ms, "linears": linears_ms}
+    if args.eager:
+        kinds["eager step"] = lambda r: step_ms(r, use_native=False)
+    for fn in kinds.values():  # warm-up: kernels built and loaded, caches touched
+        for r in ROWS:
+            fn(r)
+    times = {(k, r): [] for k in kinds for r in ROWS}
+    for _ in range(args.rounds):
+        for r in ROWS:
+            for k, fn in kinds.items():
+                times[(k, r)].append(fn(r))
+    print(f"CPU: {cpu_name()}, ISA class {native.isa_class()}, {torch.get_num_threads()} thread(s), "
+          f"torch {torch.__version__}; the default model, {len(packed)} 4-bit linears, C++ step: "
+          f"{'yes' if native_step is not None else 'no'}; context {args.context}, median of {args.rounds} rounds")
+    print(f"{'rows':>5} " + " ".join(f"{k + ' ms':>14} {'x 1 row':>8}" for k in kinds))
+    for r in ROWS:
+        cells = []
+        for k in kinds:
+            ms, one = statistics.median(times[(k, r)]), statistics.median(times[(k, 1)])
+            cells.append(f"{ms:14.2f} {ms / one:7.2f}x")
+        print(f"{r:5d} " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
