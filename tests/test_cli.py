@@ -236,17 +236,18 @@ def test_install_and_doctor_take_a_backend_name_as_the_chip_found_here():
     assert r.exit_code == 1 and "names the ascend backend" in r.output and "--chip auto" in r.output
 
 
-def test_serve_takes_a_catalog_id_and_plans_on_that_chip(default_model, capsys):
+def test_serve_takes_a_catalog_id_and_plans_on_that_chip(default_model):
     """serve --chip ascend910c is accepted as the catalog id of a chip of the ascend backend (the failure is
     that this host has none); the plan line serve prints before loading is for the chip named, not the first
     chip of its backend."""
     r = CliRunner().invoke(main, ["serve", "--chip", "ascend910c", "--port", "0", "--model", "/nonexistent/m.gguf"])
     assert r.exit_code == 1 and "no ascend910c device is visible to the ascend backend" in r.output, r.output
-    from flagdeploy.cli import _print_plan
+    from flagdeploy.assemble import ServeOptions
+    from flagdeploy.serving import plan_line
 
-    _print_plan(default_model, "h20-141g", 4096, 4, 1 << 30, memory_utilization=0.8)
-    err = capsys.readouterr().err
-    assert "plan: smollm2-135m-instruct" in err and "h20-141g x1 tp=1,dp=1,ep=1,pp=1 in 80% of 140.4 GiB" in err
+    line = plan_line(default_model, ServeOptions(chip="h20-141g", max_num_seqs=4, kv_cache_memory=1 << 30,
+                                                 memory_utilization=0.8))
+    assert "plan: smollm2-135m-instruct" in line and "h20-141g x1 tp=1,dp=1,ep=1,pp=1 in 80% of 140.4 GiB" in line
 
 
 def test_serve_passes_the_chip_and_memory_share_to_a_launched_engine(monkeypatch):
@@ -333,7 +334,8 @@ def test_the_port_check_is_not_fooled_by_a_dead_server_s_connections():
     before listening took them for a listener, so a --dp replica could not be restarted."""
     import socket
 
-    from flagdeploy.cli import _check_port
+    from flagdeploy.errors import FlagdeployError
+    from flagdeploy.serving import check_port
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -342,9 +344,9 @@ def test_the_port_check_is_not_fooled_by_a_dead_server_s_connections():
     served.close()  # the server's side closes first: its end of the connection waits in TIME_WAIT
     client.close()
     listener.close()
-    _check_port("127.0.0.1", port)  # no SystemExit
-    with socket.create_server(("127.0.0.1", 0)) as busy, pytest.raises(SystemExit):
-        _check_port("127.0.0.1", busy.getsockname()[1])
+    check_port("127.0.0.1", port)  # no error
+    with socket.create_server(("127.0.0.1", 0)) as busy, pytest.raises(FlagdeployError, match="cannot listen on"):
+        check_port("127.0.0.1", busy.getsockname()[1])
 
 
 def test_plan_takes_every_model_source_serve_takes(default_model):
