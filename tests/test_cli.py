@@ -54,31 +54,78 @@ def test_models_lists_the_cached_default(default_model):
     assert "smollm2-135m-instruct" in r.output
 
 
-def test_serve_answers_a_chat_completion(default_model):
-    """The README's journey: serve, then a plain HTTP chat completion answers with the model's greedy reply."""
+@pytest.fixture(scope="module")
+def served(default_model):
+    """`flagdeploy serve` with the README's defaults, one for the module: (its base URL, its port)."""
     port = _free_port()
     proc = _serve("--port", str(port))
     try:
-        url = wait_ready(proc, port)
-        # exactly the README's curl: no temperature (the server default is greedy), curl's form content type
-        body = ('{"model":"smollm2-135m-instruct","messages":[{"role":"user","content":'
-                '"What is the capital of France?"}]}')
-        r = httpx.post(f"{url}/v1/chat/completions", content=body, timeout=120,
-                       headers={"content-type": "application/x-www-form-urlencoded"})
-        assert r.status_code == 200, r.text
-        data = r.json()
-        assert "Paris" in data["choices"][0]["message"]["content"]
-        u = data["usage"]
-        assert u["prompt_tokens"] > 0 and u["completion_tokens"] > 0
-        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
-        # the port is now taken: a second server must refuse clearly and at once
-        second = _serve("--port", str(port))
-        out, err = second.communicate(timeout=60)
-        assert second.returncode == 1
-        assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+        yield wait_ready(proc, port), port
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_serve_answers_a_chat_completion(served):
+    """The README's journey: serve, then a plain HTTP chat completion answers with the model's greedy reply."""
+    url, port = served
+    # exactly the README's curl: no temperature (the server default is greedy), curl's form content type
+    body = ('{"model":"smollm2-135m-instruct","messages":[{"role":"user","content":'
+            '"What is the capital of France?"}]}')
+    r = httpx.post(f"{url}/v1/chat/completions", content=body, timeout=120,
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert "Paris" in data["choices"][0]["message"]["content"]
+    u = data["usage"]
+    assert u["prompt_tokens"] > 0 and u["completion_tokens"] > 0
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    # the port is now taken: a second server must refuse clearly and at once
+    second = _serve("--port", str(port))
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+
+
+def test_serve_speaks_openai_through_the_sdk(served):
+    """The OpenAI routes (server/openai.py) as `flagdeploy serve` assembles them (serving.py, assemble.py),
+    driven by the `openai` SDK: the model list, chat and completions whole and streamed, and a body the
+    server refuses surfacing as the SDK's BadRequestError with the server's message and param."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model="smollm2-135m-instruct", messages=chat, max_tokens=8)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason in ("stop", "length") and 0 < whole.usage.completion_tokens <= 8
+    chunks = list(client.chat.completions.create(model="smollm2-135m-instruct", messages=chat, max_tokens=8,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content  # greedy: the stream says what the whole answer said
+    finished = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finished == [whole.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and (usage.prompt_tokens, usage.completion_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    done = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                     max_tokens=4)
+    pieces = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                       max_tokens=4, stream=True)
+    assert done.object == "text_completion" and "".join(p.choices[0].text for p in pieces) == done.choices[0].text
+    for create, body, param, says in (
+            (client.chat.completions.create, {"messages": chat, "n": 0}, "n",
+             "Invalid value for 'n': Input should be greater than or equal to 1"),
+            (client.chat.completions.create, {"messages": [{"role": "wizard", "content": "hi"}]},
+             "messages[0].role", "Invalid value for 'messages[0].role': \"wizard\". Supported values are: "),
+            (client.chat.completions.create, {"messages": chat, "stream": True, "n": 17}, "n",  # a status, not an event
+             "Invalid value for 'n': Input should be less than or equal to 16"),
+            (client.completions.create, {"prompt": "hi", "max_tokens": 0}, "max_tokens",
+             "Invalid value for 'max_tokens': Input should be greater than or equal to 1")):
+        with pytest.raises(openai.BadRequestError) as info:
+            create(model="smollm2-135m-instruct", **body)
+        assert info.value.status_code == 400 and info.value.body["type"] == "invalid_request_error"
+        assert info.value.body["param"] == param and says in info.value.body["message"], info.value.body
 
 
 def _write_gguf(path, arch: str) -> None:
