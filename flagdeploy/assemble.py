@@ -129,10 +129,9 @@ class ServeOptions:
     def args(self) -> dict[str, Any]:
         """The inverse of `from_args`: these options as a serve.yaml entry's `args`, by SERVE_FLAGS' names
         (what is unset, None, is left out: the replica's own default)."""
-        values = {name: getattr(self, _FIELD.get(name, name)) for name in SERVE_FLAGS}
+        values = {name: getattr(self, name) for name in SERVE_FLAGS if name not in _FIELD}
         values["speculative_config"] = self.speculative.as_json() if self.speculative.enabled else None
-        if self.kv_transfer is not None:
-            values["kv_transfer_config"] = json.dumps(dataclasses.asdict(self.kv_transfer))
+        values["kv_transfer_config"] = json.dumps(dataclasses.asdict(self.kv_transfer)) if self.kv_transfer else None
         return {name: value for name, value in values.items() if value is not None}
 
     def replicas_entry(self, replicas: int) -> dict[str, Any]:

@@ -48,4 +48,3 @@ def export_onnx_cmd(model, output, weights, target, block_size, int4_method, ove
     except (FlagdeployError, ExportError, ValueError) as exc:
         _fail(str(exc))
     click.echo(f"wrote {out}")
-
