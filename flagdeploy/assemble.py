@@ -1,15 +1,17 @@
-"""The builtin server, assembled once: `ServeOptions` (what it is built from) and the one path from them to a
-serving process, taken by every way the builtin engine is served:
+"""The builtin server, assembled once: `ServeOptions` (what it is built from, in one vocabulary: `SERVE_FLAGS`)
+and the one path from them to a serving process, taken by every way the builtin engine is served:
 
-- `flagdeploy serve` (cli.py: the click surface only) builds ServeOptions from its flags and a --profile,
-  then calls `serve_builtin`;
+- `flagdeploy serve` (cli.py: the click surface only) builds ServeOptions from its flags, and serving.py
+  (which server the command starts) merges a --profile into them, checks them (`checked_source`,
+  `check_split`) and serves them (`engine_loader`, `run_server`);
 - `flagdeploy serve --dp K` and a serve.yaml `engine: builtin` entry with `replicas: K` launch K
-  `flagdeploy serve` processes (gateway/launch.py), whose argv is written in the same vocabulary
-  (`SERVE_FLAGS`) and checked here first (`from_args`, `checked_source`);
+  `flagdeploy serve` processes (gateway/launch.py), whose serve.yaml entry is written from ServeOptions
+  (`replicas_entry`, `args`: the inverse of `from_args`) and read back and checked here first (`from_args`,
+  `checked_source`);
 - a serve.yaml `engine: builtin` entry with `replicas: 1` runs in the gateway's process (gateway/app.py:
   `from_args`, then `builtin_app`);
-- `flagdeploy serve --engine onnxruntime` (edge/cli.py) serves the ONNX engine through the same app and the
-  same start-up (`builtin_app`, `run_server`).
+- `flagdeploy serve --engine onnxruntime` (serving.py) serves the ONNX engine through the same app and the
+  same start-up (`run_server`).
 
 From here a request goes to server/app.py's create_app (the routes, one module per protocol) and the engine
 that `load` builds (engine/replica.py).
@@ -18,6 +20,7 @@ that `load` builds (engine/replica.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -123,6 +126,21 @@ class ServeOptions:
         check_parsers(options.reasoning_parser, options.tool_call_parser)  # server/app.py
         return options
 
+    def args(self) -> dict[str, Any]:
+        """The inverse of `from_args`: these options as a serve.yaml entry's `args`, by SERVE_FLAGS' names
+        (what is unset, None, is left out: the replica's own default)."""
+        values = {name: getattr(self, name) for name in SERVE_FLAGS if name not in _FIELD}
+        values["speculative_config"] = self.speculative.as_json() if self.speculative.enabled else None
+        values["kv_transfer_config"] = json.dumps(dataclasses.asdict(self.kv_transfer)) if self.kv_transfer else None
+        return {name: value for name, value in values.items() if value is not None}
+
+    def replicas_entry(self, replicas: int) -> dict[str, Any]:
+        """The serve.yaml model entry (a dict, for gateway.parse_config) serving these options as `replicas`
+        `flagdeploy serve` processes behind the gateway: `flagdeploy serve --dp K`."""
+        return {"names": list(self.served_names), "engine": "builtin", "model": self.model, "chip": self.chip,
+                "replicas": replicas, "max_model_len": self.max_model_len, "args": self.args(),
+                **self.media.profile_fields()}  # the gateway checks the media policy and passes it to every replica
+
 
 _FIELD = {"speculative_config": "speculative", "kv_transfer_config": "kv_transfer"}  # arg name -> field name
 _TYPES: dict[str, type] = {f.name: f.type for f in dataclasses.fields(ServeOptions)}  # type: ignore[misc]
@@ -132,10 +150,10 @@ def _convert(name: str, value: Any) -> Any:
     if name == "kv_cache_memory":
         return parse_bytes(value) if isinstance(value, str) else int(value)
     if name == "speculative_config":
-        text = value if isinstance(value, str) else __import__("json").dumps(value)
+        text = value if isinstance(value, str) else json.dumps(value)
         return SpeculativeConfig.parse(None, None, text)
     if name == "kv_transfer_config":
-        return KvTransferConfig.parse(value if isinstance(value, str) else __import__("json").dumps(value))
+        return KvTransferConfig.parse(value if isinstance(value, str) else json.dumps(value))
     if name == "compile":
         if not isinstance(value, bool):
             raise TypeError(f"a switch (true or false), not {value!r}")

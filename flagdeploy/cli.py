@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 
 import click
@@ -22,7 +21,8 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
-def _parse_bytes(text: str) -> int:
+def _parse_bytes(ctx, param, text: str) -> int:
+    """A size flag (2GiB, 512MiB, a byte count) in bytes; a bad one is a usage error naming the flag."""
     from flagdeploy.units import parse_bytes
 
     try:
@@ -172,7 +172,8 @@ def main() -> None:
 @click.option("--max-num-seqs", default=16, show_default=True, type=click.IntRange(min=1), help="Sequences decoded together.")
 @click.option("--max-num-batched-tokens", default=512, show_default=True, type=click.IntRange(min=1), help="Token budget of one step (chunked prefill).")
 @click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Tokens per KV-cache block.")
-@click.option("--kv-cache-memory", default="2GiB", show_default=True, help="Memory for the KV cache.")
+@click.option("--kv-cache-memory", default="2GiB", show_default=True, callback=_parse_bytes,
+              help="Memory for the KV cache.")
 @memory_utilization_option
 @click.option("--weight-format", default="auto", show_default=True, type=click.Choice(["auto", "dense"]),
               help="auto: keep weights as stored where the chip has kernels for them (a GGUF's 4-bit, FP8, "
@@ -265,351 +266,35 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
 
     With --engine (not builtin), --upstream or --config, the model runs on external engines behind this
     endpoint instead (docs/gateway.md)."""
-    _setup_logging(log_level)
-    chip = chip.value if chip else None  # the catalog id or backend name, resolved again wherever it goes
-    from flagdeploy.gateway.replicas import exit_with_parent
+    from click.core import ParameterSource
 
-    exit_with_parent()  # a replica launched by `--dp` ends with its gateway, however that ends
-    if prefill_upstreams and not upstreams:
-        _fail("--prefill-upstream names the prefill instances of a prefill-decode pair; give its decode instances "
-              "with --upstream (or write the pair in serve.yaml: prefill_upstreams beside upstreams)")
-    builtin = engine == "builtin" and not (upstreams or config_file)
+    from flagdeploy import serving
+    from flagdeploy.assemble import ServeOptions
+    from flagdeploy.engine.kv_transfer import KvTransferConfig
     from flagdeploy.engine.speculative import SpeculativeConfig
-
-    try:
-        spec = SpeculativeConfig.parse(speculative, num_speculative_tokens, speculative_config)
-    except ValueError as exc:
-        _fail(str(exc))
-    if spec.enabled and not builtin:
-        _fail("--speculative/--speculative-config apply to the builtin engine; for --engine/--upstream/--config give "
-              "the engine's own speculative flags there")
-    kv_transfer = None
-    if kv_transfer_config is not None:
-        from flagdeploy.engine.kv_transfer import KvTransferConfig
-
-        if not builtin or dp > 1 or nnodes > 1:
-            _fail("--kv-transfer-config makes this builtin-engine instance a prefill or decode one: start one `flagdeploy "
-                  "serve` per instance (no --dp, --nnodes, --engine, --upstream or --config), and a router in front")
-        try:
-            kv_transfer = KvTransferConfig.parse(kv_transfer_config)
-        except ValueError as exc:
-            _fail(str(exc))
     from flagdeploy.media_policy import MediaPolicy
 
-    media = MediaPolicy.parse(limit_mm_per_prompt, allowed_media_domains)
-    if profile_file and builtin:
-        picked = _from_profile(ctx, profile_file, model=model, chip=chip, port=port, max_model_len=max_model_len,
-                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                               block_size=block_size, served_names=served_names, tp=tp, ep=ep, dp=dp)
-        model, chip, port, served_names = picked["model"], picked["chip"], picked["port"], picked["served_names"]
-        max_model_len, max_num_seqs = picked["max_model_len"], picked["max_num_seqs"]
-        max_num_batched_tokens, block_size = picked["max_num_batched_tokens"], picked["block_size"]
-        tp, ep, dp = picked["tp"], picked["ep"], picked["dp"]
-        if not spec.enabled and speculative is None and speculative_config is None:
-            spec = picked["speculative"]  # the plan's `--mtp`, unless the command line says otherwise
-    if builtin and chip:
-        from flagdeploy import ops as fops
-        from flagdeploy.edge import implied_engine
-
-        if implied_engine(chip, engine) == "builtin":  # a missing device: one line here, not a loader traceback
-            try:
-                fops.require_device(fops.get_backend(chip), chip)
-            except FlagdeployError as exc:
-                _fail(str(exc))
-
-    def options():
-        """The builtin server's options, once the command line and a --profile are reconciled."""
-        from flagdeploy.assemble import ServeOptions
-
-        return ServeOptions(
-            model=model, chip=chip, served_names=tuple(served_names), max_model_len=max_model_len,
+    _setup_logging(log_level)
+    given = frozenset(name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE)
+    setup = serving.ServeSetup(
+        host=host, port=port, log_level=log_level, engine=engine, upstreams=upstreams,
+        prefill_upstreams=prefill_upstreams, config_file=config_file, profile_file=profile_file,
+        startup_timeout=startup_timeout, dp=dp, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+        master_port=master_port, node_timeout=node_timeout, given=given)
+    try:
+        options = ServeOptions(
+            model=model, chip=chip.value if chip else None, served_names=served_names, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            kv_cache_memory=_parse_bytes(kv_cache_memory), memory_utilization=memory_utilization,
-            weight_format=weight_format, load_format=load_format, tp=tp, ep=ep, compile=compile_, speculative=spec,
+            kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization, weight_format=weight_format,
+            load_format=load_format, tp=tp, ep=ep, compile=compile_,
+            speculative=SpeculativeConfig.parse(speculative, num_speculative_tokens, speculative_config),
+            kv_transfer=None if kv_transfer_config is None else KvTransferConfig.parse(kv_transfer_config),
             api_key=api_key, default_temperature=default_temperature, reasoning_parser=reasoning_parser,
             tool_call_parser=tool_call_parser, request_timeout=request_timeout, max_waiting=max_waiting,
-            max_tokens_policy=max_tokens_policy, media=media, kv_transfer=kv_transfer)
-
-    nodes = None
-    if nnodes > 1:
-        from flagdeploy.engine.nodes import NodeGroup
-
-        if not builtin or dp > 1:
-            _fail("--nnodes spreads one builtin-engine replica's --tp x --ep ranks over machines; it does not combine "
-                  "with --dp, --engine, --upstream or --config (for external engines across nodes: `flagdeploy plan "
-                  "--nodes N --emit ENGINE`)")
-        nodes = NodeGroup(nnodes, node_rank, master_addr, master_port, node_timeout)
-        try:
-            nodes.check(tp * ep)
-        except ValueError as exc:
-            _fail(str(exc))
-    elif node_rank:
-        _fail(f"--node-rank {node_rank} needs --nnodes above it (the number of machines the replica spans)")
-    # ---- --dp: data-parallel replicas of the builtin engine behind the gateway (flagdeploy/gateway/replicas.py)
-    if dp > 1:
-        if not builtin:
-            _fail("--dp runs replicas of the builtin engine; for --engine/--upstream/--config give the replicas "
-                  "there instead (`replicas: N` in serve.yaml, or one --upstream per replica)")
-        from flagdeploy.gateway.launch import builtin_replicas_entry
-
-        _parse_bytes(kv_cache_memory)  # a bad size fails here, not K times in the replicas
-        if tp * ep > 1:  # so does a split the model cannot take (each replica used to be restarted on it)
-            from flagdeploy import assemble
-            from flagdeploy.checkpoints.source import resolve
-
-            try:
-                assemble.check_split(resolve(model, weights=load_format != "dummy"), options())
-            except FlagdeployError as exc:
-                _fail(str(exc))
-        entry = builtin_replicas_entry(
-            model, dp, chip=chip, served_names=served_names, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, kv_cache_memory=kv_cache_memory,
-            weight_format=weight_format, load_format=load_format, default_temperature=default_temperature,
-            reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser, request_timeout=request_timeout,
-            max_waiting=max_waiting, max_tokens_policy=max_tokens_policy, memory_utilization=memory_utilization,
-            tp=tp, ep=ep, compile=compile_, speculative_config=spec.as_json() if spec.enabled else None)
-        entry |= media.profile_fields()  # the gateway checks them and passes them to every replica
-        _serve_gateway(ctx, engine=engine, upstreams=upstreams, config_file=config_file, model=model, host=host,
-                       port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names,
-                       api_key=api_key, profile_file=None, startup_timeout=startup_timeout, log_level=log_level,
-                       entry=entry)
-        return
-    # ---- end of --dp
-    if not (upstreams or config_file):
-        from flagdeploy.edge import implied_engine
-
-        engine = implied_engine(chip, engine)  # an edge chip (cpu-edge, ascend310b) means onnxruntime
-    if engine == "onnxruntime" and not (upstreams or config_file):  # in this process: flagdeploy/edge
-        from flagdeploy.edge.cli import serve_onnx
-
-        _check_port(host, port)
-        serve_onnx(options(), host=host, port=port, log_level=log_level)
-        return
-    if engine != "builtin" or upstreams or config_file:
-        _serve_gateway(ctx, engine=engine, upstreams=upstreams, config_file=config_file, model=model, host=host,
-                       port=port, chip=chip, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, served_names=served_names,
-                       api_key=api_key, profile_file=profile_file, prefill_upstreams=prefill_upstreams, startup_timeout=startup_timeout, log_level=log_level,
-                       memory_utilization=memory_utilization, media=media)
-        return
-    from flagdeploy import assemble
-    from flagdeploy.server.app import check_parsers
-
-    opts = options()
-    if nodes is None or nodes.node_rank == 0:
-        _check_port(host, port)
-    try:
-        check_parsers(reasoning_parser, tool_call_parser, spell=lambda name: "--" + name.replace("_", "-"))
-        src = assemble.checked_source(model, opts.weights)  # a bad file fails here, before the server starts
-    except FlagdeployError as exc:
-        _fail(str(exc))
-    if not profile_file and (nodes is None or nodes.node_rank == 0):
-        _print_plan(src, chip, max_model_len, max_num_seqs, opts.kv_cache_memory, tp, ep, memory_utilization)
-    config = opts.engine_config()
-    try:
-        assemble.check_split(src, opts)  # before the server starts, not in its loader
-    except FlagdeployError as exc:
-        _fail(str(exc))
-    if nodes is not None and nodes.node_rank > 0:  # a headless node: its ranks, no HTTP
-        from flagdeploy.engine.lockstep import run_headless
-
-        click.echo(f"flagdeploy: node {nodes.node_rank} of {nodes.nnodes}: joining {master_addr}:{master_port} ...",
-                   err=True)
-        try:
-            sys.exit(run_headless(src.path, src.format, config, chip, nodes))
-        except FlagdeployError as exc:
-            _fail(str(exc))
-    names = list(served_names) or [src.name]
-
-    def ready(engine) -> str:
-        _print_held(engine.engine.model, config.device, tp * ep)
-        return f"flagdeploy: serving {names[0]} on http://{host}:{port}/v1 (ready)"
-
-    def on_node_failure(app) -> None:  # another node failed: not ready, with the reason, until node 0 exits
-        from flagdeploy.engine.nodes import on_node_failure
-
-        on_node_failure(app.state.engine_slot.fail)
-
-    assemble.run_server(opts, assemble.engine_loader(opts, src, progress=True, nodes=nodes, config=config), names,
-                        host=host, port=port, log_level=log_level,
-                        loading=f"flagdeploy: loading {src.path} ... (/ready answers 503 until done)", ready=ready,
-                        configure=on_node_failure if nodes is not None else None)
-
-
-def _serve_gateway(ctx, *, engine, upstreams, config_file, model, host, port, chip, max_model_len, max_num_seqs,
-                   max_num_batched_tokens, block_size, served_names, api_key, profile_file, startup_timeout,
-                   log_level, memory_utilization=0.9, entry=None, media=None, prefill_upstreams=()) -> None:
-    """`serve` with external engines: the gateway (flagdeploy/gateway) from serve.yaml or from the options.
-    `entry`: the one model entry already built by the caller (--dp's builtin replicas), used as given;
-    `media`: the MediaPolicy of --limit-mm-per-prompt / --allowed-media-domains."""
-    from click.core import ParameterSource
-
-    from flagdeploy.gateway import build_gateway, load_config, parse_config
-    from flagdeploy.server import make_server
-
-    explicit = lambda name: ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE  # noqa: E731
-    try:
-        if entry is not None:
-            cfg = parse_config({"api_key": api_key, "startup_timeout": startup_timeout, "models": [entry]},
-                               "serve options")
-        elif config_file:
-            if engine != "builtin" or upstreams:
-                _fail("--config describes every model; put the engine or upstreams in serve.yaml instead of "
-                      "also passing --engine/--upstream")
-            if media is not None and media.profile_fields():
-                _fail("--config describes every model; set limit_mm_per_prompt / allowed_media_domains on the models "
-                      "of serve.yaml instead of passing --limit-mm-per-prompt / --allowed-media-domains")
-            cfg = load_config(config_file)
-            host = host if explicit("host") or not cfg.host else cfg.host
-            port = port if explicit("port") or not cfg.port else cfg.port
-            updates = {"api_key": api_key} if api_key is not None else {}
-            if explicit("startup_timeout"):
-                updates["startup_timeout"] = startup_timeout
-            cfg = cfg.model_copy(update=updates)
-        else:
-            if upstreams and engine != "builtin":
-                _fail(f"--upstream attaches engines that already run, --engine {engine} launches one; use one of "
-                      f"them (or both kinds of model in a serve.yaml, --config)")
-            entry = {"names": list(served_names)}
-            if upstreams:
-                entry |= {"engine": "upstream", "upstreams": list(upstreams), "model": model}
-                if prefill_upstreams:
-                    entry["prefill_upstreams"] = list(prefill_upstreams)
-                if not served_names and model:
-                    entry["names"] = [model]  # and, where --model names local files, its template counts tokens
-            else:
-                entry |= {"engine": engine, "model": model, "chip": chip, "max_model_len": max_model_len}
-                args = {}
-                if profile_file:
-                    from dataclasses import asdict
-
-                    from flagdeploy.planner import Profile
-
-                    prof = asdict(Profile.load(profile_file))
-                    entry["model"] = model or prof.pop("model")
-                    entry["chip"] = chip or prof.pop("chip")
-                    entry["max_model_len"] = max_model_len if explicit("max_model_len") else prof["max_model_len"]
-                    if not served_names and prof.get("served_model_name"):
-                        entry["names"] = [prof["served_model_name"]]
-                    media_fields = {k: prof.pop(k) for k in ("limit_mm_per_prompt", "allowed_media_domains")}
-                    entry |= {k: v for k, v in media_fields.items() if v is not None}  # beside args, not in them
-                    args = {k: v for k, v in prof.items() if k not in ("model", "chip", "port")}
-                if engine != "llama.cpp":  # profile fields; engines.yaml maps memory_utilization to each engine's flag
-                    args |= {name: value for name, value in (("max_num_seqs", max_num_seqs),
-                             ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size),
-                             ("memory_utilization", memory_utilization)) if explicit(name)}
-                entry["args"] = args
-            entry |= media.profile_fields() if media is not None else {}  # the command line over a profile
-            cfg = parse_config({"api_key": api_key, "startup_timeout": startup_timeout, "models": [entry]},
-                               "serve options")
-        gateway = build_gateway(cfg)
+            max_tokens_policy=max_tokens_policy, media=MediaPolicy.parse(limit_mm_per_prompt, allowed_media_domains))
+        serving.serve(options, setup)
     except (FlagdeployError, ValueError) as exc:
         _fail(str(exc))
-    _check_port(host, port)
-    for pool in gateway.pools:
-        click.echo(f"flagdeploy: {', '.join(pool.names) or '(names from the engine)'} -> {pool.engine} "
-                   f"{', '.join(u.url for u in pool.upstreams)}"
-                   + (f" (prefill: {', '.join(u.url for u in pool.prefill)})" if pool.prefill else ""), err=True)
-    click.echo(f"flagdeploy: serving on http://{host}:{port}/v1 (/ready answers 503 until every engine is ready)",
-               err=True)
-    make_server(gateway, host, port, log_level).run()
-
-
-def _from_profile(ctx, path: str, **given):
-    """Profile values for every serve option not given on the command line, by the options' names (and the
-    plan's speculative decoding as "speculative")."""
-    from click.core import ParameterSource
-
-    from flagdeploy.chips import get_chip
-    from flagdeploy.planner import Profile
-
-    try:
-        prof = Profile.load(path)  # its errors name the file
-    except ValueError as exc:
-        _fail(str(exc))
-    try:
-        backend = get_chip(prof.chip).backend
-    except (FlagdeployError, ValueError, TypeError) as exc:
-        _fail(f"{path}: {exc}")
-    if prof.engine not in (None, "builtin"):  # planned (by `plan --engine/--emit` or `deploy`) for another engine
-        _fail(f"{path} was planned for {prof.engine}, whose layouts the builtin engine may not run: serve it with "
-              f"`flagdeploy serve --profile {path} --engine {prof.engine}` (flagdeploy launches {prof.engine} and "
-              "serves it here), or plan again for the builtin engine (`flagdeploy plan ... --engine builtin`).")
-    if prof.pp > 1:
-        _fail(f"{path} splits the model over {prof.pp} pipeline stages (pp={prof.pp}); the builtin engine has none "
-              f"(it spreads --tp x --ep over nodes instead). Launch an external engine with `flagdeploy plan ... "
-              f"--emit vllm|sglang|...`.")
-    if prof.nodes != ctx.params.get("nnodes", 1):
-        _fail(f"{path} spans {prof.nodes} node(s): run `flagdeploy serve --profile {path} --nnodes {prof.nodes} "
-              f"--node-rank R --master-addr NODE0_ADDRESS` on each node (R = 0 on the node that serves HTTP).")
-    explicit = lambda name: ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE  # noqa: E731
-    pick = lambda name, value: given[name] if explicit(name) else value  # noqa: E731
-    names = given["served_names"] if explicit("served_names") else ((prof.served_model_name,) if prof.served_model_name else ())
-    tp, ep, dp = prof.builtin_layout()
-    from flagdeploy.engine.speculative import SpeculativeConfig
-
-    spec = SpeculativeConfig(method="mtp" if prof.mtp else "off", num_speculative_tokens=prof.num_speculative_tokens)
-    return {"model": pick("model", prof.model), "chip": pick("chip", backend), "port": pick("port", prof.port),
-            "max_model_len": pick("max_model_len", prof.max_model_len), "max_num_seqs": pick("max_num_seqs", prof.max_num_seqs),
-            "max_num_batched_tokens": pick("max_num_batched_tokens", prof.max_num_batched_tokens),
-            "block_size": pick("block_size", prof.block_size), "served_names": names, "tp": pick("tp", tp),
-            "ep": pick("ep", ep), "dp": pick("dp", dp), "speculative": spec}
-
-
-def _print_plan(src, chip: str | None, max_model_len: int, max_num_seqs: int, kv_cache_memory: int, tp: int = 1,
-                ep: int = 1, memory_utilization: float = 0.9) -> None:
-    """The planner's line for what is about to load: the replica's tp x ep devices of the chip (the one named
-    by --chip, else the first catalog chip of the backend), in the planner's terms (the inverse of
-    `Profile.builtin_layout`). The weights are reported after loading (`_print_held`): what the backend holds
-    depends on its kernels, not only on the checkpoint."""
-    from flagdeploy import ops
-    from flagdeploy.chips import all_chips, resolve_chip
-    from flagdeploy.planner import PlanRequest, make_plan
-    from flagdeploy.planner.cost import Layout
-    from flagdeploy.planner.ledger import source_config
-    from flagdeploy.planner.report import serve_line
-
-    try:
-        choice = resolve_chip(chip) if chip else None
-        backend = ops.get_backend(chip) if chip else ops.detect_backend()
-        spec = choice.chip if choice and choice.chip else next(c for c in all_chips() if c.backend == backend.name)
-        config = source_config(src)
-        layout = Layout(tp=tp, dp=ep, ep=tp * ep if ep > 1 else 1)
-        # a host CPU's memory is this machine's (the catalog's figure is nominal)
-        host = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1) if spec.backend == "cpu" else None
-        plan = make_plan(PlanRequest(src.name, spec.id, tp * ep, max_model_len=max_model_len, concurrency=max_num_seqs,
-                                     config=config, layout=layout, memory_utilization=memory_utilization,
-                                     memory_gib=host))
-        click.echo(f"flagdeploy: {serve_line(plan, kv_cache_memory)}", err=True)
-    except (FlagdeployError, ValueError, KeyError, StopIteration, OSError) as exc:  # the plan is advice: never block serving
-        logging.getLogger(__name__).info("no plan for %s: %s", src.name, exc)
-
-
-def _print_held(model, device: str, ranks: int) -> None:
-    """The weights as loaded, by format (Q4 blocks, the backend's dense copy for many-row steps, an int8
-    head, ...), measured from the model's tensors: the honest size of a quantized model."""
-    from flagdeploy.planner.held import held_line, held_weights
-
-    try:
-        line = held_line(held_weights(model), device)
-    except Exception as exc:  # noqa: BLE001 - a report: never take a loaded model down
-        logging.getLogger(__name__).info("could not count the weights held: %r", exc)
-        return
-    click.echo(f"flagdeploy: {line}" + (f", rank 0 of {ranks}" if ranks > 1 else ""), err=True)
-
-
-def _check_port(host: str, port: int) -> None:
-    """Fail early if another process listens there. SO_REUSEADDR as uvicorn binds: the connections of a server
-    that just died wait out TIME_WAIT (~60 s) on the port, and a plain bind took them for a listener (a --dp
-    replica killed outright could then never be restarted)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            _fail(f"cannot listen on {host}:{port} ({exc.strerror}). Another process (maybe another "
-                  f"`flagdeploy serve`) is using the port: stop it, or pass --port with a free port.")
 
 
 @main.command()

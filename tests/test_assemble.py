@@ -51,3 +51,13 @@ def test_one_vocabulary_whatever_the_replicas(default_model):
     bad = parse_config({"models": [{"engine": "builtin", "model": str(default_model.path), "args": {"cuda_graphs": 1}}]})
     with pytest.raises(GatewayConfigError, match=r"unknown args \['cuda_graphs'\]"):
         builtin_app(bad.models[0], None)
+
+
+def test_args_are_the_inverse_of_from_args():
+    """`flagdeploy serve --dp K` writes its replicas' serve.yaml entry from ServeOptions (`args`); each
+    replica reads the same options back, so a new option is added in one place."""
+    kv = '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}'
+    for args in (ARGS, ARGS | {"kv_transfer_config": kv}, {}):
+        options = ServeOptions.from_args(args, model="m")
+        assert ServeOptions.from_args(options.args(), model="m") == options
+    assert "request_timeout" not in ServeOptions().args() and "compile" not in ServeOptions().args()  # unset

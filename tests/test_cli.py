@@ -54,31 +54,78 @@ def test_models_lists_the_cached_default(default_model):
     assert "smollm2-135m-instruct" in r.output
 
 
-def test_serve_answers_a_chat_completion(default_model):
-    """The README's journey: serve, then a plain HTTP chat completion answers with the model's greedy reply."""
+@pytest.fixture(scope="module")
+def served(default_model):
+    """`flagdeploy serve` with the README's defaults, one for the module: (its base URL, its port)."""
     port = _free_port()
     proc = _serve("--port", str(port))
     try:
-        url = wait_ready(proc, port)
-        # exactly the README's curl: no temperature (the server default is greedy), curl's form content type
-        body = ('{"model":"smollm2-135m-instruct","messages":[{"role":"user","content":'
-                '"What is the capital of France?"}]}')
-        r = httpx.post(f"{url}/v1/chat/completions", content=body, timeout=120,
-                       headers={"content-type": "application/x-www-form-urlencoded"})
-        assert r.status_code == 200, r.text
-        data = r.json()
-        assert "Paris" in data["choices"][0]["message"]["content"]
-        u = data["usage"]
-        assert u["prompt_tokens"] > 0 and u["completion_tokens"] > 0
-        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
-        # the port is now taken: a second server must refuse clearly and at once
-        second = _serve("--port", str(port))
-        out, err = second.communicate(timeout=60)
-        assert second.returncode == 1
-        assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+        yield wait_ready(proc, port), port
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_serve_answers_a_chat_completion(served):
+    """The README's journey: serve, then a plain HTTP chat completion answers with the model's greedy reply."""
+    url, port = served
+    # exactly the README's curl: no temperature (the server default is greedy), curl's form content type
+    body = ('{"model":"smollm2-135m-instruct","messages":[{"role":"user","content":'
+            '"What is the capital of France?"}]}')
+    r = httpx.post(f"{url}/v1/chat/completions", content=body, timeout=120,
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert "Paris" in data["choices"][0]["message"]["content"]
+    u = data["usage"]
+    assert u["prompt_tokens"] > 0 and u["completion_tokens"] > 0
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    # the port is now taken: a second server must refuse clearly and at once
+    second = _serve("--port", str(port))
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+
+
+def test_serve_speaks_openai_through_the_sdk(served):
+    """The OpenAI routes (server/openai.py) as `flagdeploy serve` assembles them (serving.py, assemble.py),
+    driven by the `openai` SDK: the model list, chat and completions whole and streamed, and a body the
+    server refuses surfacing as the SDK's BadRequestError with the server's message and param."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model="smollm2-135m-instruct", messages=chat, max_tokens=8)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason in ("stop", "length") and 0 < whole.usage.completion_tokens <= 8
+    chunks = list(client.chat.completions.create(model="smollm2-135m-instruct", messages=chat, max_tokens=8,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content  # greedy: the stream says what the whole answer said
+    finished = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finished == [whole.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and (usage.prompt_tokens, usage.completion_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    done = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                     max_tokens=4)
+    pieces = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                       max_tokens=4, stream=True)
+    assert done.object == "text_completion" and "".join(p.choices[0].text for p in pieces) == done.choices[0].text
+    for create, body, param, says in (
+            (client.chat.completions.create, {"messages": chat, "n": 0}, "n",
+             "Invalid value for 'n': Input should be greater than or equal to 1"),
+            (client.chat.completions.create, {"messages": [{"role": "wizard", "content": "hi"}]},
+             "messages[0].role", "Invalid value for 'messages[0].role': \"wizard\". Supported values are: "),
+            (client.chat.completions.create, {"messages": chat, "stream": True, "n": 17}, "n",  # a status, not an event
+             "Invalid value for 'n': Input should be less than or equal to 16"),
+            (client.completions.create, {"prompt": "hi", "max_tokens": 0}, "max_tokens",
+             "Invalid value for 'max_tokens': Input should be greater than or equal to 1")):
+        with pytest.raises(openai.BadRequestError) as info:
+            create(model="smollm2-135m-instruct", **body)
+        assert info.value.status_code == 400 and info.value.body["type"] == "invalid_request_error"
+        assert info.value.body["param"] == param and says in info.value.body["message"], info.value.body
 
 
 def _write_gguf(path, arch: str) -> None:
@@ -236,17 +283,18 @@ def test_install_and_doctor_take_a_backend_name_as_the_chip_found_here():
     assert r.exit_code == 1 and "names the ascend backend" in r.output and "--chip auto" in r.output
 
 
-def test_serve_takes_a_catalog_id_and_plans_on_that_chip(default_model, capsys):
+def test_serve_takes_a_catalog_id_and_plans_on_that_chip(default_model):
     """serve --chip ascend910c is accepted as the catalog id of a chip of the ascend backend (the failure is
     that this host has none); the plan line serve prints before loading is for the chip named, not the first
     chip of its backend."""
     r = CliRunner().invoke(main, ["serve", "--chip", "ascend910c", "--port", "0", "--model", "/nonexistent/m.gguf"])
     assert r.exit_code == 1 and "no ascend910c device is visible to the ascend backend" in r.output, r.output
-    from flagdeploy.cli import _print_plan
+    from flagdeploy.assemble import ServeOptions
+    from flagdeploy.serving import plan_line
 
-    _print_plan(default_model, "h20-141g", 4096, 4, 1 << 30, memory_utilization=0.8)
-    err = capsys.readouterr().err
-    assert "plan: smollm2-135m-instruct" in err and "h20-141g x1 tp=1,dp=1,ep=1,pp=1 in 80% of 140.4 GiB" in err
+    line = plan_line(default_model, ServeOptions(chip="h20-141g", max_num_seqs=4, kv_cache_memory=1 << 30,
+                                                 memory_utilization=0.8))
+    assert "plan: smollm2-135m-instruct" in line and "h20-141g x1 tp=1,dp=1,ep=1,pp=1 in 80% of 140.4 GiB" in line
 
 
 def test_serve_passes_the_chip_and_memory_share_to_a_launched_engine(monkeypatch):
@@ -333,7 +381,8 @@ def test_the_port_check_is_not_fooled_by_a_dead_server_s_connections():
     before listening took them for a listener, so a --dp replica could not be restarted."""
     import socket
 
-    from flagdeploy.cli import _check_port
+    from flagdeploy.errors import FlagdeployError
+    from flagdeploy.serving import check_port
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -342,9 +391,9 @@ def test_the_port_check_is_not_fooled_by_a_dead_server_s_connections():
     served.close()  # the server's side closes first: its end of the connection waits in TIME_WAIT
     client.close()
     listener.close()
-    _check_port("127.0.0.1", port)  # no SystemExit
-    with socket.create_server(("127.0.0.1", 0)) as busy, pytest.raises(SystemExit):
-        _check_port("127.0.0.1", busy.getsockname()[1])
+    check_port("127.0.0.1", port)  # no error
+    with socket.create_server(("127.0.0.1", 0)) as busy, pytest.raises(FlagdeployError, match="cannot listen on"):
+        check_port("127.0.0.1", busy.getsockname()[1])
 
 
 def test_plan_takes_every_model_source_serve_takes(default_model):

@@ -25,9 +25,9 @@ from test_cli import _free_port
 from test_cli import _serve as _serve_cli
 from test_cli import wait_ready
 
+from flagdeploy.assemble import ServeOptions
 from flagdeploy.gateway import ConfigError, build_gateway, parse_config
 from flagdeploy.gateway.launch import launch_plan
-from flagdeploy.gateway.launch import builtin_replicas_entry
 from flagdeploy.gateway.replicas import merge_expositions, replica_env
 
 SMALL = ["--max-model-len", "512", "--kv-cache-memory", "64MiB"]
@@ -39,9 +39,8 @@ DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
 def _entry(dp: int = 2, **options):
     options = {"max_model_len": 512, "kv_cache_memory": "64MiB", "max_num_seqs": 4, "tp": 2, "ep": 1,
                "reasoning_parser": "none", "request_timeout": None} | options
-    cfg = parse_config({"api_key": "sk-x", "models": [builtin_replicas_entry(None, dp, chip="cpu",
-                                                                              served_names=("tiny", "Tiny2"),
-                                                                              **options)]})
+    options = ServeOptions.from_args(options, chip="cpu", served_names=("tiny", "Tiny2"))
+    cfg = parse_config({"api_key": "sk-x", "models": [options.replicas_entry(dp)]})
     return cfg.models[0]
 
 
@@ -57,7 +56,7 @@ def test_launch_plan_argv_and_devices(default_model):
     assert argv[:4] == [sys.executable, "-m", "flagdeploy", "serve"]
     assert _flag(argv, "--model") == str(default_model.path) and _flag(argv, "--host") == "127.0.0.1"
     assert [_flag(p.argv, "--port") for p in plans] == ["9100", "9101"]
-    assert _flag(argv, "--max-model-len") == "512" and _flag(argv, "--kv-cache-memory") == "64MiB"
+    assert _flag(argv, "--max-model-len") == "512" and _flag(argv, "--kv-cache-memory") == str(64 << 20)
     assert _flag(argv, "--max-num-seqs") == "4" and _flag(argv, "--tp") == "2" and _flag(argv, "--ep") == "1"
     assert _flag(argv, "--chip") == "cpu" and _flag(argv, "--dp") == "1"
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--served-model-name"] == ["tiny", "Tiny2"]
@@ -65,7 +64,7 @@ def test_launch_plan_argv_and_devices(default_model):
     assert "--compile" not in argv and "--no-compile" not in argv  # unset: the replica's default
     assert "--limit-mm-per-prompt" not in argv and "--allowed-media-domains" not in argv
     media = {"limit_mm_per_prompt": {"image": 2, "video": 0}, "allowed_media_domains": ["images.example.com"]}
-    cfg = parse_config({"models": [builtin_replicas_entry(None, 2, chip="cpu") | media]})
+    cfg = parse_config({"models": [ServeOptions(chip="cpu").replicas_entry(2) | media]})
     with_media = launch_plan(cfg.models[0], 9100, 0).argv  # each replica applies the policy it fetches under
     assert _flag(with_media, "--limit-mm-per-prompt") == "image=2,video=0"
     assert _flag(with_media, "--allowed-media-domains") == "images.example.com"

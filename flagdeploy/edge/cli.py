@@ -1,4 +1,4 @@
-"""`flagdeploy export onnx` and the builtin-process ONNX path of `flagdeploy serve --engine onnxruntime`."""
+"""`flagdeploy export onnx` (`flagdeploy serve --engine onnxruntime` serves the result: flagdeploy/serving.py)."""
 
 from __future__ import annotations
 
@@ -48,42 +48,3 @@ def export_onnx_cmd(model, output, weights, target, block_size, int4_method, ove
     except (FlagdeployError, ExportError, ValueError) as exc:
         _fail(str(exc))
     click.echo(f"wrote {out}")
-
-
-def serve_onnx(options, *, host: str, port: int, log_level: str, weights: str = "int4") -> None:
-    """`serve --engine onnxruntime`: the builtin server (flagdeploy/assemble.py) with the ONNX engine in this
-    process; `options` the ServeOptions of the command line."""
-    from pathlib import Path
-
-    from flagdeploy.assemble import run_server
-    from flagdeploy.engine import AsyncEngine, EngineConfig
-
-    from .engine import EdgeError, build_onnx_engine, check_provider, provider_for_chip
-
-    model, chip = options.model, options.chip
-    try:
-        check_provider(provider_for_chip(chip))  # a missing EP fails now, naming its package
-    except (EdgeError, FlagdeployError) as exc:
-        _fail(str(exc))
-    config = EngineConfig(max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
-                          kv_cache_memory=options.kv_cache_memory)
-    if model and (Path(model) / "flagdeploy-onnx.json").exists():
-        default_name = Path(model).name
-    else:
-        from flagdeploy.checkpoints.source import resolve
-
-        try:
-            default_name = resolve(model).name
-        except FlagdeployError as exc:
-            _fail(str(exc))
-    names = list(options.served_names) or [default_name]
-
-    def load() -> AsyncEngine:
-        return AsyncEngine(build_onnx_engine(model, config, chip=chip, weights=weights))
-
-    def ready(engine: AsyncEngine) -> str:
-        return f"flagdeploy: serving {names[0]} (onnxruntime, {engine.engine.decoder.ep}) on http://{host}:{port}/v1 (ready)"
-
-    run_server(options, load, names, host=host, port=port, log_level=log_level, ready=ready,
-               loading=f"flagdeploy: loading {model or names[0]} with onnxruntime (exported on first use) ... "
-                       f"(/ready answers 503 until done)")

@@ -119,21 +119,6 @@ def _planned(entry: ModelEntry, port: int, replica: int) -> LaunchPlan:
                       list(launch.warnings))
 
 
-def builtin_replicas_entry(model: str | None, dp: int, *, chip: str | None = None,
-                           served_names: tuple[str, ...] | list[str] = (), **options: Any) -> dict[str, Any]:
-    """The serve.yaml model entry (as a dict, for `parse_config`) of `flagdeploy serve --dp K`:
-    `options` are serve's engine options by their parameter names (max_model_len, tp, ep, ...);
-    None means the replica's own default."""
-    if unknown := sorted(set(options) - set(SERVE_FLAGS)):
-        raise ConfigError(f"builtin replicas take {sorted(SERVE_FLAGS)}; not {unknown}")
-    args = {k: v for k, v in options.items() if v is not None}
-    entry: dict[str, Any] = {"names": list(served_names), "engine": "builtin", "model": model, "chip": chip,
-                             "replicas": dp, "args": args}
-    if "max_model_len" in args:
-        entry["max_model_len"] = args["max_model_len"]
-    return entry
-
-
 def builtin_launch_plan(entry: ModelEntry, port: int, replica: int = 0, *,
                         backend: Any = None, environ: Mapping[str, str] | None = None,
                         device_count: Callable[[], int | None] | None = None,
