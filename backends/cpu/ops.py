@@ -211,8 +211,8 @@ def prepare_w4a16(w: Int4Weight):
 
 
 def packed_w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """The few-row kernel of a prepared bundle. The backend's own kernel quantises the activations to int8 per
-    block of 32 (csrc/q4_linear.cpp: ~3x its bf16 output's rounding); torch's kernel multiplies in bf16."""
+    """The few-row kernel of a prepared bundle. The backend's own kernel carries the activations as two int8
+    parts per block of 32 (~15 bits: no rounding beyond its bf16 output's); torch's kernel multiplies in bf16."""
     p = w.prepared
     if "nib" in p:
         return native.q4_linear(x, p["nib"], p["dm"])
