@@ -34,7 +34,8 @@ class LlamaStep:
         self._head, self._head_rows, self._vocab = model.lm_head, head_rows, model.cfg.vocab_size
 
     def serves(self, rows: int, width: int) -> bool:
-        """Whether a plain decode step of `rows` sequences with block tables `width` wide runs here."""
+        """Whether a decode step of `rows` rows (sequences, or a verify step's tokens) with block tables `width`
+        wide runs here."""
         return rows <= self.max_rows and width * self.block_size <= self.max_keys
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],

@@ -3,7 +3,7 @@
 - `q4_linear`: torch has no x86 kernel that multiplies int4 weights by int8 activations (its int4 GEMV
   converts each nibble to bf16), and that kernel is what a 4-bit GGUF's decode step is made of. This
   one runs AVX-512 VNNI dot products over 16 output rows at a time, or on AVX2 the same arithmetic in
-  two halves (csrc/q4_linear.cpp), each weight chunk unpacked once for up to 8 (AVX2: 6) activation rows.
+  two halves (csrc/q4_linear.cpp), each weight chunk unpacked once for up to 8 (AVX2: 4) activation rows.
 - `q8_linear`: the same for int8 weights with per-channel scales (a quantized model's LM head), where torch's
   int8 GEMV converts each weight to float: int16 dot products of 8 output rows at a time (csrc/q8_linear.cpp).
 - `paged_decode_attention`: decode attention over paged caches, each (row, key head) by the same loops
@@ -24,9 +24,9 @@
 They are compiled once per source, torch version and CPU into the user's cache directory (~40 s on two
 cores, a compiler per source at once, like inductor's own kernels under `serve --compile`) and loaded as a
 torch library, so that compiled graphs call them without Python. They are built for the best instruction set
-the CPU has (ISAS), or the one FLAGDEPLOY_CPU_ISA names (avx2, avx512): both compute the same bits. Where they cannot be used (another CPU, no
-compiler, FLAGDEPLOY_NATIVE_KERNELS=0) the callers keep torch's kernels: `available()` says which, and the log
-says why.
+the CPU has (ISAS), or the one FLAGDEPLOY_CPU_ISA names (avx2, avx512): both compute the same bits. Where they
+cannot be used (another CPU, no compiler, FLAGDEPLOY_NATIVE_KERNELS=0) the callers keep torch's kernels:
+`available()` says which, and the log says why.
 """
 
 from __future__ import annotations
@@ -145,10 +145,12 @@ def unsupported() -> str | None:
     if os.environ.get("FLAGDEPLOY_NATIVE_KERNELS", "1") == "0":
         return "switched off by FLAGDEPLOY_NATIVE_KERNELS=0"
     if isa() not in ISAS:
-        return f"FLAGDEPLOY_CPU_ISA={isa()} is not one of {', '.join(ISAS)}: set one of those, or unset it for this CPU's best"
+        return (f"FLAGDEPLOY_CPU_ISA={isa()} is not one of {', '.join(ISAS)}: set one of those, or unset it for "
+                "this CPU's best")
     missing = [f for f in ISAS[isa()].cpu_flags if f not in _proc_flags()]
     if platform.machine() not in ("x86_64", "AMD64") or missing:
-        return f"this CPU lacks {', '.join(missing) or 'x86'}{' (FLAGDEPLOY_CPU_ISA)' if os.environ.get('FLAGDEPLOY_CPU_ISA') else ''}"
+        forced = " (FLAGDEPLOY_CPU_ISA)" if os.environ.get("FLAGDEPLOY_CPU_ISA") else ""
+        return f"this CPU lacks {', '.join(missing) or 'x86'}{forced}"
     return None
 
 
