@@ -15,11 +15,11 @@ step served them. FLAGDEPLOY_CPU_ISA=avx2 measures the AVX2 kernels on an AVX-51
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
+from cpu_vs_llama_server import cpu_name  # this script runs from benchmarks/
 
 from flagdeploy.backends.cpu import native
 from flagdeploy.checkpoints.source import resolve
@@ -28,13 +28,6 @@ from flagdeploy.engine.model_runner import PagedStep
 from flagdeploy.engine.replica import build_llm_engine
 
 ROWS = (1, 2, 3, 5, 8, 16)
-
-
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def verify_step(rows: int, context: int, block_size: int, vocab: int) -> PagedStep:
