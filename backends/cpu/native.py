@@ -100,7 +100,8 @@ def isa() -> str:
 def cpu_flags() -> frozenset[str]:
     """The CPU's flags as the kernels and the tune table see them: without those the kernels' ISA leaves
     unused (a forced AVX2 build on an AVX-512 CPU is tuned as an AVX2 machine)."""
-    hides = ISAS[isa()].hides if isa() in ISAS else ()
+    name = isa()
+    hides = ISAS[name].hides if name in ISAS else ()
     return frozenset(f for f in _proc_flags() if not f.startswith(hides))
 
 

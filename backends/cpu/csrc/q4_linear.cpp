@@ -189,11 +189,11 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
 
 // Rows [r0, r0 + n) over tiles [t, t + T), 0 < n < R: the one pass of exactly n rows.
 template <int R, int T>
-void rest(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k, int64_t r0, int64_t n, int64_t t,
-          uint16_t* y, int64_t n_out) {
+void rows_pass(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k, int64_t r0, int64_t n,
+               int64_t t, uint16_t* y, int64_t n_out) {
   if constexpr (R > 1) {
     if (n == R - 1) return tiles<R - 1, T>(nib, dm, a, k, r0, t, y, n_out);
-    rest<R - 1, T>(nib, dm, a, k, r0, n, t, y, n_out);
+    rows_pass<R - 1, T>(nib, dm, a, k, r0, n, t, y, n_out);
   }
 }
 
@@ -226,10 +226,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
     const int64_t passes = (rows_n + most - 1) / most;
     for (int64_t p = 0, r = 0; p < passes; ++p) {
       const int64_t n = (rows_n - r) / (passes - p);
-      if (n == most)
-        tiles<most, T>(w, s, a, k, r, t, out, n_out);
-      else
-        rest<most, T>(w, s, a, k, r, n, t, out, n_out);
+      rows_pass<most + 1, T>(w, s, a, k, r, n, t, out, n_out);
       r += n;
     }
   };
