@@ -269,8 +269,9 @@ def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtyp
     """What makes speculative verify rows exact on the CPU: each row of the backend's own attention kernel
     is bitwise the same computed alone (its own table), in a batch of other sequences (a wider, padded
     table) and as one of a verify step's rows (the same sequence at consecutive lengths), on several
-    threads or one. (A batch this size takes each key head's query heads together, a lone row one query
-    head at a time.)"""
+    threads or one. Rows read the same keys together where their tables agree over the blocks they read
+    (row 6's table differs past them); row 1 shares its first block with row 0 but not the next two (a
+    shared prefix): another sequence."""
     from flagdeploy.backends.cpu import ops as cpu_ops
 
     if not cpu_ops.native.available():
@@ -280,6 +281,8 @@ def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtyp
     q = torch.randn(7, heads, 64, generator=g).to(dtype)
     tables = torch.randperm(64, generator=g)[:42].view(7, 6)
     tables[4:] = tables[3]  # rows 3..6: one sequence's verify rows
+    tables[6, 5] = tables[0, 1]  # past the 4 blocks row 6 reads
+    tables[1, 0] = tables[0, 0]
     lens = torch.tensor([1, 40, 96, 60, 61, 62, 63])
     batched = cpu_ops.native.paged_decode_attention(q, k, v, tables, lens, 0.125)
     threads = torch.get_num_threads()
@@ -585,6 +588,10 @@ def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
             lens = torch.tensor([1, 17, 5 * block_size + 3, 40])
             assert torch.equal(avx2.paged_decode_attention(q, kc, vc, tables, lens, 0.125),
                                default.paged_decode_attention(q, kc, vc, tables, lens, 0.125)), (d, dtype)
+            verify = tables[2].expand(4, -1).contiguous()  # one sequence's verify rows: its keys read once for all
+            lens = torch.arange(5 * block_size, 5 * block_size + 4)
+            assert torch.equal(avx2.paged_decode_attention(q, kc, vc, verify, lens, 0.125),
+                               default.paged_decode_attention(q, kc, vc, verify, lens, 0.125)), (d, dtype)
 
 
 def test_cpu_int4_weights_no_packed_kernel_can_tile_run_the_reference():

@@ -73,6 +73,12 @@ ISAS = {"avx512": Isa(("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", 
 ISA_CLASSES = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
 
 
+# -fno-trapping-math lets GCC if-convert the clamp of exp_nonpositive.h for AVX2 (AVX-512 masks it anyway), so
+# that softmax's and SwiGLU's exp run 8 values at a time there, not one: it changes no value, only what may
+# raise floating-point exception flags, which nothing here reads
+CXX_FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-std=c++20", "-w")
+
+
 def _cxx() -> str:
     return os.environ.get("CXX", "c++")
 
@@ -122,7 +128,7 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 
     lib = Path(torch.__file__).parent / "lib"
     cxx = _cxx()
-    flags = ["-O3", "-march=native", *extra_flags, "-fopenmp", "-fPIC", "-std=c++20", "-w",
+    flags = [*CXX_FLAGS, *extra_flags,
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *(f"-I{p}" for p in include_paths())]
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -171,7 +177,8 @@ def available() -> bool:
     from flagdeploy.checkpoints.source import cache_dir
 
     code = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))  # the .cpp sources and their headers
-    key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode() + isa().encode())
+    key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode() + isa().encode()
+                         + " ".join((*CXX_FLAGS, *ISAS[isa()].cxx_flags)).encode())
     so = cache_dir() / "kernels" / f"flagdeploy_cpu-{isa()}-{key.hexdigest()[:16]}.so"
     if not so.exists():
         log.warning("cpu backend: building its C++ kernels for %s (once per machine, ~40 s on two cores) into %s",

@@ -8,10 +8,11 @@
 // batch, or as one of a verify step's rows, and one call serves them all.
 //
 // Per (row, query head): scores s_t = scale * q . k_t in float32 (fixed_sum.h's order: the same on every
-// build), a float32 softmax, and out = sum_t p_t v_t accumulated in float32 in key order. A batch of a few
-// rows or more runs each key head's query heads together (attend_group): the same arithmetic per head, each
-// key and value read once per group, and the heads' serial sums side by side (16 rows of SmolLM2's 9 heads
-// over 3 key heads, 100-300 keys: 45 -> 37 us, 110 -> 90 us a call, bitwise equal).
+// build), a float32 softmax (its sum in fixed_sum's order too), and out = sum_t p_t v_t accumulated in float32
+// in key order. Rows that read the same keys (a speculative verify step's rows: one sequence at consecutive
+// lengths; a lone row) go through attend_rows: one pass over the keys and one over the values for all their
+// query heads, each key and value widened once for all of them, the heads' and rows' chains side by side. The
+// same arithmetic per (row, query head), so the same bits either way.
 //   q [R, H, D] float32 or bf16; k_cache, v_cache [blocks, block_size, KH, D] float32 or bf16 (the same);
 //   block_tables [R, W] int64 (row r's keys are positions 0..context_lens[r]-1 through its table);
 //   out [R, H, D] in q's dtype.
@@ -41,7 +42,7 @@ namespace {
 #if defined(__AVX512F__)  // bf16.h has included immintrin.h
 
 // The scores of `count` (at most 16) keys from their 16 partial sums each (`p`, fixed_dot's lanes: fused
-// multiply-adds in element order, see dots16_heads), each fixed_dot(q, key, D) bit for bit: the keys' folds by
+// multiply-adds in element order, see dots16_n), each fixed_dot(q, key, D) bit for bit: the keys' folds by
 // halves run together, two to eight keys per vector, through shuffles that add exactly the lanes
 // fixed_dot's fold adds. One key at a time, the fold was a chain of 15 dependent scalar adds per key and
 // query head, the larger part of a decode step's attention.
@@ -61,72 +62,36 @@ inline void fold16(const __m512* p, int64_t count, float* out) {
   for (int64_t t = 0; t < count; ++t) out[t] = r[4 * (t % 4) + t / 4];
 }
 
-// The scores of G query heads of one key head at once (q: their G rows of D; G = 1 for one head), each key
-// read and widened once for all G; per head the same partial sums in the same order. out[g * out_stride + t].
-template <typename T, int D, int G>
-inline void dots16_heads(const float* q, const T* keys, int64_t stride, int64_t count, float* out, int64_t out_stride) {
-  __m512 p[G][16];
+// The scores of N queries (q[n]: D floats) against the same `count` keys at once, each key read and widened
+// once for all N, the queries' chains of fused multiply-adds side by side; per query fixed_dot's partial sums
+// in its order, so the same bits as one query at a time. out[n][t]: key t's score for query n.
+template <typename T, int D, int N>
+inline void dots16_n(const float* const* q, const T* keys, int64_t stride, int64_t count, float* const* out) {
+  constexpr bool held = N * D / 16 <= 16;  // the queries in registers for all the keys where they fit
+  __m512 qv[held ? N : 1][held ? D / 16 : 1];
+  if constexpr (held)
+    for (int n = 0; n < N; ++n)
+      for (int i = 0; i < D / 16; ++i) qv[n][i] = _mm512_loadu_ps(q[n] + 16 * i);
+  __m512 p[N][16];
   for (int t = 0; t < 16; ++t) {
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    __m512 acc[N];
+    for (int n = 0; n < N; ++n) acc[n] = _mm512_setzero_ps();
     if (t < count)
       for (int i = 0; i < D; i += 16) {
         const __m512 key = load16(keys + t * stride + i);
-        for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + i), key, acc[g]);
+        for (int n = 0; n < N; ++n)
+          acc[n] = _mm512_fmadd_ps(held ? qv[n][held ? i / 16 : 0] : _mm512_loadu_ps(q[n] + i), key, acc[n]);
       }
-    for (int g = 0; g < G; ++g) p[g][t] = acc[g];
+    for (int n = 0; n < N; ++n) p[n][t] = acc[n];
   }
-  for (int g = 0; g < G; ++g) fold16(p[g], count, out + g * out_stride);
+  for (int n = 0; n < N; ++n) fold16(p[n], count, out[n]);
 }
 
 template <typename T, int D>
 inline void dots16(const float* q, const T* keys, int64_t stride, int64_t count, float* out) {
-  dots16_heads<T, D, 1>(q, keys, stride, count, out, 0);
+  dots16_n<T, D, 1>(&q, keys, stride, count, &out);
 }
 
-// All G query heads of row r's key head kh at once (the grouped-query heads that read the same keys and
-// values): per head the arithmetic of `attend`'s unit, in its order, so the same bits; each key and value is
-// read and widened once for the group instead of once per head. s: G rows of `most` floats.
-template <typename T, int D, int G>
-void attend_group(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t n, int64_t kh,
-                  int64_t kv_heads, int64_t block_size, float scale, float* s, int64_t most, float* out) {
-  const int64_t stride = kv_heads * D;
-  float m[G];
-  for (int g = 0; g < G; ++g) m[g] = -INFINITY;
-  for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {
-    const T* keys = k_cache + (table[b] * block_size * kv_heads + kh) * D;
-    const int64_t end = std::min(block_size, n - t0);
-    for (int64_t j = 0; j < end; j += 16)
-      dots16_heads<T, D, G>(q, keys + j * stride, stride, std::min<int64_t>(16, end - j), s + t0 + j, most);
-    for (int64_t j = 0; j < end; ++j)  // the heads' running maxima and (below) sums side by side: G
-      for (int g = 0; g < G; ++g) m[g] = std::max(m[g], s[g * most + t0 + j] *= scale);  // independent chains
-  }
-  for (int g = 0; g < G; ++g) {
-    float* sg = s + g * most;
-#pragma omp simd
-    for (int64_t t = 0; t < n; ++t) sg[t] = exp_nonpositive(sg[t] - m[g]);
-  }
-  float sum[G] = {}, inv[G];
-  for (int64_t t = 0; t < n; ++t)
-    for (int g = 0; g < G; ++g) sum[g] += s[g * most + t];
-  for (int g = 0; g < G; ++g) inv[g] = 1.f / sum[g];
-  __m512 a[G][D / 16];
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < D / 16; ++i) a[g][i] = _mm512_setzero_ps();
-  for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {
-    const T* values = v_cache + (table[b] * block_size * kv_heads + kh) * D;
-    for (int64_t j = 0, end = std::min(block_size, n - t0); j < end; ++j) {
-      __m512 v[D / 16];
-      for (int i = 0; i < D / 16; ++i) v[i] = load16(values + j * stride + 16 * i);
-      for (int g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(s[g * most + t0 + j] * inv[g]);
-        for (int i = 0; i < D / 16; ++i) a[g][i] = _mm512_fmadd_ps(w, v[i], a[g][i]);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(out + g * D + 16 * i, a[g][i]);
-}
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -153,21 +118,195 @@ inline void fold8(const __m256* p, int64_t count, float* out) {
   for (int64_t t = 0; t < count; ++t) out[t] = r[(t % 2) * 4 + t / 2];
 }
 
-// fixed_dot(q, key, D) of up to 8 keys: per key its 16 partial sums as two vectors, fused multiply-adds in
-// element order (element i into lane i % 16), then fold8
-template <typename T, int D>
-inline void dots8(const float* q, const T* keys, int64_t stride, int64_t count, float* out) {
-  __m256 p[8];
+// fixed_dot(q[n], key, D) of N queries and up to 8 keys: per query and key its 16 partial sums as two vectors,
+// fused multiply-adds in element order (element i into lane i % 16), then fold8; each key widened once for
+// all N queries, their chains side by side
+template <typename T, int D, int N>
+inline void dots8_n(const float* const* q, const T* keys, int64_t stride, int64_t count, float* const* out) {
+  __m256 p[N][8];
   for (int t = 0; t < 8; ++t) {
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    __m256 lo[N], hi[N];
+    for (int n = 0; n < N; ++n) lo[n] = hi[n] = _mm256_setzero_ps();
     if (t < count)
       for (int i = 0; i < D; i += 16) {
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(keys + t * stride + i), lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(keys + t * stride + i + 8), hi);
+        const __m256 k0 = load8(keys + t * stride + i), k1 = load8(keys + t * stride + i + 8);
+        for (int n = 0; n < N; ++n) {
+          lo[n] = _mm256_fmadd_ps(_mm256_loadu_ps(q[n] + i), k0, lo[n]);
+          hi[n] = _mm256_fmadd_ps(_mm256_loadu_ps(q[n] + i + 8), k1, hi[n]);
+        }
       }
-    p[t] = _mm256_add_ps(lo, hi);  // fixed_dot's first fold: lanes j + (j + 8)
+    for (int n = 0; n < N; ++n) p[n][t] = _mm256_add_ps(lo[n], hi[n]);  // fixed_dot's first fold: lanes j + (j + 8)
   }
-  fold8(p, count, out);
+  for (int n = 0; n < N; ++n) fold8(p[n], count, out[n]);
+}
+
+template <typename T, int D>
+inline void dots8(const float* q, const T* keys, int64_t stride, int64_t count, float* out) {
+  dots8_n<T, D, 1>(&q, keys, stride, count, &out);
+}
+#endif
+
+// s[0, n) = softmax(scale * s) in place: every unit's the same arithmetic on every build (the maximum is exact in
+// any order; fixed_sum's order)
+inline void softmax(float* s, int64_t n, float scale) {
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) s[t] *= scale;
+  float part[kLanes], m = -INFINITY;  // the maximum in lanes (a running one was a chain of dependent compares)
+  std::fill(part, part + kLanes, -INFINITY);
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) part[j] = std::max(part[j], s[t + j]);
+  }
+  for (; t < n; ++t) m = std::max(m, s[t]);
+  for (int j = 0; j < kLanes; ++j) m = std::max(m, part[j]);
+#pragma omp simd
+  for (t = 0; t < n; ++t) s[t] = exp_nonpositive(s[t] - m);
+  const float inv = 1.f / fixed_sum(s, n);
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define ATTEND_ROWS 1
+// One vector of float32 lanes of the build's ISA: what attend_rows is written in.
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int kWidth = 16, kSums = 24;  // kSums: accumulators a pass over the values keeps in registers (32 zmm)
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+template <typename T> inline vec vload(const T* x) { return load16(x); }
+template <typename T, int D, int N>
+inline void dots_n(const float* const* q, const T* keys, int64_t stride, int64_t count, float* const* out) {
+  dots16_n<T, D, N>(q, keys, stride, count, out);
+}
+#else
+using vec = __m256;
+constexpr int kWidth = 8, kSums = 12;  // 16 ymm
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+template <typename T> inline vec vload(const T* x) { return load8(x); }
+template <typename T, int D, int N>
+inline void dots_n(const float* const* q, const T* keys, int64_t stride, int64_t count, float* const* out) {
+  dots8_n<T, D, N>(q, keys, stride, count, out);
+}
+#endif
+
+constexpr int kQueries = 4;  // queries whose scores attend_rows computes side by side
+
+// The scores of `count` queries (1 <= count <= N) against `run` widened keys, N at a time at most
+template <int N, int D>
+void scores_of(int64_t count, const float* const* q, const float* keys, int64_t run, float* const* out) {
+  if constexpr (N > 1) {
+    if (count < N) return scores_of<N - 1, D>(count, q, keys, run, out);
+  }
+  dots_n<float, D, N>(q, keys, D, run, out);
+}
+
+// What attend_rows keeps per unit of a group (a query head of one of its rows)
+struct Unit {
+  const float* q;
+  float* out;
+  float* p;  // the unit's scores, then its probabilities, key by key
+  int64_t n;       // its row's keys
+};
+
+// Columns [c, c + C * kWidth) of N units' outputs: sum_t p[t] v_t in key order from 0, each unit over its own
+// keys (the keys below `shortest` are every unit's), one fused multiply-add a key, as `attend`'s loop does.
+template <int N, int C, typename T>
+void weighted_values(const Unit* u, const T* v_cache, const int64_t* table, int64_t block_size, int64_t stride,
+                     int64_t longest, int64_t shortest, int64_t c) {
+  vec acc[N][C];  // unrolled throughout: in registers
+#pragma GCC unroll 32
+  for (int i = 0; i < N; ++i)
+#pragma GCC unroll 32
+    for (int k = 0; k < C; ++k) acc[i][k] = vzero();
+  const float* p[N];
+#pragma GCC unroll 32
+  for (int i = 0; i < N; ++i) p[i] = u[i].p;
+  for (int64_t t0 = 0, b = 0; t0 < longest; t0 += block_size, ++b) {
+    const T* values = v_cache + table[b] * block_size * stride + c;
+    for (int64_t j = 0, end = std::min(block_size, longest - t0); j < end; ++j) {
+      const int64_t t = t0 + j;
+      vec v[C];
+#pragma GCC unroll 32
+      for (int k = 0; k < C; ++k) v[k] = vload(values + j * stride + kWidth * k);
+      const bool all = t < shortest;
+#pragma GCC unroll 32
+      for (int i = 0; i < N; ++i) {
+        if (!all && t >= u[i].n) continue;
+        const vec w = vset1(p[i][t]);
+#pragma GCC unroll 32
+        for (int k = 0; k < C; ++k) acc[i][k] = vfma(w, v[k], acc[i][k]);
+      }
+    }
+  }
+  for (int i = 0; i < N; ++i)
+    for (int k = 0; k < C; ++k) vstore(u[i].out + c + kWidth * k, acc[i][k]);
+}
+
+// The values of `count` units (1 <= count <= N) with their accumulators in registers: as many column vectors at
+// once as kSums allows
+template <int N, typename T, int D>
+void weighted_values_of(int64_t count, const Unit* u, const T* v_cache, const int64_t* table, int64_t block_size,
+                        int64_t stride, int64_t longest, int64_t shortest) {
+  if constexpr (N > 1) {
+    if (count < N) return weighted_values_of<N - 1, T, D>(count, u, v_cache, table, block_size, stride, longest, shortest);
+  }
+  constexpr int C = std::max(1, std::min(D / kWidth, kSums / N));
+  for (int64_t c = 0; c < D; c += C * kWidth)
+    weighted_values<N, C, T>(u, v_cache, table, block_size, stride, longest, shortest, c);
+}
+
+// Scratch of one thread for attend_rows: a run of keys widened to float32, the units' scores
+struct Scratch {
+  std::vector<float> keys, scores;
+  std::vector<Unit> units;
+};
+
+// Key head kh of rows that read the same keys through `table` (rows [0, rows) of q, lens, out: a verify step's
+// rows of one sequence at consecutive lengths, or a lone row) in one pass over the keys and one over the values
+// for all their query heads, where a (row, query head) at a time read and widened each key and value once per
+// head and row. Per unit the arithmetic of `attend`'s loop, in its order (fixed_dot's scores, the softmax, the
+// sums of values in key order): each row's result is the same bits alone, in a group or per head.
+template <typename T, int D>
+void attend_rows(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, const int64_t* lens,
+                 int64_t rows, int64_t heads, int64_t kv_heads, int64_t kh, int64_t block_size, float scale,
+                 Scratch& sc, float* out) {
+  const int64_t group = heads / kv_heads, stride = kv_heads * D, count = rows * group;
+  const int64_t longest = *std::max_element(lens, lens + rows), shortest = *std::min_element(lens, lens + rows);
+  sc.keys.resize(kWidth * D);
+  sc.scores.resize(count * longest);
+  sc.units.resize(count);
+  Unit* u = sc.units.data();
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t at = (i / group * heads + kh * group + i % group) * D;
+    u[i] = {q + at, out + at, sc.scores.data() + i * longest, lens[i / group]};
+  }
+  for (int64_t t0 = 0, b = 0; t0 < longest; t0 += block_size, ++b) {
+    const T* keys = k_cache + (table[b] * block_size * kv_heads + kh) * D;
+    for (int64_t j = 0, end = std::min(block_size, longest - t0); j < end; j += kWidth) {
+      const int64_t run = std::min<int64_t>(kWidth, end - j);
+      for (int64_t t = 0; t < run; ++t)
+        for (int64_t i = 0; i < D; i += kWidth) vstore(sc.keys.data() + t * D + i, vload(keys + (j + t) * stride + i));
+      // every unit's scores of the run (past a unit's own keys too: not read, and in blocks its table has)
+      for (int64_t i = 0; i < count; i += kQueries) {
+        const int64_t batch = std::min<int64_t>(kQueries, count - i);
+        const float* qs[kQueries];
+        float* outs[kQueries];
+        for (int64_t k = 0; k < batch; ++k) qs[k] = u[i + k].q, outs[k] = u[i + k].p + t0 + j;
+        scores_of<kQueries, D>(batch, qs, sc.keys.data(), run, outs);
+      }
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) softmax(u[i].p, u[i].n, scale);
+  for (int64_t i = 0; i < count; i += kSums)
+    weighted_values_of<kSums, T, D>(std::min<int64_t>(kSums, count - i), u + i, v_cache + kh * D, table, block_size,
+                                    stride, longest, shortest);
 }
 #endif
 
@@ -182,29 +321,44 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* t
   if constexpr (D > 0) d = D;
   const int64_t group = heads / kv_heads, stride = kv_heads * d;  // stride: one slot's row to the next's
   const int64_t most = rows ? *std::max_element(lens, lens + rows) : 0;
-#if defined(__AVX512F__)
-  // With rows enough that units of a whole head group still split evenly over the threads, a unit is a
-  // (row, key head) and its query heads go together (attend_group), where the group's accumulators fit in
-  // registers. The same bits either way.
+#if ATTEND_ROWS
+  // Rows that read the same keys go together with all their query heads (attend_rows), a unit of work being
+  // such a run of rows (or a part of it) and one key head: where those units are enough to keep the threads
+  // busy. Rows read the same keys where their tables agree over the blocks either reads (compared with the
+  // run's first row, whose table the run reads through).
   if constexpr (D > 0 && D % 16 == 0) {
-    if (rows * kv_heads >= 4 * at::get_num_threads() && group * D <= 256) {
-      auto grouped = [&](auto g_const) {
-        constexpr int G = decltype(g_const)::value;
-        dynamic_for(rows * kv_heads, 1, [&](int64_t u0, int64_t u1) {
-          std::vector<float> s(G * most);
-          for (int64_t u = u0; u < u1; ++u) {
-            const int64_t r = u / kv_heads, kh = u % kv_heads, first = r * heads + kh * G;
-            attend_group<T, D, G>(q + first * D, k_cache, v_cache, tables + r * width, lens[r], kh, kv_heads,
-                                  block_size, scale, s.data(), most, out + first * D);
-          }
-        });
-      };
-      switch (group) {
-        case 2: return grouped(std::integral_constant<int, 2>{});
-        case 3: return grouped(std::integral_constant<int, 3>{});
-        case 4: return grouped(std::integral_constant<int, 4>{});
-        default: break;
+    std::vector<int64_t> runs{0};  // the runs' first rows, then `rows`
+    auto blocks = [&](int64_t n) { return (n + block_size - 1) / block_size; };
+    for (int64_t r = 1; r < rows; ++r) {
+      const int64_t first = runs.back();
+      if (std::memcmp(tables + first * width, tables + r * width,
+                      sizeof(int64_t) * blocks(std::max(lens[first], lens[r]))) != 0)
+        runs.push_back(r);
+    }
+    runs.push_back(rows);
+    const int64_t n_runs = runs.size() - 1, threads = at::get_num_threads();
+    // each run cut into up to `parts` parts (each reads the keys again): two units a thread where it can
+    const int64_t parts = std::max<int64_t>(1, (2 * threads + n_runs * kv_heads - 1) / (n_runs * kv_heads));
+    struct Piece { int64_t r0, r1, reads; };  // rows [r0, r1), read through row `reads`' table (the run's first)
+    std::vector<Piece> pieces;
+    for (int64_t i = 0; i < n_runs; ++i) {
+      const int64_t n = runs[i + 1] - runs[i], cut = std::min(parts, n);
+      for (int64_t p = 0, r = runs[i]; p < cut; ++p) {
+        const int64_t take = (runs[i] + n - r) / (cut - p);
+        pieces.push_back({r, r + take, runs[i]});
+        r += take;
       }
+    }
+    if (static_cast<int64_t>(pieces.size()) * kv_heads >= 2 * threads) {
+      dynamic_for(pieces.size() * kv_heads, 1, [&](int64_t w0, int64_t w1) {
+        Scratch sc;
+        for (int64_t w = w0; w < w1; ++w) {
+          const auto [r0, r1, reads] = pieces[w / kv_heads];
+          attend_rows<T, D>(q + r0 * heads * D, k_cache, v_cache, tables + reads * width, lens + r0,
+                            r1 - r0, heads, kv_heads, w % kv_heads, block_size, scale, sc, out + r0 * heads * D);
+        }
+      });
+      return;
     }
   }
 #endif
@@ -215,34 +369,23 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* t
       const int64_t* table = tables + r * width;
       const float* qh = q + p * d;
       // keys by the blocks of the row's table: block b holds keys [b * block_size, (b + 1) * block_size)
-      float m = -INFINITY;
       for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {
         const T* keys = k_cache + (table[b] * block_size * kv_heads + kh) * d;
         const int64_t end = std::min(block_size, n - t0);
 #if defined(__AVX512F__)
         if constexpr (D > 0 && D % 16 == 0) {
           for (int64_t j = 0; j < end; j += 16) dots16<T, D>(qh, keys + j * stride, stride, std::min<int64_t>(16, end - j), &s[t0 + j]);
-          for (int64_t j = 0; j < end; ++j) m = std::max(m, s[t0 + j] *= scale);
           continue;
         }
 #elif defined(__AVX2__) && defined(__FMA__)
         if constexpr (D > 0 && D % 16 == 0) {
           for (int64_t j = 0; j < end; j += 8) dots8<T, D>(qh, keys + j * stride, stride, std::min<int64_t>(8, end - j), &s[t0 + j]);
-          for (int64_t j = 0; j < end; ++j) m = std::max(m, s[t0 + j] *= scale);
           continue;
         }
 #endif
-        for (int64_t j = 0; j < end; ++j) {
-          const float x = fixed_dot(qh, keys + j * stride, d) * scale;
-          s[t0 + j] = x;
-          m = std::max(m, x);
-        }
+        for (int64_t j = 0; j < end; ++j) s[t0 + j] = fixed_dot(qh, keys + j * stride, d);
       }
-#pragma omp simd
-      for (int64_t t = 0; t < n; ++t) s[t] = exp_nonpositive(s[t] - m);
-      float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) sum += s[t];
-      const float inv = 1.f / sum;
+      softmax(s.data(), n, scale);
       // out = sum_t p_t v_t, each value summed in key order from 0, in a local array (registers when D > 0)
       float fixed[D > 0 ? D : 1] = {};
       float* a = D > 0 ? fixed : acc.data();
@@ -250,7 +393,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* t
       for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {
         const T* values = v_cache + (table[b] * block_size * kv_heads + kh) * d;
         for (int64_t j = 0, end = std::min(block_size, n - t0); j < end; ++j) {
-          const float w = s[t0 + j] * inv;
+          const float w = s[t0 + j];
           const T* v = values + j * stride;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) a[i] += w * as_float(v[i]);

@@ -26,3 +26,18 @@ inline float fixed_dot(const A* a, const B* b, int64_t n) {
     for (int j = 0; j < width; ++j) part[j] += part[j + width];
   return part[0];
 }
+
+// sum_i a[i] in float32 in fixed_dot's order (element i into lane i % kLanes, then folds by halves): the same
+// bits on any build, and 16 independent adds where one running sum was a chain of dependent ones
+inline float fixed_sum(const float* a, int64_t n) {
+  float part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) part[j] += a[i + j];
+  }
+  for (int j = 0; i < n; ++i, ++j) part[j] += a[i];
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int j = 0; j < width; ++j) part[j] += part[j + width];
+  return part[0];
+}
