@@ -164,7 +164,7 @@ inline void softmax(float* s, int64_t n, float scale) {
   for (t = 0; t < n; ++t) s[t] = exp_nonpositive(s[t] - m);
   const float inv = 1.f / fixed_sum(s, n);
 #pragma omp simd
-  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+  for (t = 0; t < n; ++t) s[t] *= inv;
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -198,21 +198,21 @@ inline void dots_n(const float* const* q, const T* keys, int64_t stride, int64_t
 
 constexpr int kQueries = 4;  // queries whose scores attend_rows computes side by side
 
-// The scores of `count` queries (1 <= count <= N) against `run` widened keys, N at a time at most
-template <int N, int D>
-void scores_of(int64_t count, const float* const* q, const float* keys, int64_t run, float* const* out) {
+// The scores of `count` queries (1 <= count <= N) against `run` keys, N at a time at most
+template <int N, typename T, int D>
+void scores_of(int64_t count, const float* const* q, const T* keys, int64_t stride, int64_t run, float* const* out) {
   if constexpr (N > 1) {
-    if (count < N) return scores_of<N - 1, D>(count, q, keys, run, out);
+    if (count < N) return scores_of<N - 1, T, D>(count, q, keys, stride, run, out);
   }
-  dots_n<float, D, N>(q, keys, D, run, out);
+  dots_n<T, D, N>(q, keys, stride, run, out);
 }
 
 // What attend_rows keeps per unit of a group (a query head of one of its rows)
 struct Unit {
   const float* q;
   float* out;
-  float* p;  // the unit's scores, then its probabilities, key by key
-  int64_t n;       // its row's keys
+  float* p;   // the unit's scores, then its probabilities, key by key
+  int64_t n;  // its row's keys
 };
 
 // Columns [c, c + C * kWidth) of N units' outputs: sum_t p[t] v_t in key order from 0, each unit over its own
@@ -291,15 +291,22 @@ void attend_rows(const float* q, const T* k_cache, const T* v_cache, const int64
     const T* keys = k_cache + (table[b] * block_size * kv_heads + kh) * D;
     for (int64_t j = 0, end = std::min(block_size, longest - t0); j < end; j += kWidth) {
       const int64_t run = std::min<int64_t>(kWidth, end - j);
-      for (int64_t t = 0; t < run; ++t)
-        for (int64_t i = 0; i < D; i += kWidth) vstore(sc.keys.data() + t * D + i, vload(keys + (j + t) * stride + i));
-      // every unit's scores of the run (past a unit's own keys too: not read, and in blocks its table has)
-      for (int64_t i = 0; i < count; i += kQueries) {
-        const int64_t batch = std::min<int64_t>(kQueries, count - i);
+      // every unit's scores of the run (past a unit's own keys too: not read, and in blocks its table has):
+      // straight from the cache for one batch of queries, else from the keys widened once for all the batches
+      const bool widen = count > kQueries;
+      if (widen)
+        for (int64_t t = 0; t < run; ++t)
+          for (int64_t i = 0; i < D; i += kWidth) vstore(sc.keys.data() + t * D + i, vload(keys + (j + t) * stride + i));
+      for (int64_t i = 0, left = (count + kQueries - 1) / kQueries; i < count; --left) {  // batches of equal sizes
+        const int64_t batch = (count - i) / left;
         const float* qs[kQueries];
         float* outs[kQueries];
         for (int64_t k = 0; k < batch; ++k) qs[k] = u[i + k].q, outs[k] = u[i + k].p + t0 + j;
-        scores_of<kQueries, D>(batch, qs, sc.keys.data(), run, outs);
+        if (widen)
+          scores_of<kQueries, float, D>(batch, qs, sc.keys.data(), D, run, outs);
+        else
+          scores_of<kQueries, T, D>(batch, qs, keys + j * stride, stride, run, outs);
+        i += batch;
       }
     }
   }
@@ -310,8 +317,9 @@ void attend_rows(const float* q, const T* k_cache, const T* v_cache, const int64
 }
 #endif
 
-// Each (row, query head) on its own: the units split over the threads evenly however few rows there are
-// (a lone row's 9 heads, not its 3 key heads), and a unit's loops are the same wherever it runs. D is the
+// Runs of rows that read the same keys through attend_rows where those units keep the threads busy; else
+// each (row, query head) on its own: the units split over the threads evenly however few rows there are
+// (a lone row's 9 heads, not its 3 key heads). A unit's loops are the same wherever it runs. D is the
 // head width where it is one the build knows (the partial sums then stay in registers), else 0: d at run
 // time, the same arithmetic.
 template <typename T, int D>
