@@ -23,6 +23,16 @@ inline __m512 load16(const uint16_t* x) {  // 16 bf16 values as float32
 }
 #endif
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+// 8 float32 values, or 8 bf16 values widened to float32 (exact)
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const uint16_t* x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+#endif
+
 inline uint16_t bf16_bits(float v) {
   uint32_t b;
   std::memcpy(&b, &v, 4);

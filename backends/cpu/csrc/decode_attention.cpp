@@ -95,10 +95,6 @@ inline void dots16(const float* q, const T* keys, int64_t stride, int64_t count,
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const uint16_t* x) {  // 8 bf16 values as float32
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
-}
 
 // The AVX2 form of fold16: the scores of `count` (at most 8) keys from their partial sums, lanes j and j + 8
 // of fixed_dot already added (p[t], 8 lanes), each fixed_dot(q, key, D) bit for bit: the keys' remaining
