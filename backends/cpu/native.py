@@ -6,10 +6,10 @@
   two halves (csrc/q4_linear.cpp), each weight chunk unpacked once for up to 8 (AVX2: 4) activation rows.
 - `q8_linear`: the same for int8 weights with per-channel scales (a quantized model's LM head), where torch's
   int8 GEMV converts each weight to float: int16 dot products of 8 output rows at a time (csrc/q8_linear.cpp).
-- `paged_decode_attention`: decode attention over paged caches, each (row, key head) by the same loops
-  whatever else is in the call (a row's result is bitwise the same alone, batched or as a speculative
-  verify row), in one call where torch's SDPA costs ~200 us per call and a verify step needed one per
-  row (csrc/decode_attention.cpp).
+- `paged_decode_attention`: decode attention over paged caches, each (row, query head) by the same
+  arithmetic whatever else is in the call (a row's result is bitwise the same alone, batched or as a
+  speculative verify row), in one call where torch's SDPA costs ~200 us per call and a verify step needed
+  one per row; a verify step's rows read their sequence's keys and values once (csrc/decode_attention.cpp).
 - `rms_norm` / `add_rms_norm`: RMS norm (after the residual add) in one pass per row, where torch's
   composite norm is several kernels and allocations: 7 us a decode row against 40-70 us (csrc/rms_norm.cpp).
 - `rope_write_kv`: rotary embedding of q and k and the k/v cache write in one pass, where torch's form is

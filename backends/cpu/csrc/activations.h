@@ -65,7 +65,8 @@ Activations quantize(const T* x, int64_t rows, int64_t k) {
       }
       a.scale[r * blocks + b] = amax / (127.0f * 256.0f);
       const __m512 pairs = _mm512_add_ps(v[0], v[1]);  // x[i] + x[i + 16]
-      a.sum[r * blocks + b] = sum_of_8(_mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pairs), 1)), _mm512_castps512_ps256(pairs)));
+      const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pairs), 1));
+      a.sum[r * blocks + b] = sum_of_8(_mm256_add_ps(upper, _mm512_castps512_ps256(pairs)));
     }
   }
   return a;
