@@ -40,6 +40,7 @@
 namespace {
 
 constexpr int64_t kTile = 8;
+constexpr int kTileRows = 8;   // most rows a pass over one tile takes (rows_over)
 constexpr int64_t kPairRows = 4;  // rows from which AVX-512 VNNI takes tiles in pairs (fewer: bound by the bytes)
 // How far ahead in a tile's bytes the weight is asked for (each 64-byte line), as in q4_linear.cpp. The LM head
 // (49152 x 576) with the last-level cache flushed between calls, 2-core AVX-512 EPYC: 1 row 0.78 -> 0.72 ms,
@@ -150,10 +151,11 @@ void tile_rows(const int8_t* w8, const float* d, const int16_t* x16, const float
   tile<R>(w8, d, x16, scale, k, r0, t, y, n_out);
 }
 
-// Rows [r0, r0 + n): passes of Most rows, then one pass of the rest (7 rows as 4 + 3, where it was 4 + 1 + 1 + 1:
-// a pass widens the tile's weights again). Each row's arithmetic is the same in any pass. On AVX2 a pass of 4
-// rows costs about what one of 3 does and far less than 2 + 2 (the LM head, 49152 x 576, one thread: 5 rows as
-// 4 + 1 3.5 ms, as 3 + 2 4.1 ms), so the full passes go first rather than equal ones.
+// Rows [r0, r0 + n): passes of Most rows, then one pass of the rest (a pass widens the tile's weights again).
+// Each row's arithmetic is the same in any pass. On AVX2 one pass of up to 8 rows is cheapest although 16 ymm
+// registers hold only 8 rows' int32 sums (the float sums, touched once a block, go to the stack): the LM head,
+// 49152 x 576, one thread, 2-core AVX-512 EPYC built for AVX2, ms by rows in one pass: 1 0.96, 2 1.58, 3 2.1,
+// 4 2.15, 5 2.57, 6 3.07, 7 3.61, 8 4.12; 5 rows as 4 + 1 3.13, 8 as 4 + 4 4.55, 16 as 8 + 8 7.99 (4 x 4 8.70).
 template <int Most, bool Pair>
 void rows_over(const int8_t* w8, const float* d, const int16_t* x16, const float* scale, int64_t k, int64_t r0,
                int64_t n, int64_t t, uint16_t* y, int64_t n_out) {
@@ -184,7 +186,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor
   // every row group over a tile (or pair of tiles) before the next: its K x 8 bytes stay in L1 for the others
   const int16_t* xs = x16.data();
   const float* sc = a.scale.data();
-  auto one = [&](int64_t t) { rows_over<4, false>(w, ds, xs, sc, k, 0, rows_n, t, out, n_out); };
+  auto one = [&](int64_t t) { rows_over<kTileRows, false>(w, ds, xs, sc, k, 0, rows_n, t, out, n_out); };
 #if Q8_TILE_PAIRS
   if (rows_n >= kPairRows) {
     const int64_t pairs = n_tiles / 2;
