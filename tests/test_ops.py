@@ -263,6 +263,30 @@ def test_cpu_decode_attention_forms_match_reference(dtype, form, monkeypatch):
         torch.testing.assert_close(got.double(), spec.reference(*[_to64(a) for a in case]), atol=tol.atol, rtol=tol.rtol)
 
 
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 1, 64), (4, 2, 64), (8, 2, 64), (14, 2, 128), (12, 4, 128)],
+                         ids=lambda h: str(h))
+def test_cpu_native_decode_attention_matches_reference_for_any_head_group(heads, kv_heads, d):
+    """The kernel's grouped path (rows that read the same keys, all query heads of a key head at once) sums a
+    head's values a few column vectors at a time, as many as the group's accumulators leave registers for:
+    for every group size (1 to 8 query heads a key head, several verify rows) and head width, each head's
+    output is its own (a pass that ran past a 64-wide head's columns wrote into the next head's), against
+    float64. Four sequences and a sequence's three verify rows, so that the grouped path serves them."""
+    from flagdeploy.backends.cpu import ops as cpu_ops
+
+    if not cpu_ops.native.available():
+        pytest.skip("the cpu backend's C++ kernels are not built on this machine")
+    g = torch.Generator().manual_seed(heads * d + kv_heads)
+    k, v = (torch.randn(40, 16, kv_heads, d, generator=g) for _ in range(2))
+    rows = 7
+    q = torch.randn(rows, heads, d, generator=g)
+    tables = torch.randperm(40, generator=g)[:rows * 5].view(rows, 5)
+    tables[5:] = tables[4]  # rows 4..6: one sequence's verify rows
+    lens = torch.tensor([70, 3, 33, 80, 50, 51, 52])
+    got = cpu_ops.native.paged_decode_attention(q, k, v, tables, lens, d ** -0.5)
+    want = OPS["paged_attention_decode"].reference(q.double(), k.double(), v.double(), tables, lens, d ** -0.5)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (16, 4), (6, 6)], ids=lambda h: str(h))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtype, heads, kv_heads):

@@ -56,10 +56,11 @@ inline void fold16(const __m512* p, int64_t count, float* out) {
                          _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xDD));
   for (int m = 0; m < 2; ++m)  // lanes j + (j + 2): in 128-bit chunk k of c[m], keys 8m + k and 8m + 4 + k
     c[m] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * m], b[2 * m + 1], 0x44), _mm512_shuffle_ps(b[2 * m], b[2 * m + 1], 0xEE));
-  // lanes 0 + 1: lane 4k + e holds key 4e + k
-  alignas(64) float r[16];
-  _mm512_store_ps(r, _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD)));
-  for (int64_t t = 0; t < count; ++t) out[t] = r[4 * (t % 4) + t / 4];
+  // lanes 0 + 1: lane 4k + e holds key 4e + k, put in key order (a run of 16 keys: one store)
+  const __m512 keyed = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                                             _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD)));
+  if (count == 16) return _mm512_storeu_ps(out, keyed);
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << count) - 1), keyed);
 }
 
 // The scores of N queries (q[n]: D floats) against the same `count` keys at once, each key read and widened
@@ -108,10 +109,13 @@ inline void fold8(const __m256* p, int64_t count, float* out) {
                          _mm256_permute2f128_ps(p[2 * m], p[2 * m + 1], 0x31));
   for (int m = 0; m < 2; ++m)  // lanes j + (j + 2): low 128 bits keys 4m, 4m + 2; high keys 4m + 1, 4m + 3
     b[m] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * m], a[2 * m + 1], 0x44), _mm256_shuffle_ps(a[2 * m], a[2 * m + 1], 0xEE));
-  // lanes 0 + 1: lane (t % 2) * 4 + t / 2 holds key t
+  // lanes 0 + 1: lane (t % 2) * 4 + t / 2 holds key t, put in key order (a run of 8 keys: one store)
+  const __m256 keyed = _mm256_permutevar8x32_ps(_mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x88), _mm256_shuffle_ps(b[0], b[1], 0xDD)),
+                                                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (count == 8) return _mm256_storeu_ps(out, keyed);
   alignas(32) float r[8];
-  _mm256_store_ps(r, _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x88), _mm256_shuffle_ps(b[0], b[1], 0xDD)));
-  for (int64_t t = 0; t < count; ++t) out[t] = r[(t % 2) * 4 + t / 2];
+  _mm256_store_ps(r, keyed);
+  std::copy(r, r + count, out);
 }
 
 // fixed_dot(q[n], key, D) of N queries and up to 8 keys: per query and key its 16 partial sums as two vectors,
@@ -213,21 +217,24 @@ struct Unit {
 
 // Columns [c, c + C * kWidth) of N units' outputs: sum_t p[t] v_t in key order from 0, each unit over its own
 // keys (the keys below `shortest` are every unit's), one fused multiply-add a key, as `attend`'s loop does.
+// Past kApart units, probs[t * N + i] is unit i's probability of key t, the N units' side by side: one pointer
+// for all of them, where N pointers, one a unit, did not fit the general registers and were reloaded key by
+// key (5 verify rows, 15 units a key head: 82 -> 76 us on AVX2, 71 -> 62 on AVX-512); up to kApart units
+// read their own arrays (copying them side by side cost a lone row 5%).
+constexpr int kApart = 4;
 template <int N, int C, typename T>
-void weighted_values(const Unit* u, const T* v_cache, const int64_t* table, int64_t block_size, int64_t stride,
-                     int64_t longest, int64_t shortest, int64_t c) {
+void weighted_values(const Unit* u, const float* probs, const T* v_cache, const int64_t* table, int64_t block_size,
+                     int64_t stride, int64_t longest, int64_t shortest, int64_t c) {
   vec acc[N][C];  // unrolled throughout: in registers
 #pragma GCC unroll 32
   for (int i = 0; i < N; ++i)
 #pragma GCC unroll 32
     for (int k = 0; k < C; ++k) acc[i][k] = vzero();
-  const float* p[N];
-#pragma GCC unroll 32
-  for (int i = 0; i < N; ++i) p[i] = u[i].p;
   for (int64_t t0 = 0, b = 0; t0 < longest; t0 += block_size, ++b) {
     const T* values = v_cache + table[b] * block_size * stride + c;
     for (int64_t j = 0, end = std::min(block_size, longest - t0); j < end; ++j) {
       const int64_t t = t0 + j;
+      const float* p = N > kApart ? probs + t * N : nullptr;
       vec v[C];
 #pragma GCC unroll 32
       for (int k = 0; k < C; ++k) v[k] = vload(values + j * stride + kWidth * k);
@@ -235,7 +242,7 @@ void weighted_values(const Unit* u, const T* v_cache, const int64_t* table, int6
 #pragma GCC unroll 32
       for (int i = 0; i < N; ++i) {
         if (!all && t >= u[i].n) continue;
-        const vec w = vset1(p[i][t]);
+        const vec w = vset1(N > kApart ? p[i] : u[i].p[t]);
 #pragma GCC unroll 32
         for (int k = 0; k < C; ++k) acc[i][k] = vfma(w, v[k], acc[i][k]);
       }
@@ -245,22 +252,35 @@ void weighted_values(const Unit* u, const T* v_cache, const int64_t* table, int6
     for (int k = 0; k < C; ++k) vstore(u[i].out + c + kWidth * k, acc[i][k]);
 }
 
-// The values of `count` units (1 <= count <= N) with their accumulators in registers: as many column vectors at
-// once as kSums allows
-template <int N, typename T, int D>
-void weighted_values_of(int64_t count, const Unit* u, const T* v_cache, const int64_t* table, int64_t block_size,
-                        int64_t stride, int64_t longest, int64_t shortest) {
-  if constexpr (N > 1) {
-    if (count < N) return weighted_values_of<N - 1, T, D>(count, u, v_cache, table, block_size, stride, longest, shortest);
-  }
-  constexpr int C = std::max(1, std::min(D / kWidth, kSums / N));
-  for (int64_t c = 0; c < D; c += C * kWidth)
-    weighted_values<N, C, T>(u, v_cache, table, block_size, stride, longest, shortest, c);
+// Column vectors a pass over the values takes: the most, up to `most`, that divide the head's `vecs` evenly (a
+// pass of a count that did not, 3 of AVX2's 8 for a 64-wide head, ran past the head's columns)
+constexpr int columns(int vecs, int most) {
+  for (int c = std::min(vecs, most); c > 1; --c)
+    if (vecs % c == 0) return c;
+  return 1;
 }
 
-// Scratch of one thread for attend_rows: a run of keys widened to float32, the units' scores
+// The values of `count` units (1 <= count <= N) with their accumulators in registers: as many column vectors at
+// once as kSums allows. probs: room for `longest` x N floats (weighted_values).
+template <int N, typename T, int D>
+void weighted_values_of(int64_t count, const Unit* u, float* probs, const T* v_cache, const int64_t* table,
+                        int64_t block_size, int64_t stride, int64_t longest, int64_t shortest) {
+  if constexpr (N > 1) {
+    if (count < N)
+      return weighted_values_of<N - 1, T, D>(count, u, probs, v_cache, table, block_size, stride, longest, shortest);
+  }
+  if constexpr (N > kApart)
+    for (int64_t t = 0; t < longest; ++t)
+      for (int i = 0; i < N; ++i) probs[t * N + i] = t < u[i].n ? u[i].p[t] : 0.f;
+  constexpr int C = columns(D / kWidth, kSums / N);
+  for (int64_t c = 0; c < D; c += C * kWidth)
+    weighted_values<N, C, T>(u, probs, v_cache, table, block_size, stride, longest, shortest, c);
+}
+
+// Scratch of one thread for attend_rows: a run of keys widened to float32, the units' scores, their
+// probabilities side by side (weighted_values)
 struct Scratch {
-  std::vector<float> keys, scores;
+  std::vector<float> keys, scores, probs;
   std::vector<Unit> units;
 };
 
@@ -307,9 +327,10 @@ void attend_rows(const float* q, const T* k_cache, const T* v_cache, const int64
     }
   }
   for (int64_t i = 0; i < count; ++i) softmax(u[i].p, u[i].n, scale);
+  sc.probs.resize(kSums * longest);
   for (int64_t i = 0; i < count; i += kSums)
-    weighted_values_of<kSums, T, D>(std::min<int64_t>(kSums, count - i), u + i, v_cache + kh * D, table, block_size,
-                                    stride, longest, shortest);
+    weighted_values_of<kSums, T, D>(std::min<int64_t>(kSums, count - i), u + i, sc.probs.data(), v_cache + kh * D,
+                                    table, block_size, stride, longest, shortest);
 }
 #endif
 
