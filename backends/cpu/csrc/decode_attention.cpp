@@ -34,6 +34,7 @@
 #include "dynamic_for.h"
 #include "exp_nonpositive.h"
 #include "fixed_sum.h"
+#include "static_count.h"
 
 #include "kernels.h"
 
@@ -198,15 +199,6 @@ inline void dots_n(const float* const* q, const T* keys, int64_t stride, int64_t
 
 constexpr int kQueries = 4;  // queries whose scores attend_rows computes side by side
 
-// The scores of `count` queries (1 <= count <= N) against `run` keys, N at a time at most
-template <int N, typename T, int D>
-void scores_of(int64_t count, const float* const* q, const T* keys, int64_t stride, int64_t run, float* const* out) {
-  if constexpr (N > 1) {
-    if (count < N) return scores_of<N - 1, T, D>(count, q, keys, stride, run, out);
-  }
-  dots_n<T, D, N>(q, keys, stride, run, out);
-}
-
 // What attend_rows keeps per unit of a group (a query head of one of its rows)
 struct Unit {
   const float* q;
@@ -260,15 +252,11 @@ constexpr int columns(int vecs, int most) {
   return 1;
 }
 
-// The values of `count` units (1 <= count <= N) with their accumulators in registers: as many column vectors at
-// once as kSums allows. probs: room for `longest` x N floats (weighted_values).
+// The values of N units with their accumulators in registers: as many column vectors at once as kSums allows.
+// probs: room for `longest` x N floats (weighted_values).
 template <int N, typename T, int D>
-void weighted_values_of(int64_t count, const Unit* u, float* probs, const T* v_cache, const int64_t* table,
-                        int64_t block_size, int64_t stride, int64_t longest, int64_t shortest) {
-  if constexpr (N > 1) {
-    if (count < N)
-      return weighted_values_of<N - 1, T, D>(count, u, probs, v_cache, table, block_size, stride, longest, shortest);
-  }
+void weighted_values_of(const Unit* u, float* probs, const T* v_cache, const int64_t* table, int64_t block_size,
+                        int64_t stride, int64_t longest, int64_t shortest) {
   if constexpr (N > kApart)
     for (int64_t t = 0; t < longest; ++t)
       for (int i = 0; i < N; ++i) probs[t * N + i] = t < u[i].n ? u[i].p[t] : 0.f;
@@ -318,10 +306,12 @@ void attend_rows(const float* q, const T* k_cache, const T* v_cache, const int64
         const float* qs[kQueries];
         float* outs[kQueries];
         for (int64_t k = 0; k < batch; ++k) qs[k] = u[i + k].q, outs[k] = u[i + k].p + t0 + j;
-        if (widen)
-          scores_of<kQueries, float, D>(batch, qs, sc.keys.data(), D, run, outs);
-        else
-          scores_of<kQueries, T, D>(batch, qs, keys + j * stride, stride, run, outs);
+        with_count<kQueries>(batch, [&](auto n) {
+          if (widen)
+            dots_n<float, D, n>(qs, sc.keys.data(), D, run, outs);
+          else
+            dots_n<T, D, n>(qs, keys + j * stride, stride, run, outs);
+        });
         i += batch;
       }
     }
@@ -329,8 +319,9 @@ void attend_rows(const float* q, const T* k_cache, const T* v_cache, const int64
   for (int64_t i = 0; i < count; ++i) softmax(u[i].p, u[i].n, scale);
   sc.probs.resize(kSums * longest);
   for (int64_t i = 0; i < count; i += kSums)
-    weighted_values_of<kSums, T, D>(std::min<int64_t>(kSums, count - i), u + i, sc.probs.data(), v_cache + kh * D,
-                                    table, block_size, stride, longest, shortest);
+    with_count<kSums>(std::min<int64_t>(kSums, count - i), [&](auto n) {
+      weighted_values_of<n, T, D>(u + i, sc.probs.data(), v_cache + kh * D, table, block_size, stride, longest, shortest);
+    });
 }
 #endif
 

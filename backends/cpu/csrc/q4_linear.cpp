@@ -28,6 +28,7 @@
 #include "activations.h"
 #include "bf16.h"
 #include "dynamic_for.h"
+#include "static_count.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define Q4_AVX512 1  // 16 rows per vpdpbusd
@@ -187,16 +188,6 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
 
 #endif
 
-// Rows [r0, r0 + n) over tiles [t, t + T), 0 < n < R: the one pass of exactly n rows.
-template <int R, int T>
-void rows_pass(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k, int64_t r0, int64_t n,
-               int64_t t, uint16_t* y, int64_t n_out) {
-  if constexpr (R > 1) {
-    if (n == R - 1) return tiles<R - 1, T>(nib, dm, a, k, r0, t, y, n_out);
-    rows_pass<R - 1, T>(nib, dm, a, k, r0, n, t, y, n_out);
-  }
-}
-
 }  // namespace
 
 namespace FLAGDEPLOY_OPS_NS {
@@ -226,7 +217,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
     const int64_t passes = (rows_n + most - 1) / most;
     for (int64_t p = 0, r = 0; p < passes; ++p) {
       const int64_t n = (rows_n - r) / (passes - p);
-      rows_pass<most + 1, T>(w, s, a, k, r, n, t, out, n_out);
+      with_count<most>(n, [&](auto rows) { tiles<rows, T>(w, s, a, k, r, t, out, n_out); });
       r += n;
     }
   };

@@ -30,6 +30,7 @@
 #include "activations.h"
 #include "bf16.h"
 #include "dynamic_for.h"
+#include "static_count.h"
 
 #if !(defined(__AVX2__) && defined(__FMA__))
 #error "q8_linear needs AVX2 with FMA (native.py builds it only on such CPUs)"
@@ -138,17 +139,16 @@ void tile_pair(const int8_t* w8, const float* d, const int16_t* x16, const float
 #define Q8_TILE_PAIRS 0
 #endif
 
-// Activation rows [r0, r0 + n), 0 < n <= R, over tile t (or tiles t, t + 1: Pair) in one pass of exactly n rows
-template <int R, bool Pair>
+// Activation rows [r0, r0 + n), 0 < n <= Most, over tile t (or tiles t, t + 1: Pair) in one pass of exactly n rows
+template <int Most, bool Pair>
 void tile_rows(const int8_t* w8, const float* d, const int16_t* x16, const float* scale, int64_t k, int64_t r0,
                int64_t n, int64_t t, uint16_t* y, int64_t n_out) {
-  if constexpr (R > 1) {
-    if (n < R) return tile_rows<R - 1, Pair>(w8, d, x16, scale, k, r0, n, t, y, n_out);
-  }
+  with_count<Most>(n, [&](auto rows) {
 #if Q8_TILE_PAIRS
-  if constexpr (Pair) return tile_pair<R>(w8, d, x16, scale, k, r0, t, y, n_out);
+    if constexpr (Pair) return tile_pair<rows>(w8, d, x16, scale, k, r0, t, y, n_out);
 #endif
-  tile<R>(w8, d, x16, scale, k, r0, t, y, n_out);
+    tile<rows>(w8, d, x16, scale, k, r0, t, y, n_out);
+  });
 }
 
 // Rows [r0, r0 + n): passes of Most rows, then one pass of the rest (a pass widens the tile's weights again).
