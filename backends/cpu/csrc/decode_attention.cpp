@@ -291,13 +291,13 @@ void attend_rows(const float* q, const T* k_cache, const T* v_cache, const int64
     const int64_t at = (i / group * heads + kh * group + i % group) * D;
     u[i] = {q + at, out + at, sc.scores.data() + i * longest, lens[i / group]};
   }
+  // the scores straight from the cache for one batch of queries, else from the keys widened once for all batches
+  const bool widen = count > kQueries;
   for (int64_t t0 = 0, b = 0; t0 < longest; t0 += block_size, ++b) {
     const T* keys = k_cache + (table[b] * block_size * kv_heads + kh) * D;
     for (int64_t j = 0, end = std::min(block_size, longest - t0); j < end; j += kWidth) {
       const int64_t run = std::min<int64_t>(kWidth, end - j);
-      // every unit's scores of the run (past a unit's own keys too: not read, and in blocks its table has):
-      // straight from the cache for one batch of queries, else from the keys widened once for all the batches
-      const bool widen = count > kQueries;
+      // every unit's scores of the run (past a unit's own keys too: not read, and in blocks its table has)
       if (widen)
         for (int64_t t = 0; t < run; ++t)
           for (int64_t i = 0; i < D; i += kWidth) vstore(sc.keys.data() + t * D + i, vload(keys + (j + t) * stride + i));
