@@ -42,7 +42,9 @@ namespace {
 
 constexpr int64_t kTile = 8;
 constexpr int kTileRows = 8;   // most rows a pass over one tile takes (rows_over)
-constexpr int64_t kPairRows = 4;  // rows from which AVX-512 VNNI takes tiles in pairs (fewer: bound by the bytes)
+// Rows from which AVX-512 VNNI takes tiles in pairs (fewer: bound by the bytes). The LM head, one thread, ms
+// single tiles / pairs: 2 rows 1.37 / 1.52, 3 rows 2.09 / 1.65, 4 rows 1.71 (pairs)
+constexpr int64_t kPairRows = 3;
 // How far ahead in a tile's bytes the weight is asked for (each 64-byte line), as in q4_linear.cpp. The LM head
 // (49152 x 576) with the last-level cache flushed between calls, 2-core AVX-512 EPYC: 1 row 0.78 -> 0.72 ms,
 // 16 rows 2.5 -> 1.8 ms; 2 and 4 KiB gained less.
