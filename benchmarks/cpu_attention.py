@@ -92,9 +92,9 @@ def verify_rows(caches) -> None:
     blocks = caches[0][0].shape[0]
     with torch.inference_mode():
         for rows, n in ((2, 256), (5, 256), (16, 256), (5, 1000)):
-            if -(-n // BLOCK) > blocks:
-                continue
             width = -(-n // BLOCK)
+            if width > blocks:
+                continue
             tables = torch.randperm(blocks)[:width].expand(rows, width).contiguous()
             lens = torch.arange(n - rows + 1, n + 1)
             q = torch.randn(rows, HEADS, HEAD_DIM, dtype=torch.bfloat16)

@@ -15,25 +15,18 @@ rounds, the classes alternating, so that a host whose speed drifts favours none.
 from __future__ import annotations
 
 import argparse
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from cpu_vs_llama_server import cpu_name  # this script runs from benchmarks/
 
 from flagdeploy.backends.cpu import native
 
 ROWS = (1, 2, 3, 5, 8, 16)
 LAYERS = 30
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: (out, in)
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def builds(tmp: Path) -> dict[str, object]:
