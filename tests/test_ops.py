@@ -265,16 +265,15 @@ def test_cpu_decode_attention_forms_match_reference(dtype, form, monkeypatch):
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 1, 64), (4, 2, 64), (8, 2, 64), (14, 2, 128), (12, 4, 128)],
                          ids=lambda h: str(h))
-def test_cpu_native_decode_attention_matches_reference_for_any_head_group(heads, kv_heads, d):
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_cpu_native_decode_attention_matches_reference_for_any_head_group(heads, kv_heads, d, build, kernel_builds):
     """The kernel's grouped path (rows that read the same keys, all query heads of a key head at once) sums a
     head's values a few column vectors at a time, as many as the group's accumulators leave registers for:
     for every group size (1 to 8 query heads a key head, several verify rows) and head width, each head's
     output is its own (a pass that ran past a 64-wide head's columns wrote into the next head's), against
-    float64. Four sequences and a sequence's three verify rows, so that the grouped path serves them."""
-    from flagdeploy.backends.cpu import ops as cpu_ops
-
-    if not cpu_ops.native.available():
-        pytest.skip("the cpu backend's C++ kernels are not built on this machine")
+    float64. Four sequences and a sequence's three verify rows, so that the grouped path serves them. Each ISA's
+    build: its column passes differ (8 lanes on AVX2, 16 on AVX-512)."""
+    kernels = _build(kernel_builds, build)
     g = torch.Generator().manual_seed(heads * d + kv_heads)
     k, v = (torch.randn(40, 16, kv_heads, d, generator=g) for _ in range(2))
     rows = 7
@@ -282,24 +281,22 @@ def test_cpu_native_decode_attention_matches_reference_for_any_head_group(heads,
     tables = torch.randperm(40, generator=g)[:rows * 5].view(rows, 5)
     tables[5:] = tables[4]  # rows 4..6: one sequence's verify rows
     lens = torch.tensor([70, 3, 33, 80, 50, 51, 52])
-    got = cpu_ops.native.paged_decode_attention(q, k, v, tables, lens, d ** -0.5)
+    got = kernels.paged_decode_attention(q, k, v, tables, lens, d ** -0.5)
     want = OPS["paged_attention_decode"].reference(q.double(), k.double(), v.double(), tables, lens, d ** -0.5)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (16, 4), (6, 6)], ids=lambda h: str(h))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtype, heads, kv_heads):
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtype, heads, kv_heads, build, kernel_builds):
     """What makes speculative verify rows exact on the CPU: each row of the backend's own attention kernel
     is bitwise the same computed alone (its own table), in a batch of other sequences (a wider, padded
     table) and as one of a verify step's rows (the same sequence at consecutive lengths), on several
     threads or one. Rows read the same keys together where their tables agree over the blocks they read
     (row 6's table differs past them); row 1 shares its first block with row 0 but not the next two (a
-    shared prefix): another sequence."""
-    from flagdeploy.backends.cpu import ops as cpu_ops
-
-    if not cpu_ops.native.available():
-        pytest.skip("the cpu backend's C++ kernels are not built on this machine")
+    shared prefix): another sequence. Each ISA's build."""
+    kernels = _build(kernel_builds, build)
     g = torch.Generator().manual_seed(4)
     k, v = (torch.randn(64, 16, kv_heads, 64, generator=g).to(dtype) for _ in range(2))
     q = torch.randn(7, heads, 64, generator=g).to(dtype)
@@ -308,13 +305,13 @@ def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtyp
     tables[6, 5] = tables[0, 1]  # past the 4 blocks row 6 reads
     tables[1, 0] = tables[0, 0]
     lens = torch.tensor([1, 40, 96, 60, 61, 62, 63])
-    batched = cpu_ops.native.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    batched = kernels.paged_decode_attention(q, k, v, tables, lens, 0.125)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         for r, n in enumerate(lens.tolist()):
             w = -(-n // 16)
-            alone = cpu_ops.native.paged_decode_attention(q[r:r + 1], k, v, tables[r:r + 1, :w], lens[r:r + 1], 0.125)
+            alone = kernels.paged_decode_attention(q[r:r + 1], k, v, tables[r:r + 1, :w], lens[r:r + 1], 0.125)
             assert torch.equal(alone, batched[r:r + 1]), r
     finally:
         torch.set_num_threads(threads)
@@ -348,6 +345,27 @@ def _cpu_kernels_or_skip():
         pytest.skip(f"no int4 x int8 kernel here: {native.unsupported()}")
     assert native.available(), "this CPU and compiler can build the cpu backend's kernels, so it must have"
     return native
+
+
+@pytest.fixture(scope="module")
+def kernel_builds(tmp_path_factory):
+    """The cpu backend's kernels by ISA: the CPU's own build, and beside an AVX-512 build the AVX2 one
+    (FLAGDEPLOY_CPU_ISA=avx2's, built once here under another op namespace), so that the AVX2 kernels' own paths
+    (their pass sizes, shuffles, 8-lane folds) are checked on a CI machine with AVX-512 too."""
+    native = _cpu_kernels_or_skip()
+    builds = {"native": torch.ops.flagdeploy_cpu}
+    if native.isa() != "avx2":
+        so = tmp_path_factory.mktemp("avx2") / "avx2.so"
+        native._compile(so, (*native.ISAS["avx2"].cxx_flags, "-DFLAGDEPLOY_OPS_NS=flagdeploy_cpu_avx2"))
+        torch.ops.load_library(str(so))
+        builds["avx2"] = torch.ops.flagdeploy_cpu_avx2
+    return builds
+
+
+def _build(kernel_builds, name):
+    if name not in kernel_builds:
+        pytest.skip("this CPU's own build is the AVX2 one")
+    return kernel_builds[name]
 
 
 @pytest.mark.parametrize("n,k", [(48, 64), (16, 32), (64, 96), (960, 576), (576, 1536)])
@@ -556,16 +574,14 @@ def test_cpu_kernels_isa_is_the_cpus_best_unless_forced(monkeypatch):
     assert native.isa() == "avx2" and native.isa_class() == "AVX2" and native.unsupported() is None
 
 
-def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(tmp_path):
+def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(kernel_builds):
     """CPUs without AVX-512 get the same kernels built for AVX2 (two 8-row halves per tile, vpmaddubsw for
     vpdpbusd; portable C++ for the FP8 conversions, norms, rope and attention): built here as FLAGDEPLOY_CPU_ISA=avx2
     builds them, under another op namespace, they give the default build's outputs bit for bit."""
     from flagdeploy.ops.weights import fp8_block_quantize
 
     native = _cpu_kernels_or_skip()
-    native._compile(tmp_path / "avx2.so", (*native.ISAS["avx2"].cxx_flags, "-DFLAGDEPLOY_OPS_NS=flagdeploy_cpu_avx2"))
-    torch.ops.load_library(str(tmp_path / "avx2.so"))
-    avx2, default = torch.ops.flagdeploy_cpu_avx2, torch.ops.flagdeploy_cpu
+    avx2, default = _build(kernel_builds, "avx2"), kernel_builds["native"]
     g = torch.Generator().manual_seed(11)
     for n, k, rows in [(48, 64, 5), (64, 96, 4), (960, 576, 3), (80, 64, 13), (48, 64, 17), (48, 64, 8)]:  # 13, 17: tiles in pairs
         w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
