@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from conftest import generate_with_an_abort, make_engine
 
 from flagdeploy.engine import SamplingParams
@@ -191,3 +192,18 @@ def test_metrics_export_the_counters(spec_engine):
     per_pos = metrics["flagdeploy:spec_decode_num_accepted_tokens_per_pos"].samples
     assert [s.labels["position"] for s in per_pos] == ["0", "1", "2", "3"]
     assert sum(s.value for s in per_pos) == spec.stats()["spec_decode_num_accepted_tokens"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_logits_rows_are_taken_as_torch_indexes_them_and_a_run_is_a_view(dtype):
+    """A verify step hands on each sequence's first logits row: the same values as torch's own indexing for any
+    rows (a run, rows apart, repeated, none), in the logits' dtype; a run of rows (a lone sequence's first row,
+    or every row) is a view, no copy of a vocabulary-wide row."""
+    from flagdeploy.engine.model_runner import take_rows
+
+    logits = torch.randn(11, 49152, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for rows in ([0], [4], list(range(11)), [2, 3, 4], [0, 5, 10], [7, 1], [3, 3], []):
+        got = take_rows(logits, rows)
+        assert got.dtype == dtype and torch.equal(got, logits[torch.tensor(rows, dtype=torch.long)]), rows
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            assert got.data_ptr() == logits[rows[0]].data_ptr(), rows

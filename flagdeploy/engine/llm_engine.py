@@ -17,7 +17,7 @@ from .block_manager import BlockManager
 from .grammar import Matcher
 from .kv_transfer import KvTransfer, KvTransferConfig, KvTransferError, layout_key
 from .lockstep import LockstepRunner, Workers
-from .model_runner import build_runner
+from .model_runner import build_runner, take_rows
 from .mtp import MtpProposer
 from .multimodal import MediaItem
 from .rejection import rejection_sample
@@ -319,7 +319,7 @@ class LLMEngine:
                     speculated.add(j)
             verify_rows = ops.argmax(logits).tolist()  # the target's greedy token at every row
             verify_logits = logits  # a sampled sequence's 1 + k rows: rejection sampling in `_accept`
-            logits = logits[torch.tensor(first, device=logits.device)]
+            logits = take_rows(logits, first)
         sampled_seqs = [batch.seqs[i] for i in rows]
         reqs = [self.requests[seq.request_id] for seq in sampled_seqs]
         # Logprobs are the model's own distribution: taken before any grammar mask or temperature.
