@@ -183,3 +183,43 @@ def test_logprobs_requests_still_do_not_speculate(spec_engine):
         outs.extend(spec.step())
     assert spec.stats()["spec_decode_num_drafts"] == before
     assert sum(len(o.logprobs) for o in outs) == sum(len(o.token_ids) for o in outs) == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_probs_keep_what_the_torch_path_keeps(dtype):
+    """The CPU computes `probs_for` with numpy (no vocabulary sort, no OpenMP region); an accelerator with torch.
+    Over a real vocabulary's width, with ties, masked rows and every mask alone and together, both keep the same
+    tokens with the same probabilities, float rounding apart: where top_p ends deep in the tail (0.999 here,
+    ~20k tokens kept) the float32 running sum of torch's path crosses it some tokens of ~1e-7 each before the
+    exact (float64) one does."""
+    from flagdeploy.engine.sampler import _device_probs
+
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(3, 49152, generator=g) * 4).to(dtype)
+    logits[1, 100:140] = logits[1].max()  # 40 tied likeliest tokens: top_k and top_p break ties as torch does
+    logits[2, :] = float("-inf")
+    logits[2, 7] = 1.0  # one token left
+    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.9, top_p=0.9),
+                   SamplingParams(temperature=1.2, top_p=0.999), SamplingParams(temperature=0.8, top_k=40),
+                   SamplingParams(temperature=0.8, top_k=20, top_p=0.5), SamplingParams(temperature=1.0, min_p=0.05),
+                   SamplingParams(temperature=0.6, min_p=0.01, top_k=500, top_p=0.95)):
+        got, want = probs_for(logits, params), _device_probs(logits, params)
+        differ = (got > 0) != (want > 0)
+        assert float(got[differ].sum() + want[differ].sum()) < 1e-5, params
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_draw_follows_the_distribution_and_its_generator():
+    """`draw` takes one uniform of the sequence's generator a token: seeded draws repeat, the frequencies are
+    the row's probabilities (chi-square), zero-probability tokens never come, and a row with nothing to draw
+    from gives None."""
+    from flagdeploy.engine.sampler import draw
+
+    probs = torch.zeros(49152)
+    probs[[3, 17, 40000, 49151]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    g = torch.Generator().manual_seed(1)
+    first = [draw(probs, g) for _ in range(20000)]
+    g.manual_seed(1)
+    assert [draw(probs, g) for _ in range(20000)] == first
+    _assert_matches(first, {3: 0.1, 17: 0.2, 40000: 0.3, 49151: 0.4})
+    assert draw(torch.full((10,), float("nan")), g) is None and draw(torch.zeros(10), g) is None
