@@ -1,7 +1,7 @@
 """`flagdeploy serve` against llama.cpp's `llama-server` on the CPU, same GGUF, same run (issue 33).
 
     python benchmarks/cpu_vs_llama_server.py [--rounds 3] [--max-tokens 128] [--concurrency 16] [--quick]
-        [--llama-server PATH] [--model SRC] [--build-only] [--isa avx2]
+        [--llama-server PATH] [--model SRC] [--build-only] [--isa avx2] [--temperature T [--top-p P] [--top-k K]]
 
 What a CPU user would otherwise run is llama.cpp's server, so that is the baseline. The script:
 
@@ -17,8 +17,8 @@ What a CPU user would otherwise run is llama.cpp's server, so that is the baseli
    `llama-server -m GGUF -t THREADS -np CONCURRENCY -c CONCURRENCY*CTX_PER_SLOT` and `flagdeploy serve` with
    its default flags (only --port; --model only when --model is given here). The per-slot context defaults
    to flagdeploy serve's default --max-model-len, 4096, so both hold the same context per sequence.
-3. measures, over HTTP (streamed chat completions, temperature 0, `max_tokens` forced with `ignore_eos`,
-   which both servers take; the completion tokens are counted from the streamed usage, and every request is
+3. measures, over HTTP (streamed chat completions, greedy unless --temperature (with --top-p, --top-k) has
+   both servers sample, `max_tokens` forced with `ignore_eos`, which both servers take; the completion tokens are counted from the streamed usage, and every request is
    checked to have produced exactly max_tokens):
    - ready s: process start -> readiness endpoint answers 200 (llama-server /health, flagdeploy /ready);
    - first req tok/s: one request sent at once after ready (where flagdeploy's default serve compiles its
@@ -313,9 +313,17 @@ def endpoint(server: Server) -> Endpoint:
 # ---------------------------------------------------------------------------------------------- measuring
 
 
-def prompts(n: int, max_tokens: int, offset: int = 0) -> list[Prompt]:
-    return [Prompt(messages=[{"role": "user", "content": PROMPTS[(offset + i) % len(PROMPTS)]}], max_tokens=max_tokens)
-            for i in range(n)]
+def prompts(n: int, max_tokens: int, offset: int = 0, sampling: dict | None = None) -> list[Prompt]:
+    return [Prompt(messages=[{"role": "user", "content": PROMPTS[(offset + i) % len(PROMPTS)]}], max_tokens=max_tokens,
+                   sampling=sampling) for i in range(n)]
+
+
+def sampling(args: argparse.Namespace) -> dict | None:
+    """The request fields of --temperature/--top-p/--top-k (both servers take them); None: greedy."""
+    if not args.temperature:
+        return None
+    fields = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def engine_counters(ep: Endpoint) -> tuple[float, float] | None:
@@ -339,7 +347,7 @@ async def measure(eps: dict[str, Endpoint], args: argparse.Namespace) -> dict[st
         engine_rates: dict[str, list[float]] = {name: [] for name in eps}
         for rnd in range(args.rounds + 1):
             # a new prompt each single-stream round, so no round is served from a prefix cache of the last
-            batch = prompts(n, args.max_tokens, offset=rnd if key == "single" else 0)
+            batch = prompts(n, args.max_tokens, offset=rnd if key == "single" else 0, sampling=sampling(args))
             for name in (list(eps) if rnd % 2 == 0 else list(reversed(eps))):
                 ep = eps[name]
                 before = engine_counters(ep)
@@ -434,7 +442,7 @@ def in_process(args: argparse.Namespace) -> dict[str, float]:
     if engine.runner.compiling is not None:  # a model the C++ step does not serve compiles in the background
         engine.runner.compiling.join()
     tok = engine.tokenizer
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=0, **(sampling(args) or {"temperature": 0}))
 
     def ids(p: Prompt) -> list[int]:
         return tok.encode(tok.apply_chat_template(p.messages))
@@ -460,6 +468,8 @@ def in_process(args: argparse.Namespace) -> dict[str, float]:
 
 def report(rows: dict[str, dict], args: argparse.Namespace) -> None:
     conc = f"{args.concurrency}-concurrent tok/s"
+    print(f"requests: {args.max_tokens} tokens each, sampled with {sampling(args)}" if sampling(args) else
+          f"requests: {args.max_tokens} tokens each, greedy")
     print(f"{'':28} {'ready s':>9} {'first req tok/s':>16} {'settled s':>10} {'1-stream tok/s':>15} {conc:>22} "
           f"{'spread 1 / N':>13}")
     for name, r in rows.items():
@@ -524,6 +534,10 @@ def main() -> None:
     ap.add_argument("--isa", choices=sorted(ISA_ENV), default=None,
                     help="measure both servers as on a CPU of this class: llama.cpp built for it, flagdeploy with "
                          "FLAGDEPLOY_CPU_ISA and torch capped there (default: each at its best for this CPU)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample every request at this temperature (default 0: greedy, the texts comparable)")
+    ap.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling (vLLM's flag)")
+    ap.add_argument("--top-k", type=int, default=None, help="with --temperature: top-k sampling (vLLM's flag)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="extra flag for flagdeploy serve, repeatable, as --serve-arg=--compile (default none: its default flags)")
     args = ap.parse_args()

@@ -40,15 +40,18 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Prompt:
-    """One request to send: token ids or text for /v1/completions, or messages for chat."""
+    """One request to send: token ids or text for /v1/completions, or messages for chat. Greedy unless
+    `sampling` names the OpenAI (and vLLM / llama-server) fields to sample with, e.g. {"temperature": 0.7,
+    "top_p": 0.9}."""
 
     prompt: list[int] | str | None = None
     messages: list[dict] | None = None
     max_tokens: int = 64
+    sampling: dict | None = None
 
     def request(self, model: str, ignore_eos: bool) -> tuple[str, dict]:
         body: dict = {"model": model, "max_tokens": self.max_tokens, "stream": True, "temperature": 0.0,
-                      "stream_options": {"include_usage": True}}
+                      "stream_options": {"include_usage": True}, **(self.sampling or {})}
         if ignore_eos:
             body["ignore_eos"] = True  # fixed output length (vLLM, SGLang, ours accept it)
         if self.messages is not None:
