@@ -36,7 +36,7 @@ def builds(tmp: Path) -> dict[str, object]:
     out = {native.isa_class(): torch.ops.flagdeploy_cpu}
     if native.isa() != "avx2":
         so = tmp / "avx2.so"
-        native._compile(so, (*native.ISAS["avx2"].cxx_flags, "-DFLAGDEPLOY_OPS_NS=flagdeploy_cpu_avx2"))
+        native._compile(so, (*native.ISAS["avx2"].compiler_flags(), "-DFLAGDEPLOY_OPS_NS=flagdeploy_cpu_avx2"))
         torch.ops.load_library(str(so))
         out["AVX2 (built beside it)"] = torch.ops.flagdeploy_cpu_avx2
     return out

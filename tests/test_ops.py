@@ -349,14 +349,14 @@ def _cpu_kernels_or_skip():
 
 @pytest.fixture(scope="module")
 def kernel_builds(tmp_path_factory):
-    """The cpu backend's kernels by ISA: the CPU's own build, and beside an AVX-512 build the AVX2 one
-    (FLAGDEPLOY_CPU_ISA=avx2's, built once here under another op namespace), so that the AVX2 kernels' own paths
-    (their pass sizes, shuffles, 8-lane folds) are checked on a CI machine with AVX-512 too."""
+    """The cpu backend's kernels by ISA: the CPU's own build, and beside any other (AVX-512, AVX-VNNI) the AVX2
+    one (FLAGDEPLOY_CPU_ISA=avx2's, built once here under another op namespace), so that the AVX2 kernels' own
+    paths (their pass sizes, shuffles, 8-lane folds) are checked on a CI machine with AVX-512 too."""
     native = _cpu_kernels_or_skip()
     builds = {"native": torch.ops.flagdeploy_cpu}
     if native.isa() != "avx2":
         so = tmp_path_factory.mktemp("avx2") / "avx2.so"
-        native._compile(so, (*native.ISAS["avx2"].cxx_flags, "-DFLAGDEPLOY_OPS_NS=flagdeploy_cpu_avx2"))
+        native._compile(so, (*native.ISAS["avx2"].compiler_flags(), "-DFLAGDEPLOY_OPS_NS=flagdeploy_cpu_avx2"))
         torch.ops.load_library(str(so))
         builds["avx2"] = torch.ops.flagdeploy_cpu_avx2
     return builds
@@ -547,8 +547,8 @@ def test_cpu_tune_table_is_chosen_by_the_cpus_flags(tmp_path):
 
 
 def test_cpu_kernels_isa_is_the_cpus_best_unless_forced(monkeypatch):
-    """The kernels are built for the best instruction set the CPU has; FLAGDEPLOY_CPU_ISA=avx2 builds the AVX2
-    ones on an AVX-512 CPU (their own cache file) and tunes that machine as an AVX2 one; asking for what the CPU
+    """The kernels are built for the best instruction set the CPU has (AVX-512, AVX-VNNI, AVX2); FLAGDEPLOY_CPU_ISA=avx2
+    builds the AVX2 ones on an AVX-512 CPU (their own cache file) and tunes that machine as an AVX2 one; asking for what the CPU
     lacks, or for a name that is none, leaves torch's kernels with a reason that says what to set."""
     from flagdeploy.backends.cpu import native
     from flagdeploy.backends.cpu import ops as cpu_ops
@@ -566,12 +566,21 @@ def test_cpu_kernels_isa_is_the_cpus_best_unless_forced(monkeypatch):
     assert native.isa_class() == "AVX2 (FLAGDEPLOY_CPU_ISA=avx2 on an AVX-512 CPU)"
     assert cpu_ops.tune_table(native.cpu_flags())["weight_only_dense"]["dtype"] == "float32"  # tuned as AVX2
     monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "avx3")
-    assert "FLAGDEPLOY_CPU_ISA=avx3 is not one of avx512, avx2" in native.unsupported()
+    assert "FLAGDEPLOY_CPU_ISA=avx3 is not one of avx512, avxvnni, avx2" in native.unsupported()
     monkeypatch.setattr(native, "_proc_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "avx512")
     assert "lacks avx512f, avx512bw, avx512vl, avx512_vnni" in native.unsupported()
     monkeypatch.delenv("FLAGDEPLOY_CPU_ISA")
     assert native.isa() == "avx2" and native.isa_class() == "AVX2" and native.unsupported() is None
+    assert "-mno-avxvnni" not in native.ISAS["avx2"].compiler_flags()  # (a compiler may not know the flag)
+    # AVX-VNNI without AVX-512 (Intel since Alder Lake): its own build; an AVX2 one there turns it off
+    vnni = frozenset({"avx2", "fma", "f16c", "avx_vnni"})
+    monkeypatch.setattr(native, "_proc_flags", lambda: vnni)
+    assert native.isa() == "avxvnni" and native.isa_class() == "AVX2+VNNI" and native.unsupported() is None
+    assert "-mavxvnni" in native.ISAS["avxvnni"].compiler_flags()
+    monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "avx2")
+    assert "-mno-avxvnni" in native.ISAS["avx2"].compiler_flags() and native.cpu_flags() == {"avx2", "fma", "f16c"}
+    assert native.isa_class() == "AVX2 (FLAGDEPLOY_CPU_ISA=avx2 on an AVX2+VNNI CPU)"
 
 
 def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(kernel_builds):

@@ -24,7 +24,7 @@
 They are compiled once per source, torch version and CPU into the user's cache directory (~40 s on two
 cores, a compiler per source at once, like inductor's own kernels under `serve --compile`) and loaded as a
 torch library, so that compiled graphs call them without Python. They are built for the best instruction set
-the CPU has (ISAS), or the one FLAGDEPLOY_CPU_ISA names (avx2, avx512): both compute the same bits. Where they
+the CPU has (ISAS), or the one FLAGDEPLOY_CPU_ISA names (avx512, avxvnni, avx2): all compute the same bits. Where they
 cannot be used (another CPU, no compiler, FLAGDEPLOY_NATIVE_KERNELS=0) the callers keep torch's kernels:
 `available()` says which, and the log says why.
 """
@@ -63,14 +63,24 @@ class Isa:
     cpu_flags: tuple[str, ...]
     cxx_flags: tuple[str, ...] = ()
     hides: tuple[str, ...] = ()
+    # what turns off, under -march=native, a feature of the CPU this build must not use (the flag only where the
+    # CPU has the feature: an older compiler may not know it)
+    turns_off: tuple[tuple[str, str], ...] = ()
+
+    def compiler_flags(self) -> tuple[str, ...]:
+        return (*self.cxx_flags, *(flag for feature, flag in self.turns_off if feature in _proc_flags()))
 
 
 # Best first: by default the kernels are built for the first of these the CPU has; FLAGDEPLOY_CPU_ISA names one
 # (so that an AVX-512 machine builds, tests and measures the AVX2 kernels too).
+# AVX-VNNI (vpdpbusd on ymm: Intel since Alder Lake and Sapphire Rapids, AMD since Zen 5) is a class of its own
+# below AVX-512: an AVX2 build that takes the dot products of int8 in one instruction instead of two.
 ISAS = {"avx512": Isa(("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")),
-        "avx2": Isa(("avx2", "fma", "f16c"), ("-mno-avx512f",), hides=("avx512", "amx"))}
+        "avxvnni": Isa(("avx2", "fma", "f16c", "avx_vnni"), ("-mno-avx512f", "-mavxvnni"), hides=("avx512", "amx")),
+        "avx2": Isa(("avx2", "fma", "f16c"), ("-mno-avx512f",), hides=("avx512", "amx", "avx_vnni"),
+                    turns_off=(("avx_vnni", "-mno-avxvnni"),))}
 # The class of CPU a figure was measured on, for benchmarks' headers: the first whose flag the CPU has
-ISA_CLASSES = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+ISA_CLASSES = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx_vnni", "AVX2+VNNI"), ("avx2", "AVX2"))
 
 
 # -fno-trapping-math lets GCC if-convert the clamp of exp_nonpositive.h for AVX2 (AVX-512 masks it anyway), so
@@ -178,13 +188,13 @@ def available() -> bool:
 
     code = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))  # the .cpp sources and their headers
     key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode() + isa().encode()
-                         + " ".join((*CXX_FLAGS, *ISAS[isa()].cxx_flags)).encode())
+                         + " ".join((*CXX_FLAGS, *ISAS[isa()].compiler_flags())).encode())
     so = cache_dir() / "kernels" / f"flagdeploy_cpu-{isa()}-{key.hexdigest()[:16]}.so"
     if not so.exists():
         log.warning("cpu backend: building its C++ kernels for %s (once per machine, ~40 s on two cores) into %s",
                     isa(), so)
         try:
-            _compile(so, ISAS[isa()].cxx_flags)
+            _compile(so, ISAS[isa()].compiler_flags())
         except (OSError, RuntimeError) as e:
             log.warning("cpu backend: building csrc/ failed, keeping torch's kernels: %s", e)
             return False

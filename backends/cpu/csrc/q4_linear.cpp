@@ -133,6 +133,19 @@ constexpr int64_t kPairRows = 0;
 // half prefetches the weight stream ahead (the second reads the same lines from L1): measured on the
 // 2-core AVX2 EPYC, the default model's 120 4-bit linears of a decode token 5.7 -> 5.0 ms, bitwise equal.
 constexpr int64_t kPrefetchBytes = 1024;
+
+#if defined(__AVXVNNI__)
+// AVX-VNNI (the avxvnni build): vpdpbusd on 8 lanes, as the AVX-512 path's on 16, sums each lane's 4 products
+// straight into int32, one instruction where AVX2 takes vpmaddubsw + vpaddw; the same int32 dot per block.
+inline __m256i add_dots(__m256i sums, __m256i q, __m256i x) { return _mm256_dpbusd_avx_epi32(sums, q, x); }
+inline __m256i block_dot(__m256i hi, __m256i lo) { return _mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo); }
+#else
+inline __m256i add_dots(__m256i sums, __m256i q, __m256i x) { return _mm256_add_epi16(sums, _mm256_maddubs_epi16(q, x)); }
+inline __m256i block_dot(__m256i hi, __m256i lo) {
+  return _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(256)), _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
+}
+#endif
+
 template <int R, int T>
 __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k,
                                      int64_t r0, int64_t t, uint16_t* y, int64_t n_out) {
@@ -141,7 +154,7 @@ __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, con
     return;
   }
   const int64_t blocks = k / QK;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -160,10 +173,10 @@ __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, con
           const int64_t at = (r0 + r) * k + b * QK + 8 * c;
           const int32_t* xh = reinterpret_cast<const int32_t*>(a.hi.data() + at);
           const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + at);
-          hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(q0, _mm256_set1_epi32(xh[0])));
-          hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(q1, _mm256_set1_epi32(xh[1])));
-          lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(q0, _mm256_set1_epi32(xl[0])));
-          lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(q1, _mm256_set1_epi32(xl[1])));
+          hi[r] = add_dots(hi[r], q0, _mm256_set1_epi32(xh[0]));
+          hi[r] = add_dots(hi[r], q1, _mm256_set1_epi32(xh[1]));
+          lo[r] = add_dots(lo[r], q0, _mm256_set1_epi32(xl[0]));
+          lo[r] = add_dots(lo[r], q1, _mm256_set1_epi32(xl[1]));
         }
         // Sums in this order, chunk by chunk: otherwise GCC reassociates the integer adds into one tree per
         // block with all 16 x R products live at once, spilled to the stack (16 ymm registers)
@@ -174,7 +187,7 @@ __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, con
       __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * blocks + b;
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(hi[r], by256), _mm256_madd_epi16(lo[r], by1));
+        const __m256i dot = block_dot(hi[r], lo[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[r]);
         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sum[at]), acc[r]);
       }
