@@ -54,18 +54,6 @@ inline void prefetch_block(const int8_t* w) {  // the 256 bytes of a block, kPre
   for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64 * c), _MM_HINT_T0);
 }
 
-// sums + the pairwise sums of w * x's int16 products: one vpdpwssd where the CPU has VNNI on 8 lanes (AVX-512 VL,
-// or AVX-VNNI: the avxvnni build), else vpmaddwd + vpaddd; the same int32 sums (neither saturates)
-inline __m256i add_products(__m256i sums, __m256i w, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(sums, w, x);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(sums, w, x);
-#else
-  return _mm256_add_epi32(sums, _mm256_madd_epi16(w, x));
-#endif
-}
-
 // Tile t of 8 output rows for activation rows [r0, r0 + R): each 32 bytes of weight are widened once
 // and used for R rows.
 template <int R>
@@ -85,8 +73,8 @@ void tile(const int8_t* w8, const float* d, const int16_t* x16, const float* sca
       __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
       for (int r = 0; r < R; ++r) {
         const int32_t* xr = reinterpret_cast<const int32_t*>(x16 + (r0 + r) * k + b * QK + 4 * c);
-        dot[r] = add_products(dot[r], w0, _mm256_set1_epi32(xr[0]));
-        dot[r] = add_products(dot[r], w1, _mm256_set1_epi32(xr[1]));
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(w0, _mm256_set1_epi32(xr[0])));
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(w1, _mm256_set1_epi32(xr[1])));
       }
     }
     for (int r = 0; r < R; ++r)
