@@ -18,8 +18,8 @@ What a CPU user would otherwise run is llama.cpp's server, so that is the baseli
    its default flags (only --port; --model only when --model is given here). The per-slot context defaults
    to flagdeploy serve's default --max-model-len, 4096, so both hold the same context per sequence.
 3. measures, over HTTP (streamed chat completions, greedy unless --temperature (with --top-p, --top-k) has
-   both servers sample, `max_tokens` forced with `ignore_eos`, which both servers take; the completion tokens are counted from the streamed usage, and every request is
-   checked to have produced exactly max_tokens):
+   both servers sample, `max_tokens` forced with `ignore_eos`, which both servers take; the completion tokens
+   are counted from the streamed usage, and every request is checked to have produced exactly max_tokens):
    - ready s: process start -> readiness endpoint answers 200 (llama-server /health, flagdeploy /ready);
    - first req tok/s: one request sent at once after ready (where flagdeploy's default serve compiles its
      decode step in the background, for models its C++ step does not serve, this is what a client gets
@@ -442,7 +442,8 @@ def in_process(args: argparse.Namespace) -> dict[str, float]:
     if engine.runner.compiling is not None:  # a model the C++ step does not serve compiles in the background
         engine.runner.compiling.join()
     tok = engine.tokenizer
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=0, **(sampling(args) or {"temperature": 0}))
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=0,
+                            **(sampling(args) or {"temperature": 0}))
 
     def ids(p: Prompt) -> list[int]:
         return tok.encode(tok.apply_chat_template(p.messages))

@@ -140,7 +140,9 @@ constexpr int64_t kPrefetchBytes = 1024;
 inline __m256i add_dots(__m256i sums, __m256i q, __m256i x) { return _mm256_dpbusd_avx_epi32(sums, q, x); }
 inline __m256i block_dot(__m256i hi, __m256i lo) { return _mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo); }
 #else
-inline __m256i add_dots(__m256i sums, __m256i q, __m256i x) { return _mm256_add_epi16(sums, _mm256_maddubs_epi16(q, x)); }
+inline __m256i add_dots(__m256i sums, __m256i q, __m256i x) {
+  return _mm256_add_epi16(sums, _mm256_maddubs_epi16(q, x));
+}
 inline __m256i block_dot(__m256i hi, __m256i lo) {
   return _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(256)), _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
 }
