@@ -289,7 +289,8 @@ def test_cpu_native_decode_attention_matches_reference_for_any_head_group(heads,
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (16, 4), (6, 6)], ids=lambda h: str(h))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("build", ["native", "avx2"])
-def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtype, heads, kv_heads, build, kernel_builds):
+def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtype, heads, kv_heads, build,
+                                                                            kernel_builds):
     """What makes speculative verify rows exact on the CPU: each row of the backend's own attention kernel
     is bitwise the same computed alone (its own table), in a batch of other sequences (a wider, padded
     table) and as one of a verify step's rows (the same sequence at consecutive lengths), on several
@@ -547,9 +548,10 @@ def test_cpu_tune_table_is_chosen_by_the_cpus_flags(tmp_path):
 
 
 def test_cpu_kernels_isa_is_the_cpus_best_unless_forced(monkeypatch):
-    """The kernels are built for the best instruction set the CPU has (AVX-512, AVX-VNNI, AVX2); FLAGDEPLOY_CPU_ISA=avx2
-    builds the AVX2 ones on an AVX-512 CPU (their own cache file) and tunes that machine as an AVX2 one; asking for what the CPU
-    lacks, or for a name that is none, leaves torch's kernels with a reason that says what to set."""
+    """The kernels are built for the best instruction set the CPU has (AVX-512, AVX-VNNI, AVX2);
+    FLAGDEPLOY_CPU_ISA=avx2 builds the AVX2 ones on an AVX-512 CPU (their own cache file) and tunes that machine
+    as an AVX2 one; asking for what the CPU lacks, or for a name that is none, leaves torch's kernels with a
+    reason that says what to set."""
     from flagdeploy.backends.cpu import native
     from flagdeploy.backends.cpu import ops as cpu_ops
 
