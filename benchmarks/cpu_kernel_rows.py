@@ -35,10 +35,7 @@ def builds(tmp: Path) -> dict[str, object]:
         raise SystemExit(f"the cpu backend's kernels are not built here: {native.unsupported() or 'no C++ compiler'}")
     out = {native.isa_class(): torch.ops.flagdeploy_cpu}
     if native.isa() != "avx2":
-        so = tmp / "avx2.so"
-        native._compile(so, (*native.ISAS["avx2"].compiler_flags(), "-DFLAGDEPLOY_OPS_NS=flagdeploy_cpu_avx2"))
-        torch.ops.load_library(str(so))
-        out["AVX2 (built beside it)"] = torch.ops.flagdeploy_cpu_avx2
+        out["AVX2 (built beside it)"] = native.build_beside("avx2", tmp)
     return out
 
 

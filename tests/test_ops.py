@@ -356,10 +356,7 @@ def kernel_builds(tmp_path_factory):
     native = _cpu_kernels_or_skip()
     builds = {"native": torch.ops.flagdeploy_cpu}
     if native.isa() != "avx2":
-        so = tmp_path_factory.mktemp("avx2") / "avx2.so"
-        native._compile(so, (*native.ISAS["avx2"].compiler_flags(), "-DFLAGDEPLOY_OPS_NS=flagdeploy_cpu_avx2"))
-        torch.ops.load_library(str(so))
-        builds["avx2"] = torch.ops.flagdeploy_cpu_avx2
+        builds["avx2"] = native.build_beside("avx2", tmp_path_factory.mktemp("avx2"))
     return builds
 
 

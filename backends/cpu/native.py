@@ -172,6 +172,17 @@ def unsupported() -> str | None:
 
 
 @functools.cache
+def build_beside(name: str, directory: Path):
+    """The kernels built for ISA `name` under their own op namespace (`torch.ops.flagdeploy_cpu_<name>`) and loaded
+    beside this process's: how a test or benchmark on a larger CPU runs a smaller class's kernels (avx2 on an
+    AVX-512 CPU) in the same process. Built into `directory`, not the cache."""
+    ns = f"flagdeploy_cpu_{name}"
+    so = directory / f"{ns}.so"
+    _compile(so, (*ISAS[name].compiler_flags(), f"-DFLAGDEPLOY_OPS_NS={ns}"))
+    torch.ops.load_library(str(so))
+    return getattr(torch.ops, ns)
+
+
 def available() -> bool:
     """Whether the kernels are loaded, building them first if this machine has not yet."""
     reason = unsupported()

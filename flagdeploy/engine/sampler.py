@@ -87,7 +87,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int | None:
     block (the block's running sum, then within the block). (torch.multinomial draws one exponential variate
     per vocabulary entry for a single sample: ~1 ms a token for a 49k vocabulary on one core, a fifth of a
     small model's whole decode step; numpy's running sum of the whole row ~0.2 ms.)"""
-    p = _host_float32(probs.reshape(1, -1))[0].astype(np.float64)
+    p = _host_float32(probs).astype(np.float64)
     if not np.isfinite(p).all():
         return None
     blocks = np.cumsum(np.add.reduceat(p, np.arange(0, len(p), _BLOCK)))
