@@ -171,7 +171,6 @@ def unsupported() -> str | None:
     return None
 
 
-@functools.cache
 def build_beside(name: str, directory: Path):
     """The kernels built for ISA `name` under their own op namespace (`torch.ops.flagdeploy_cpu_<name>`) and loaded
     beside this process's: how a test or benchmark on a larger CPU runs a smaller class's kernels (avx2 on an
@@ -183,6 +182,7 @@ def build_beside(name: str, directory: Path):
     return getattr(torch.ops, ns)
 
 
+@functools.cache
 def available() -> bool:
     """Whether the kernels are loaded, building them first if this machine has not yet."""
     reason = unsupported()
