@@ -186,27 +186,47 @@ def test_logprobs_requests_still_do_not_speculate(spec_engine):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_cpu_probs_keep_what_the_torch_path_keeps(dtype):
-    """The CPU computes `probs_for` with numpy (no vocabulary sort, no OpenMP region); an accelerator with torch.
-    Over a real vocabulary's width, with ties, masked rows and every mask alone and together, both keep the same
-    tokens with the same probabilities, float rounding apart: where top_p ends deep in the tail (0.999 here,
-    ~20k tokens kept) the float32 running sum of torch's path crosses it some tokens of ~1e-7 each before the
-    exact (float64) one does."""
-    from flagdeploy.engine.sampler import _device_probs
+def test_cpu_sampling_kernels_keep_and_draw_what_the_reference_does(dtype):
+    """The CPU backend computes `sample_probs` and `draw` in its kernels (csrc/sample.cpp: top_k and top_p
+    select among the entries above a bound, no vocabulary sort; rows in parallel); other devices run the torch
+    reference. Over a real vocabulary's width, with ties, masked rows and every mask alone and together, both
+    keep the same tokens with the same probabilities, float rounding apart: where top_p ends deep in the tail
+    (0.999 here, ~20k tokens kept) the float32 running sum of the reference crosses it some tokens of ~1e-7 each
+    before the float64 one of the kernel does. Rows with different settings in one call are each what they are
+    alone, and the kernel draws the reference's tokens at the same uniforms."""
+    from flagdeploy.backends.cpu import native
+    from flagdeploy.engine.sampler import _settings
+    from flagdeploy.ops import reference
 
+    if not native.available():
+        pytest.skip("the cpu backend's kernels are not built on this machine")
     g = torch.Generator().manual_seed(5)
     logits = (torch.randn(3, 49152, generator=g) * 4).to(dtype)
     logits[1, 100:140] = logits[1].max()  # 40 tied likeliest tokens: top_k and top_p break ties as torch does
     logits[2, :] = float("-inf")
     logits[2, 7] = 1.0  # one token left
-    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.9, top_p=0.9),
-                   SamplingParams(temperature=1.2, top_p=0.999), SamplingParams(temperature=0.8, top_k=40),
-                   SamplingParams(temperature=0.8, top_k=20, top_p=0.5), SamplingParams(temperature=1.0, min_p=0.05),
-                   SamplingParams(temperature=0.6, min_p=0.01, top_k=500, top_p=0.95)):
-        got, want = probs_for(logits, params), _device_probs(logits, params)
+    every = (SamplingParams(temperature=0.7), SamplingParams(temperature=0.9, top_p=0.9),
+             SamplingParams(temperature=1.2, top_p=0.999), SamplingParams(temperature=0.8, top_k=40),
+             SamplingParams(temperature=0.8, top_k=20, top_p=0.5), SamplingParams(temperature=1.0, min_p=0.05),
+             SamplingParams(temperature=0.6, min_p=0.01, top_k=500, top_p=0.95))
+    u = torch.rand(3, generator=g, dtype=torch.float64)
+    for params in every:
+        settings = _settings([params] * 3, torch.device("cpu"))
+        got, want = native.sample_probs(logits, *settings), reference.sample_probs(logits, *settings)
         differ = (got > 0) != (want > 0)
         assert float(got[differ].sum() + want[differ].sum()) < 1e-5, params
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        if params.top_p != 0.999:  # (there the kept sets differ by the tail's tokens above)
+            assert torch.equal(native.draw(got, u), reference.draw(want, u)), params
+    mixed = [every[i % len(every)] for i in range(7)]  # one call, a different request a row
+    rows = logits[torch.arange(7) % 3]
+    alone = torch.cat([native.sample_probs(rows[i : i + 1], *_settings([p], torch.device("cpu")))
+                       for i, p in enumerate(mixed)])
+    assert torch.equal(native.sample_probs(rows, *_settings(mixed, torch.device("cpu"))), alone)
+    bad = torch.full((2, 10), float("nan"))
+    bad[1] = float("-inf")  # every token masked: nothing to draw from either
+    probs = native.sample_probs(bad, *_settings([SamplingParams(temperature=1.0)] * 2, torch.device("cpu")))
+    assert probs.isnan().all() and native.draw(probs, u[:2]).tolist() == [-1, -1]
 
 
 def test_draw_follows_the_distribution_and_its_generator():

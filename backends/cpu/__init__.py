@@ -18,6 +18,8 @@ backend = Backend(
         "rms_norm": ops.rms_norm,
         "add_rms_norm": ops.add_rms_norm,
         "argmax": ops.argmax,
+        "sample_probs": ops.sample_probs,
+        "draw": ops.draw,
         "swiglu": ops.swiglu,
         "rope": ops.rope,
         "write_kv_cache": ops.write_kv_cache,

@@ -18,6 +18,9 @@
   intermediate at a decode step's sizes (csrc/swiglu.cpp).
 - `argmax_rows`: greedy decoding's argmax, rows in parallel, where torch's max-with-indices takes ~2 ns a
   value on one thread (0.4-0.7 ms a 16-row step over a 49k vocabulary) (csrc/argmax.cpp).
+- `sample_probs` / `draw`: sampled decoding's distributions (temperature, min_p, top_k, top_p) and draws, rows in
+  parallel, selecting top_k and top_p among the few entries above a bound instead of sorting the vocabulary:
+  numpy or torch on the engine's thread took 0.16-0.29 ms a row, ~4 ms of a 16-row step (csrc/sample.cpp).
 - `fp8_to_int8` / `fp8_to_bf16`: `flagdeploy quantize`'s per-tensor arithmetic in one pass over an FP8
   weight's rows, where torch's elementwise ops make several over float32 temporaries (csrc/fp8_convert.cpp).
 
@@ -327,6 +330,22 @@ def argmaxes(logits: torch.Tensor) -> bool:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """[R] int64: each row's first index of its largest value (the first NaN where it has one)."""
     return torch.ops.flagdeploy_cpu.argmax_rows(logits)
+
+
+def samples(x: torch.Tensor) -> bool:
+    """Whether `sample_probs` and `draw` take these rows: [R, V] float32 or bf16 on the CPU."""
+    return argmaxes(x)
+
+
+def sample_probs(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """[R, V] float32: each row's distribution under its settings (see flagdeploy.ops.reference.sample_probs)."""
+    return torch.ops.flagdeploy_cpu.sample_probs(logits, temperature.float().contiguous(), top_k.long().contiguous(),
+                                                 top_p.float().contiguous(), min_p.float().contiguous())
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[R] int64: each row's token at its uniform u (-1: nothing to draw from)."""
+    return torch.ops.flagdeploy_cpu.draw(probs.float(), u.double().contiguous())
 
 
 def fp8_to_int8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], group: int):

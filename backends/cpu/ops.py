@@ -73,6 +73,22 @@ def argmax(logits):
     return reference.argmax(logits)
 
 
+def sample_probs(logits, temperature, top_k, top_p, min_p):
+    """The backend's kernel (native.sample_probs: rows in parallel, no sort of the vocabulary) where it takes the
+    logits, else the reference."""
+    if native.samples(logits):
+        return native.sample_probs(logits, temperature, top_k, top_p, min_p)
+    return reference.sample_probs(logits, temperature, top_k, top_p, min_p)
+
+
+def draw(probs, u):
+    """The backend's kernel (native.draw: rows in parallel, block by block) where it takes the rows, else the
+    reference."""
+    if native.samples(probs):
+        return native.draw(probs, u)
+    return reference.draw(probs, u)
+
+
 def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
     """Eagerly, the backend's one-pass kernel (native.rope_write_kv: a few us a decode layer where torch's
     rope and two index_copy_ cost ~100 us); inside a compiled step torch's ops, which inductor fuses."""

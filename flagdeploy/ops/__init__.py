@@ -26,6 +26,8 @@ add_rms_norm = dispatch("add_rms_norm")
 rope = dispatch("rope")
 swiglu = dispatch("swiglu")
 argmax = dispatch("argmax")
+sample_probs = dispatch("sample_probs")
+draw = dispatch("draw")
 attention_prefill = dispatch("attention_prefill")
 paged_attention_decode = dispatch("paged_attention_decode")
 write_kv_cache = dispatch("write_kv_cache")
@@ -34,6 +36,6 @@ rope_write_kv = dispatch("rope_write_kv")
 __all__ = [
     "OPS", "Backend", "OpSpec", "Tolerance", "active_backend", "backends", "detect_backend", "get_backend", "require_device",
     "use_backend", "prepare_weight", "prefill_step", "in_prefill_step", "verify_step", "in_verify_step", "tracing", "a16_dtype", "rope_tables", "Fp8BlockWeight", "Int4Weight", "Int8Weight", "W8A8Weight", "linear", "linear_all_reduce", "all_reduce",
-    "linear_w4a16", "linear_w8a16", "linear_w8a8_dynamic", "linear_fp8_block", "embedding", "rms_norm", "add_rms_norm", "rope", "swiglu", "argmax",
+    "linear_w4a16", "linear_w8a16", "linear_w8a8_dynamic", "linear_fp8_block", "embedding", "rms_norm", "add_rms_norm", "rope", "swiglu", "argmax", "sample_probs", "draw",
     "attention_prefill", "paged_attention_decode", "write_kv_cache", "rope_write_kv",
 ]

@@ -185,6 +185,47 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     first NaN where it has one), as torch's max(-1).indices."""
     return logits.max(-1).indices
 
+
+def sample_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """A sampled request's next-token distribution, row by row: logits [R, V] and each row's settings [R]
+    (temperature > 0; top_k 0, top_p 1 and min_p 0 are off) -> probabilities [R, V], float32 (float64 for
+    float64 logits). Temperature first, then min_p (relative to the likeliest token, after temperature: vLLM's
+    order), then top_k (ties with the k-th value stay), then top_p over what is left (in descending order, ties
+    by index; the token that crosses top_p stays), renormalised. A row with nothing to draw from (NaN logits,
+    every token masked) comes back NaN."""
+    dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    rows = logits.to(dt) / temperature.to(dt)[:, None]
+    top = rows.max(-1, keepdim=True).values
+    floor = torch.where(min_p[:, None] > 0, top + min_p.to(dt).clamp_min(1e-30).log()[:, None], float("-inf"))
+    rows = rows.masked_fill(rows < floor, float("-inf"))
+    k = top_k.clamp(0, rows.shape[-1])
+    if k.numel() and int(k.max()) > 0:
+        kth = rows.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).clamp_min(0)[:, None])
+        rows = rows.masked_fill((rows < kth) & (k[:, None] > 0), float("-inf"))
+    probs = rows.softmax(-1)
+    if bool((top_p < 1).any()):
+        sorted_p, idx = probs.sort(dim=-1, descending=True, stable=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p < top_p.to(dt)[:, None]) | (top_p[:, None] >= 1)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(~keep, 0.0))
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens drawn by the inverse of each row's cumulative distribution: probs [R, V] (non-negative, any
+    scale) and one uniform [R] (float64, in [0, 1)) a row -> [R] int64, the first index whose running sum (in
+    float64, index order) passes u times the row's total; -1 where a row has nothing to draw from (a non-finite
+    entry, or all zero)."""
+    p = probs.double()
+    sums = p.cumsum(-1)
+    total = sums[:, -1]
+    at = torch.searchsorted(sums, (u.to(p) * total)[:, None], right=True).clamp(max=p.shape[-1] - 1)
+    # u * total rounded up to the total lands past the end: the row's last token that can be drawn
+    index = torch.arange(p.shape[-1], device=p.device).expand_as(p)
+    last = torch.where(p > 0, index, -1).cummax(-1).values.gather(-1, at)[:, 0]
+    ok = torch.isfinite(p).all(-1) & (total > 0)
+    return torch.where(ok, last, -1)
+
 # ---- attention --------------------------------------------------------------------------------------
 
 
@@ -347,7 +388,30 @@ def _argmax_inputs(dtype, device, g):
     return (x,), {}
 
 
+def _sample_probs_inputs(dtype, device, g):
+    logits = _randn(g, 6, 1000, dtype=dtype, device=device, scale=3.0)
+    logits[5, 10] = logits[5, 20] = logits[5].max() + 1  # tied likeliest tokens under top_k 1
+    settings = [  # temperature, top_k, top_p, min_p
+        (1.0, 0, 1.0, 0.0), (0.7, 40, 1.0, 0.0), (1.3, 0, 0.9, 0.0), (0.5, 5, 0.8, 0.05), (1.0, 1000, 0.5, 0.0),
+        (1.0, 1, 1.0, 0.1)]
+    t, k, p, m = zip(*settings)
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
+    return (logits, f32(t), torch.tensor(k, device=device), f32(p), f32(m)), {}
+
+
+def _draw_inputs(dtype, device, g):
+    probs = torch.rand(5, 1000, generator=g, dtype=torch.float64)
+    probs[1, :500] = 0  # zeros are never drawn
+    probs[2] = 0
+    probs[2, 777] = 0.25  # one token, any scale
+    probs[3, 999] = 0  # u near 1: the last token that can be drawn
+    u = torch.tensor([0.0, 0.3, 0.5, 1 - 2 ** -40, 0.71], dtype=torch.float64, device=device)
+    return (probs.to(dtype=dtype, device=device), u), {}
+
+
 _EXACT = {dtype: Tolerance(atol=0.5, rtol=0.0) for dtype in _TOL}  # indices: any difference is a whole one
+# probabilities computed in float32 from the same logits (bf16 logits are exact in float32 and float64)
+_PROBS = {dtype: Tolerance(atol=1e-6, rtol=1e-4) for dtype in _TOL}
 
 
 def _prefill_inputs(dtype, device, g):
@@ -393,6 +457,8 @@ for _spec in (
     OpSpec("rope", rope, _TOL, _rope_inputs, rope.__doc__),
     OpSpec("swiglu", swiglu, _TOL, _swiglu_inputs, swiglu.__doc__),
     OpSpec("argmax", argmax, _EXACT, _argmax_inputs, argmax.__doc__),
+    OpSpec("sample_probs", sample_probs, _PROBS, _sample_probs_inputs, sample_probs.__doc__),
+    OpSpec("draw", draw, _EXACT, _draw_inputs, draw.__doc__),
     OpSpec("attention_prefill", attention_prefill, _TOL, _prefill_inputs, attention_prefill.__doc__),
     OpSpec("paged_attention_decode", paged_attention_decode, _TOL, _decode_inputs, paged_attention_decode.__doc__),
     OpSpec("write_kv_cache", write_kv_cache, _TOL, _write_kv_inputs, write_kv_cache.__doc__, writes=(2, 3)),
