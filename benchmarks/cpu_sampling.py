@@ -25,7 +25,7 @@ from cpu_vs_llama_server import cpu_name
 from flagdeploy import ops
 from flagdeploy.backends.cpu import native
 from flagdeploy.engine import EngineConfig, SamplingParams
-from flagdeploy.engine.sampler import _settings
+from flagdeploy.engine.sampler import row_settings
 from flagdeploy.ops import reference
 
 VOCAB = 49152
@@ -54,7 +54,7 @@ def ops_table(rounds: int) -> None:
     print(f"{'settings':34} {'rows':>4} {'kernel ms':>10} {'reference ms':>13} {'ratio':>7}")
     for name, params in SETTINGS.items():
         for rows in (1, 16):
-            x, s = logits[:rows], _settings([params] * rows, torch.device("cpu"))
+            x, s = logits[:rows], row_settings([params] * rows, torch.device("cpu"))
             u = torch.rand(rows, generator=g, dtype=torch.float64)
             kernel = lambda: ops.draw(ops.sample_probs(x, *s), u)  # noqa: E731 (the cpu backend's)
             ref = lambda: reference.draw(reference.sample_probs(x, *s), u)  # noqa: E731

@@ -195,7 +195,7 @@ def test_cpu_sampling_kernels_keep_and_draw_what_the_reference_does(dtype):
     before the float64 one of the kernel does. Rows with different settings in one call are each what they are
     alone, and the kernel draws the reference's tokens at the same uniforms."""
     from flagdeploy.backends.cpu import native
-    from flagdeploy.engine.sampler import _settings
+    from flagdeploy.engine.sampler import row_settings
     from flagdeploy.ops import reference
 
     if not native.available():
@@ -211,7 +211,7 @@ def test_cpu_sampling_kernels_keep_and_draw_what_the_reference_does(dtype):
              SamplingParams(temperature=0.6, min_p=0.01, top_k=500, top_p=0.95))
     u = torch.rand(3, generator=g, dtype=torch.float64)
     for params in every:
-        settings = _settings([params] * 3, torch.device("cpu"))
+        settings = row_settings([params] * 3, torch.device("cpu"))
         got, want = native.sample_probs(logits, *settings), reference.sample_probs(logits, *settings)
         differ = (got > 0) != (want > 0)
         assert float(got[differ].sum() + want[differ].sum()) < 1e-5, params
@@ -220,12 +220,12 @@ def test_cpu_sampling_kernels_keep_and_draw_what_the_reference_does(dtype):
             assert torch.equal(native.draw(got, u), reference.draw(want, u)), params
     mixed = [every[i % len(every)] for i in range(7)]  # one call, a different request a row
     rows = logits[torch.arange(7) % 3]
-    alone = torch.cat([native.sample_probs(rows[i : i + 1], *_settings([p], torch.device("cpu")))
+    alone = torch.cat([native.sample_probs(rows[i : i + 1], *row_settings([p], torch.device("cpu")))
                        for i, p in enumerate(mixed)])
-    assert torch.equal(native.sample_probs(rows, *_settings(mixed, torch.device("cpu"))), alone)
+    assert torch.equal(native.sample_probs(rows, *row_settings(mixed, torch.device("cpu"))), alone)
     bad = torch.full((2, 10), float("nan"))
     bad[1] = float("-inf")  # every token masked: nothing to draw from either
-    probs = native.sample_probs(bad, *_settings([SamplingParams(temperature=1.0)] * 2, torch.device("cpu")))
+    probs = native.sample_probs(bad, *row_settings([SamplingParams(temperature=1.0)] * 2, torch.device("cpu")))
     assert probs.isnan().all() and native.draw(probs, u[:2]).tolist() == [-1, -1]
 
 

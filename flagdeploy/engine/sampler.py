@@ -25,10 +25,10 @@ def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     top_p over what is left (the token that crosses top_p stays): the op `sample_probs` (its reference says
     exactly; the CPU backend's kernel selects without sorting the vocabulary). Row-wise only: a row's result
     does not depend on the other rows. A row masked to nothing comes back NaN (`draw` refuses it)."""
-    return ops.sample_probs(logits, *_settings([params] * logits.shape[0], logits.device)).float().cpu()
+    return ops.sample_probs(logits, *row_settings([params] * logits.shape[0], logits.device)).float().cpu()
 
 
-def _settings(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
+def row_settings(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
     """The rows' temperature, top_k, top_p and min_p as the op `sample_probs` takes them, one entry a row."""
     f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
     return (f32([p.temperature for p in params]), torch.tensor([p.top_k for p in params], device=device),
@@ -88,7 +88,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], skip: frozenset[int] | se
     out = ops.argmax(logits).tolist()
     rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy and i not in skip]
     if rows:
-        probs = ops.sample_probs(take_rows(logits, rows), *_settings([seqs[i].params for i in rows], logits.device))
+        probs = ops.sample_probs(take_rows(logits, rows), *row_settings([seqs[i].params for i in rows], logits.device))
         u = torch.tensor([_uniform(seqs[i].generator) for i in rows], dtype=torch.float64, device=probs.device)
         for i, token in zip(rows, ops.draw(probs, u).tolist()):
             if token >= 0:  # nothing to draw from (a row masked to nothing): keep the argmax, fail no one

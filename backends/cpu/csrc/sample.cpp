@@ -107,7 +107,8 @@ void keep_top_p(float* p, int64_t n, float top_p, Scratch& s) {
     const int64_t k = std::min(likeliest, n);
     const float bound = floor_of_top(p, n, k, s.values);
     select_at_least(p, n, bound, true, s.order);
-    std::sort(s.order.begin(), s.order.end(), [p](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    std::sort(s.order.begin(), s.order.end(),
+              [p](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
     size_t kept = 0;
     double before = 0;
     for (; kept < s.order.size() && before < top_p; ++kept) before += p[s.order[kept]];
@@ -122,7 +123,8 @@ void keep_top_p(float* p, int64_t n, float top_p, Scratch& s) {
 }
 
 template <typename T>
-void probs_row(const T* x, int64_t n, float temperature, int64_t top_k, float top_p, float min_p, float* p, Scratch& s) {
+void probs_row(const T* x, int64_t n, float temperature, int64_t top_k, float top_p, float min_p, float* p,
+               Scratch& s) {
   int nan = 0;
 #pragma omp simd reduction(| : nan)
   for (int64_t i = 0; i < n; ++i) {
@@ -200,7 +202,8 @@ namespace FLAGDEPLOY_OPS_NS {
 
 at::Tensor sample_probs(const at::Tensor& logits_in, const at::Tensor& temperature, const at::Tensor& top_k,
                         const at::Tensor& top_p, const at::Tensor& min_p) {
-  TORCH_CHECK(logits_in.dim() == 2 && (logits_in.scalar_type() == at::kFloat || logits_in.scalar_type() == at::kBFloat16),
+  const at::ScalarType dtype = logits_in.scalar_type();
+  TORCH_CHECK(logits_in.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16),
               "sample_probs: logits [R, V] float32 or bfloat16");
   const at::Tensor logits = logits_in.contiguous();
   const int64_t rows = logits.size(0), n = logits.size(1);
