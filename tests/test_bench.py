@@ -471,8 +471,8 @@ def test_bench_ab(live: LiveServer, ngram: LiveServer, tmp_path) -> None:
         a, b, r = rows[label]
         # the ratio is of the unrounded figures: B/A of the printed ones within their rounding (half their last
         # digit; a TPOT of ~2 ms printed as 2.2 is 2% off by itself)
-        lo, hi = _printed_range(a), _printed_range(b)
-        assert hi[0] / lo[1] - 0.0005 <= float(r.removesuffix("x")) <= hi[1] / lo[0] + 0.0005, label
+        ra, rb = _printed_range(a), _printed_range(b)
+        assert rb[0] / ra[1] - 0.0005 <= float(r.removesuffix("x")) <= rb[1] / ra[0] + 0.0005, label
     doc = json.loads(out.read_text())
     assert [f.name for f in out.parent.iterdir()] == ["ab.json"]  # renamed into place, no temp left
     (sa,), (sb,) = doc["a"]["summary"], doc["b"]["summary"]

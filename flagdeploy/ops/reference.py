@@ -226,6 +226,7 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     ok = torch.isfinite(p).all(-1) & (total > 0)
     return torch.where(ok, last, -1)
 
+
 # ---- attention --------------------------------------------------------------------------------------
 
 
