@@ -27,10 +27,11 @@ inline float fixed_dot(const A* a, const B* b, int64_t n) {
   return part[0];
 }
 
-// sum_i a[i] in float32 in fixed_dot's order (element i into lane i % kLanes, then folds by halves): the same
-// bits on any build, and 16 independent adds where one running sum was a chain of dependent ones
-inline float fixed_sum(const float* a, int64_t n) {
-  float part[kLanes] = {};
+// sum_i a[i] in float32 (or the wider Acc) in fixed_dot's order (element i into lane i % kLanes, then folds by
+// halves): the same bits on any build, and 16 independent adds where one running sum was a chain of dependent ones
+template <typename Acc = float>
+inline Acc fixed_sum(const float* a, int64_t n) {
+  Acc part[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
 #pragma omp simd

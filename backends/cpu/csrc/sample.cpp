@@ -151,21 +151,6 @@ void probs_row(const T* x, int64_t n, float temperature, int64_t top_k, float to
   for (int64_t i = 0; i < n; ++i) p[i] /= norm;
 }
 
-// float32 entries x[0, n) summed in float64, in a fixed order (lanes, then folded by halves)
-double sum64(const float* x, int64_t n) {
-  constexpr int kWide = 8;
-  double part[kWide] = {};
-  int64_t i = 0;
-  for (; i + kWide <= n; i += kWide) {
-#pragma omp simd
-    for (int j = 0; j < kWide; ++j) part[j] += x[i + j];
-  }
-  for (int j = 0; i < n; ++i, ++j) part[j] += x[i];
-  for (int width = kWide / 2; width > 0; width /= 2)
-    for (int j = 0; j < width; ++j) part[j] += part[j + width];
-  return part[0];
-}
-
 // The token at uniform u of p's cumulative distribution in index order: the first entry whose running sum
 // (float64) passes u times the total, found block by block (the blocks' sums, then within the block).
 int64_t draw_row(const float* p, int64_t n, double u, std::vector<double>& blocks) {
@@ -173,7 +158,7 @@ int64_t draw_row(const float* p, int64_t n, double u, std::vector<double>& block
   blocks.resize(nb);
   double total = 0;
   for (int64_t b = 0; b < nb; ++b) {
-    blocks[b] = sum64(p + b * kDrawBlock, std::min(kDrawBlock, n - b * kDrawBlock));
+    blocks[b] = fixed_sum<double>(p + b * kDrawBlock, std::min(kDrawBlock, n - b * kDrawBlock));
     total += blocks[b];
   }
   if (!std::isfinite(total) || !(total > 0)) return -1;  // NaN (nothing to draw from), or all zero
