@@ -550,7 +550,7 @@ def test_cpu_kernels_isa_is_the_cpus_best_unless_forced(monkeypatch):
     """The kernels are built for the best instruction set the CPU has (AVX-512, AVX-VNNI, AVX2);
     FLAGDEPLOY_CPU_ISA=avx2 builds the AVX2 ones on an AVX-512 CPU (their own cache file) and tunes that machine
     as an AVX2 one; asking for what the CPU lacks, or for a name that is none, leaves torch's kernels with a
-    reason that says what to set."""
+    reason that says what to set (the portable kernels are then built alone: see test_rejection_sampling.py)."""
     from flagdeploy.backends.cpu import native
     from flagdeploy.backends.cpu import ops as cpu_ops
 
@@ -567,7 +567,9 @@ def test_cpu_kernels_isa_is_the_cpus_best_unless_forced(monkeypatch):
     assert native.isa_class() == "AVX2 (FLAGDEPLOY_CPU_ISA=avx2 on an AVX-512 CPU)"
     assert cpu_ops.tune_table(native.cpu_flags())["weight_only_dense"]["dtype"] == "float32"  # tuned as AVX2
     monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "avx3")
-    assert "FLAGDEPLOY_CPU_ISA=avx3 is not one of avx512, avxvnni, avx2" in native.unsupported()
+    assert "FLAGDEPLOY_CPU_ISA=avx3 is not one of avx512, avxvnni, avx2, portable" in native.unsupported()
+    monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "portable")  # the plain C++ kernels alone, as another CPU builds them
+    assert "portable kernels alone" in native.unsupported() and native.cpu_flags() == avx512
     monkeypatch.setattr(native, "_proc_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "avx512")
     assert "lacks avx512f, avx512bw, avx512vl, avx512_vnni" in native.unsupported()

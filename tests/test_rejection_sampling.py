@@ -6,6 +6,7 @@ accepts drafts, is reproducible with a seed, and equals its unspeculated output 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -185,21 +186,37 @@ def test_logprobs_requests_still_do_not_speculate(spec_engine):
     assert sum(len(o.logprobs) for o in outs) == sum(len(o.token_ids) for o in outs) == 6
 
 
+@pytest.fixture(scope="module")
+def sampling_kernels(request, tmp_path_factory):
+    """The op namespace of the sampling kernels of `request.param`: "backend", the cpu backend's library as this
+    machine builds it; "portable", the plain C++ kernels alone (native.PORTABLE) as a CPU without the others (an
+    ARM server, x86 without AVX2) builds them, here under their own namespace."""
+    import shutil
+
+    from flagdeploy.backends.cpu import native
+
+    if request.param == "backend":
+        if not native.available():
+            pytest.skip("the cpu backend's kernels are not built on this machine")
+        return torch.ops.flagdeploy_cpu
+    if shutil.which(native._cxx()) is None:
+        pytest.skip("no C++ compiler here")
+    return native.build_beside("portable", tmp_path_factory.mktemp("portable"))
+
+
+@pytest.mark.parametrize("sampling_kernels", ["backend", "portable"], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_cpu_sampling_kernels_keep_and_draw_what_the_reference_does(dtype):
+def test_cpu_sampling_kernels_keep_and_draw_what_the_reference_does(sampling_kernels, dtype):
     """The CPU backend computes `sample_probs` and `draw` in its kernels (csrc/sample.cpp: top_k and top_p
     select among the entries above a bound, no vocabulary sort; rows in parallel); other devices run the torch
     reference. Over a real vocabulary's width, with ties, masked rows and every mask alone and together, both
     keep the same tokens with the same probabilities, float rounding apart: where top_p ends deep in the tail
     (0.999 here, ~20k tokens kept) the float32 running sum of the reference crosses it some tokens of ~1e-7 each
     before the float64 one of the kernel does. Rows with different settings in one call are each what they are
-    alone, and the kernel draws the reference's tokens at the same uniforms."""
-    from flagdeploy.backends.cpu import native
+    alone, and the kernel draws the reference's tokens at the same uniforms. The portable build does the same."""
     from flagdeploy.engine.sampler import row_settings
     from flagdeploy.ops import reference
 
-    if not native.available():
-        pytest.skip("the cpu backend's kernels are not built on this machine")
     g = torch.Generator().manual_seed(5)
     logits = (torch.randn(3, 49152, generator=g) * 4).to(dtype)
     logits[1, 100:140] = logits[1].max()  # 40 tied likeliest tokens: top_k and top_p break ties as torch does
@@ -210,23 +227,53 @@ def test_cpu_sampling_kernels_keep_and_draw_what_the_reference_does(dtype):
              SamplingParams(temperature=0.8, top_k=20, top_p=0.5), SamplingParams(temperature=1.0, min_p=0.05),
              SamplingParams(temperature=0.6, min_p=0.01, top_k=500, top_p=0.95))
     u = torch.rand(3, generator=g, dtype=torch.float64)
+    assert torch.equal(sampling_kernels.argmax_rows(logits), logits.float().argmax(1))  # (the first of ties)
     for params in every:
         settings = row_settings([params] * 3, torch.device("cpu"))
-        got, want = native.sample_probs(logits, *settings), reference.sample_probs(logits, *settings)
+        got, want = sampling_kernels.sample_probs(logits, *settings), reference.sample_probs(logits, *settings)
         differ = (got > 0) != (want > 0)
         assert float(got[differ].sum() + want[differ].sum()) < 1e-5, params
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
         if params.top_p != 0.999:  # (there the kept sets differ by the tail's tokens above)
-            assert torch.equal(native.draw(got, u), reference.draw(want, u)), params
+            assert torch.equal(sampling_kernels.draw(got, u), reference.draw(want, u)), params
     mixed = [every[i % len(every)] for i in range(7)]  # one call, a different request a row
     rows = logits[torch.arange(7) % 3]
-    alone = torch.cat([native.sample_probs(rows[i : i + 1], *row_settings([p], torch.device("cpu")))
+    alone = torch.cat([sampling_kernels.sample_probs(rows[i : i + 1], *row_settings([p], torch.device("cpu")))
                        for i, p in enumerate(mixed)])
-    assert torch.equal(native.sample_probs(rows, *row_settings(mixed, torch.device("cpu"))), alone)
+    assert torch.equal(sampling_kernels.sample_probs(rows, *row_settings(mixed, torch.device("cpu"))), alone)
     bad = torch.full((2, 10), float("nan"))
     bad[1] = float("-inf")  # every token masked: nothing to draw from either
-    probs = native.sample_probs(bad, *row_settings([SamplingParams(temperature=1.0)] * 2, torch.device("cpu")))
-    assert probs.isnan().all() and native.draw(probs, u[:2]).tolist() == [-1, -1]
+    once = row_settings([SamplingParams(temperature=1.0)] * 2, torch.device("cpu"))
+    probs = sampling_kernels.sample_probs(bad, *once)
+    assert probs.isnan().all() and sampling_kernels.draw(probs, u[:2]).tolist() == [-1, -1]
+
+
+def test_a_cpu_without_the_x86_kernels_still_samples_and_argmaxes_in_kernels(tmp_path):
+    """Where the cpu backend's kernels cannot run (another CPU than x86 with AVX2, here forced by
+    FLAGDEPLOY_CPU_ISA=portable), the plain C++ ones (argmax, sampling) are built alone and the backend's ops
+    use them; the rest stays on torch's kernels."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler here")
+    check = """
+import torch
+from flagdeploy.backends.cpu import native, ops
+from flagdeploy.engine import SamplingParams
+from flagdeploy.engine.sampler import row_settings
+assert not native.available() and native.portable(), (native.available(), native.portable())
+logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(0))
+assert native.samples(logits) and not native.attends(torch.zeros(1, 16, 1, 64))
+settings = row_settings([SamplingParams(temperature=0.7, top_p=0.9)] * 4, torch.device("cpu"))
+assert torch.equal(ops.sample_probs(logits, *settings), torch.ops.flagdeploy_cpu.sample_probs(logits, *settings))
+assert torch.equal(ops.argmax(logits), logits.argmax(1))
+"""
+    env = {**os.environ, "FLAGDEPLOY_CPU_ISA": "portable", "FLAGDEPLOY_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.name.split("-")[1] for p in (tmp_path / "kernels").glob("*.so")] == ["portable"]
 
 
 def test_draw_follows_the_distribution_and_its_generator():

@@ -29,7 +29,9 @@ cores, a compiler per source at once, like inductor's own kernels under `serve -
 torch library, so that compiled graphs call them without Python. They are built for the best instruction set
 the CPU has (ISAS), or the one FLAGDEPLOY_CPU_ISA names (avx512, avxvnni, avx2): all compute the same bits. Where they
 cannot be used (another CPU, no compiler, FLAGDEPLOY_NATIVE_KERNELS=0) the callers keep torch's kernels:
-`available()` says which, and the log says why.
+`available()` says which, and the log says why. The kernels in plain C++ (PORTABLE: the argmax and sampling
+kernels) are built on their own on any other CPU with a compiler (an ARM server, x86 without AVX2; on x86
+FLAGDEPLOY_CPU_ISA=portable builds only them): `portable()` says whether those are loaded.
 """
 
 from __future__ import annotations
@@ -52,7 +54,11 @@ from flagdeploy.ops.weights import Int4Weight, Int8Weight
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = sorted(CSRC.glob("*.cpp"))  # compiled into one library
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))  # compiled into one library
+# The kernels written in plain C++ (no intrinsics: auto-vectorised for the CPU at hand), which also make a library
+# of their own on CPUs the others cannot run on: without them a sampled row goes through the torch reference,
+# whose top_p sorts the vocabulary (~4.6 ms a row of 49k, against ~0.1 ms here).
+PORTABLE = tuple(CSRC / name for name in ("argmax.cpp", "sample.cpp", "thread_pool.cpp"))
 TILE = 16  # output rows per vpdpbusd: the kernel's N must be a multiple
 GROUP = 32  # the activations' and the weights' block along K
 
@@ -89,7 +95,10 @@ ISA_CLASSES = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx_vnni", "AVX2+V
 # -fno-trapping-math lets GCC if-convert the clamp of exp_nonpositive.h for AVX2 (AVX-512 masks it anyway), so
 # that softmax's and SwiGLU's exp run 8 values at a time there, not one: it changes no value, only what may
 # raise floating-point exception flags, which nothing here reads
-CXX_FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-std=c++20", "-w")
+CXX_FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fPIC", "-std=c++20", "-w")
+# The kernels use OpenMP's simd loops only (their threads are thread_pool.h's): the portable build asks for just
+# those, so it links no OpenMP runtime
+OPENMP, OPENMP_SIMD = ("-fopenmp",), ("-fopenmp-simd",)
 
 
 def _cxx() -> str:
@@ -132,9 +141,9 @@ def isa_class() -> str:
     return real if seen == real else f"{seen} (FLAGDEPLOY_CPU_ISA={isa()} on an {real} CPU)"
 
 
-def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
-    """g++ on csrc/*.cpp against this torch, into `out` by way of a temporary file: one compiler a source, as
-    many at once as there are cores (one g++ over all of them took ~85 s on two cores), then one link."""
+def _compile(out: Path, extra_flags: tuple[str, ...] = (), sources: tuple[Path, ...] = SOURCES) -> None:
+    """g++ on `sources` (of csrc/) against this torch, into `out` by way of a temporary file: one compiler a source,
+    as many at once as there are cores (one g++ over all of them took ~85 s on two cores), then one link."""
     from concurrent.futures import ThreadPoolExecutor
 
     from torch.utils.cpp_extension import include_paths
@@ -150,12 +159,12 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
             if done.returncode:
                 raise RuntimeError(f"{cxx} exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
 
-        objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
+        objects = [Path(tmp) / f"{src.stem}.o" for src in sources]
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            list(pool.map(run, ([cxx, *flags, "-c", str(src), "-o", str(o)] for src, o in zip(SOURCES, objects))))
+            list(pool.map(run, ([cxx, *flags, "-c", str(src), "-o", str(o)] for src, o in zip(sources, objects))))
         so = Path(tmp) / out.name
-        run([cxx, "-shared", "-fopenmp", *map(str, objects), "-o", str(so), f"-L{lib}", "-ltorch", "-ltorch_cpu",
-             "-lc10", f"-Wl,-rpath,{lib}"])
+        run([cxx, "-shared", *(f for f in extra_flags if f in OPENMP), *map(str, objects), "-o", str(so), f"-L{lib}",
+             "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"])
         so.replace(out)
 
 
@@ -164,9 +173,11 @@ def unsupported() -> str | None:
     the flags of the ISA they are built for (isa())."""
     if os.environ.get("FLAGDEPLOY_NATIVE_KERNELS", "1") == "0":
         return "switched off by FLAGDEPLOY_NATIVE_KERNELS=0"
+    if isa() == "portable":
+        return "FLAGDEPLOY_CPU_ISA=portable asks for the portable kernels alone"
     if isa() not in ISAS:
-        return (f"FLAGDEPLOY_CPU_ISA={isa()} is not one of {', '.join(ISAS)}: set one of those, or unset it for "
-                "this CPU's best")
+        return (f"FLAGDEPLOY_CPU_ISA={isa()} is not one of {', '.join(ISAS)}, portable: set one of those, or unset it "
+                "for this CPU's best")
     missing = [f for f in ISAS[isa()].cpu_flags if f not in _proc_flags()]
     if platform.machine() not in ("x86_64", "AMD64") or missing:
         forced = " (FLAGDEPLOY_CPU_ISA)" if os.environ.get("FLAGDEPLOY_CPU_ISA") else ""
@@ -174,15 +185,54 @@ def unsupported() -> str | None:
     return None
 
 
+def _build(name: str) -> tuple[tuple[Path, ...], tuple[str, ...]]:
+    """(sources, compiler flags) of the library built for `name`: an ISA of ISAS, or "portable"."""
+    return (PORTABLE, OPENMP_SIMD) if name == "portable" else (SOURCES, (*OPENMP, *ISAS[name].compiler_flags()))
+
+
 def build_beside(name: str, directory: Path):
-    """The kernels built for ISA `name` under their own op namespace (`torch.ops.flagdeploy_cpu_<name>`) and loaded
-    beside this process's: how a test or benchmark on a larger CPU runs a smaller class's kernels (avx2 on an
-    AVX-512 CPU) in the same process. Built into `directory`, not the cache."""
+    """The kernels built for ISA `name` (or the portable ones alone, "portable") under their own op namespace
+    (`torch.ops.flagdeploy_cpu_<name>`) and loaded beside this process's: how a test or benchmark on a larger CPU
+    runs a smaller class's kernels (avx2 on an AVX-512 CPU) in the same process. Built into `directory`, not the
+    cache."""
     ns = f"flagdeploy_cpu_{name}"
     so = directory / f"{ns}.so"
-    _compile(so, (*ISAS[name].compiler_flags(), f"-DFLAGDEPLOY_OPS_NS={ns}"))
+    sources, flags = _build(name)
+    _compile(so, (*flags, f"-DFLAGDEPLOY_OPS_NS={ns}"), sources)
     torch.ops.load_library(str(so))
     return getattr(torch.ops, ns)
+
+
+def _load(name: str) -> bool:
+    """Load the library built for `name` (see _build) from the cache, building it first where it is not there."""
+    from flagdeploy.checkpoints.source import cache_dir
+
+    sources, flags = _build(name)
+    code = b"".join(p.read_bytes() for p in sorted({*sources, *CSRC.glob("*.h")}))  # the sources and the headers
+    key = hashlib.sha256(code + torch.__version__.encode() + platform.machine().encode() + name.encode()
+                         + " ".join(sorted(cpu_flags())).encode() + " ".join((*CXX_FLAGS, *flags)).encode())
+    so = cache_dir() / "kernels" / f"flagdeploy_cpu-{name}-{key.hexdigest()[:16]}.so"
+    if not so.exists():
+        log.warning("cpu backend: building its C++ kernels for %s (once per machine, ~%d s on two cores) into %s",
+                    name, 10 if name == "portable" else 40, so)
+        try:
+            _compile(so, flags, sources)
+        except (OSError, RuntimeError) as e:
+            log.warning("cpu backend: building csrc/ failed, keeping torch's kernels: %s", e)
+            return False
+    torch.ops.load_library(str(so))
+    return True
+
+
+@functools.cache
+def _compiler() -> bool:
+    """Whether the C++ compiler is there (a warning once where it is not)."""
+    if shutil.which(_cxx()) is None:
+        log.warning("cpu backend: no C++ compiler (%s) to build its kernels, so 4-bit models decode ~1.7x slower "
+                    "on torch's int4 kernel (and quantize converts slower). Install g++ (or set CXX) to get them.",
+                    _cxx())
+        return False
+    return True
 
 
 @functools.cache
@@ -190,34 +240,34 @@ def available() -> bool:
     """Whether the kernels are loaded, building them first if this machine has not yet."""
     reason = unsupported()
     if reason:  # a warning where FLAGDEPLOY_CPU_ISA asked for what cannot be had
-        log.log(logging.WARNING if os.environ.get("FLAGDEPLOY_CPU_ISA") else logging.INFO,
+        forced = os.environ.get("FLAGDEPLOY_CPU_ISA") and isa() != "portable"
+        log.log(logging.WARNING if forced else logging.INFO,
                 "cpu backend: torch's kernels only, not its own (csrc/): %s", reason)
         return False
-    if shutil.which(_cxx()) is None:
-        log.warning("cpu backend: no C++ compiler (%s) to build its kernels, so 4-bit models decode ~1.7x slower "
-                    "on torch's int4 kernel (and quantize converts slower). Install g++ (or set CXX) to get them.",
-                    _cxx())
+    if not _compiler() or not _load(isa()):
         return False
-    from flagdeploy.checkpoints.source import cache_dir
-
-    code = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))  # the .cpp sources and their headers
-    key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode() + isa().encode()
-                         + " ".join((*CXX_FLAGS, *ISAS[isa()].compiler_flags())).encode())
-    so = cache_dir() / "kernels" / f"flagdeploy_cpu-{isa()}-{key.hexdigest()[:16]}.so"
-    if not so.exists():
-        log.warning("cpu backend: building its C++ kernels for %s (once per machine, ~40 s on two cores) into %s",
-                    isa(), so)
-        try:
-            _compile(so, ISAS[isa()].compiler_flags())
-        except (OSError, RuntimeError) as e:
-            log.warning("cpu backend: building csrc/ failed, keeping torch's kernels: %s", e)
-            return False
-    torch.ops.load_library(str(so))
     torch.library.register_fake("flagdeploy_cpu::q4_linear")(_q4_linear_fake)
     torch.library.register_fake("flagdeploy_cpu::q8_linear")(_q8_linear_fake)
     torch.library.register_fake("flagdeploy_cpu::paged_decode_attention")(lambda q, *_: torch.empty_like(q))
     torch.library.register_fake("flagdeploy_cpu::swiglu")(lambda x: x.new_empty(x.shape[0], x.shape[1] // 2))
     return True
+
+
+@functools.cache
+def portable() -> bool:
+    """Whether the portable kernels (PORTABLE: argmax and sampling) are loaded: in the whole library where that
+    builds, else on their own, wherever a compiler is (another CPU than x86 with AVX2)."""
+    if available():
+        return True
+    if os.environ.get("FLAGDEPLOY_NATIVE_KERNELS", "1") == "0" or not _compiler():
+        return False
+    # their exp (exp_nonpositive.h) is a chain of fused multiply-adds: without the instruction each is a libm
+    # call, and a temperature-only row took 0.7 ms where torch's reference takes 0.2 (x86-64-v2 build)
+    if platform.machine().lower() not in ("aarch64", "arm64") and "fma" not in _proc_flags():
+        log.info("cpu backend: torch's kernels only: this CPU has no fused multiply-add for the portable ones")
+        return False
+    log.info("cpu backend: its portable kernels (argmax, sampling) alone")
+    return _load("portable")
 
 
 def _q4_linear_fake(x, nib, dm):
@@ -324,7 +374,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def argmaxes(logits: torch.Tensor) -> bool:
     """Whether `argmax_rows` takes these: [R, V] float32 or bf16 logits on the CPU."""
     return logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu" and \
-        available()
+        portable()
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,6 @@
 #include "thread_pool.h"
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <pthread.h>
 
 #include <algorithm>
@@ -18,6 +17,16 @@
 #include <thread>
 
 namespace {
+
+// A spinning thread's pause: it yields the core's pipeline to a sibling thread (this file is also built for CPUs
+// other than x86, with the other portable kernels: native.py's PORTABLE)
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 constexpr int kMaxThreads = 64;
 // How long a worker spins for the next loop before it sleeps: a step's loops follow each other within a few
@@ -51,7 +60,7 @@ class Pool {
       ~Close() {
         pool->gen_.store(open + 1, std::memory_order_seq_cst);
         for (int spins = 0; pool->active_.load(std::memory_order_seq_cst) != 0; ++spins)
-          spins < 4096 ? _mm_pause() : std::this_thread::yield();
+          spins < 4096 ? relax() : std::this_thread::yield();
         pool->busy_.clear(std::memory_order_release);
       }
     } close{this, open};
@@ -96,7 +105,7 @@ class Pool {
       const uint32_t g = gen_.load(std::memory_order_acquire);
       if (g != seen && (g & 1)) return g;
       if (g != seen) seen = g;  // a loop opened and closed meanwhile: wait for the next
-      _mm_pause();
+      relax();
       if (spins % 64 == 63 && std::chrono::steady_clock::now() > until) break;
     }
     for (;;) {
