@@ -15,12 +15,13 @@ the packed kernels (`packed_max_m`) and its block tables short enough for the na
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from flagdeploy import parallel
 
-from . import native
+from . import native, weight_arena
 from .ops import TUNE
 
 log = logging.getLogger(__name__)
@@ -111,12 +112,22 @@ def build(model, kv_caches: list, block_size: int) -> LlamaStep | None:
     if reason:
         log.info("no C++ decode step for this model (%s): the eager or compiled step serves", reason)
         return None
+    if os.environ.get("FLAGDEPLOY_WEIGHT_ARENA", "1") != "0":
+        _into_one_arena(model)
     cfg, layer = model.cfg, model.layers[0]
     max_rows = min(_packed_rows(m) for x in model.layers for m in _linears(x))
     dims = [layer.heads, layer.kv_heads, cfg.head_dim, cfg.vocab_size]
     step = torch.classes.flagdeploy_cpu.LlamaStep(_tensors(model, kv_caches), dims, cfg.rms_norm_eps, layer.scale)
     return LlamaStep(step, model, max_rows, _packed_rows(model.lm_head),
                      TUNE["paged_attention_decode"]["native_max_keys"], block_size)
+
+
+def _into_one_arena(model) -> None:
+    """The packed weights moved into one mapping in the order the step reads them: each layer's linears, then the
+    head (weight_arena.py: the eager step reads the same copies)."""
+    lins = [m for layer in model.layers for m in _linears(layer)] + [model.lm_head]
+    weight_arena.move([(m.qweight.prepared, key) for m in lins
+                       for key in (("nib", "dm") if "nib" in m.qweight.prepared else ("w8", "d"))])
 
 
 def _packed_rows(lin) -> int:
