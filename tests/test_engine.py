@@ -181,3 +181,26 @@ def test_logit_bias_and_penalties_steer_greedy_decoding(llm_engine):
     with pytest.raises(ValueError, match="logit_bias takes token ids"):
         llm_engine.add_request("bias-oov", ids, SamplingParams(logit_bias={llm_engine.model.cfg.vocab_size: 1.0}))
     assert not llm_engine.has_work()
+
+
+def test_incremental_text_is_the_whole_decode_and_the_fast_decode_is_transformers(llm_engine):
+    """The detokenizer's deltas add up to the output's decode (multi-byte characters held back until whole), and
+    the tokenizer's decode, which goes straight to the `tokenizers` library where transformers adds nothing,
+    gives transformers' text: special tokens kept or skipped; a tokenizer that cleans up spaces keeps
+    transformers' decode."""
+    from flagdeploy.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    tok = llm_engine.tokenizer
+    ids = tok.encode("Déjà vu: 日本語 ☕, \"quotes\" and  spaces.") + [tok.hf.eos_token_id] + tok.encode(" end")
+    assert tok._rust_decode is not None  # the default model's fast BPE tokenizer
+    for skip in (True, False):
+        assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids]
+    assert "".join(deltas) == tok.hf.decode(ids, skip_special_tokens=True)
+    assert "\ufffd" not in "".join(deltas)
+    tok.hf.clean_up_tokenization_spaces = True
+    try:
+        assert Tokenizer(tok.hf)._rust_decode is None
+    finally:
+        tok.hf.clean_up_tokenization_spaces = False
