@@ -42,6 +42,9 @@
 
 namespace {
 
+// The weight's prefetches go to L2: L1's few miss buffers held back how far ahead a thread could ask
+constexpr auto kPrefetchHint = _MM_HINT_T1;
+
 // Activation rows taken in one pass over a tile: each weight chunk is unpacked once for all of them, so
 // the rows between 2 and kMaxRows cost the instructions of their dot products only, not the weight's bytes
 // again. Held by the registers: on AVX-512 a row's two int32 and one float sums for one tile (half as many
@@ -62,8 +65,10 @@ constexpr int64_t kPairRows = 12;
 // to read). The hardware prefetcher alone left the 1-row step's 120 linears at ~25 GB/s of the ~37 GB/s two
 // cores read here: measured on the 2-core AVX-512 EPYC, the whole decode step in-process, interleaved A/B,
 // a lone stream 151 -> 194 tok/s (with the int8 head's prefetch, q8_linear.cpp); 2 KiB and 8 KiB were
-// slower than 4 KiB. Bitwise the same (a prefetch changes no value).
-constexpr int64_t kPrefetchBytes = 4096;
+// slower than 4 KiB. Bitwise the same (a prefetch changes no value). Since the weights lie end to end on huge
+// pages (weight_arena.py), 8 KiB ahead into L2 (kPrefetchHint) beats 4 KiB into L1 in every build: the C++
+// 1-row step, interleaved, two runs, 3.67 / 3.75 -> 3.62 / 3.61 ms (AVX2 build 4.48 / 4.27 -> 4.19 / 4.05).
+constexpr int64_t kPrefetchBytes = 8192;
 
 // Tiles [t, t + T) of 16 output rows for activation rows [r0, r0 + R): each weight chunk is unpacked once
 // and used for R activation rows, and each broadcast activation for T tiles.
@@ -82,8 +87,8 @@ __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, con
       for (int r = 0; r < R; ++r) dot_hi[u][r] = dot_lo[u][r] = _mm512_setzero_si512();
     for (int u = 0; u < T; ++u) {
       const int64_t at = (t + u) * blocks + b;
-      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(nib + at * 256 + kPrefetchBytes + 64 * c), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(dm + at * 32 + kPrefetchBytes / 8), _MM_HINT_T0);  // dm: 64 bytes a 256
+      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(nib + at * 256 + kPrefetchBytes + 64 * c), kPrefetchHint);
+      _mm_prefetch(reinterpret_cast<const char*>(dm + at * 32 + kPrefetchBytes / 8), kPrefetchHint);  // dm: 64 bytes a 256
     }
     for (int c = 0; c < 4; ++c) {
       __m512i q0[T], q1[T];
@@ -132,10 +137,9 @@ constexpr int64_t kPairRows = 0;
 // widening multiplies a block instead of eight, the same exact int32 dot as the AVX-512 path. The first
 // half prefetches the weight stream ahead (the second reads the same lines from L1): measured on the
 // 2-core AVX2 EPYC, the default model's 120 4-bit linears of a decode token 5.7 -> 5.0 ms, bitwise equal.
-// 4 KiB ahead since the weights lie end to end on huge pages (weight_arena.py: no TLB miss a page), 1 KiB
-// before: the AVX2 build on the 2-core AVX-512 EPYC, the C++ 1-row step, interleaved, 1 / 2 / 4 KiB ahead
-// 4.29 / 4.08 / 4.22 ms and 4.39 / - / 4.24 ms; 2 rows 6.05 / 6.00 / 5.85 ms.
-constexpr int64_t kPrefetchBytes = 4096;
+// Since the weights lie end to end on huge pages (weight_arena.py), further ahead (1 KiB before): 8 KiB into
+// L2 as on AVX-512 (see there; 5 rows 10.29 -> 9.74 ms).
+constexpr int64_t kPrefetchBytes = 8192;
 
 #if defined(__AVXVNNI__)
 // AVX-VNNI (the avxvnni build): vpdpbusd on 8 lanes, as the AVX-512 path's on 16, sums each lane's 4 products
@@ -166,8 +170,8 @@ __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, con
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* w = nib + (t * blocks + b) * 256 + 32 * h;
       if (h == 0) {
-        for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64 * c), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(dm + (t * blocks + b) * 32 + kPrefetchBytes / 8), _MM_HINT_T0);
+        for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64 * c), kPrefetchHint);
+        _mm_prefetch(reinterpret_cast<const char*>(dm + (t * blocks + b) * 32 + kPrefetchBytes / 8), kPrefetchHint);
       }
       __m256i hi[R], lo[R];
       for (int r = 0; r < R; ++r) hi[r] = lo[r] = _mm256_setzero_si256();
