@@ -30,10 +30,13 @@ def test_move_lays_tensors_end_to_end_from_a_huge_page_boundary_and_releases_the
     for (h, k), want, ptr, nxt in zip(slots, before, ptrs, ptrs[1:] + [None]):
         got = h[k]
         assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous() and torch.equal(got, want)
-        assert ptr % 64 == 0
+        assert ptr % 64 == 0 and got.untyped_storage().nbytes() == got.numel() * got.element_size()  # its own
         if nxt is not None:
             assert nxt == ptr + -(-got.numel() * got.element_size() // 64) * 64  # the next one right after it
     weight_arena.move([])  # nothing to move: nothing mapped
+    empty = {"w": torch.empty(0, 576, dtype=torch.int8), "d": torch.ones(8)}
+    weight_arena.move([(empty, "w"), (empty, "d")])  # an empty tensor stays as it is
+    assert empty["w"].shape == (0, 576) and torch.equal(empty["d"], torch.ones(8))
 
 
 @pytest.mark.skipif(not native.available(), reason="the cpu backend's kernels are not built here")

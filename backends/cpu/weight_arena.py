@@ -44,11 +44,14 @@ def move(slots: list[tuple[dict, str]]) -> None:
             mm.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched: the faults then take 2 MiB pages
         except OSError as e:  # (a kernel without transparent huge pages)
             log.debug("weight arena: no huge pages: %s", e)
-    space = torch.frombuffer(mm, dtype=torch.uint8)
-    at = -space.data_ptr() % HUGE_PAGE
+    at = -torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
     for (holder, key), n in zip(slots, nbytes):
         t = holder[key]
-        copy = space[at : at + n].view(t.dtype).view(t.shape)
+        if n == 0:
+            continue
+        # a storage of its own over its bytes of the mapping: what reads storages (the planner's count of the
+        # weights held, by format) sees each weight as before, not one buffer of the first one's format
+        copy = torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=at).view(t.shape)
         copy.copy_(t)
         holder[key] = copy
         at += _aligned(n)
