@@ -256,7 +256,9 @@ def test_a_cpu_without_the_x86_kernels_still_samples_and_argmaxes_in_kernels(tmp
     import subprocess
     import sys
 
-    if shutil.which("c++") is None:
+    from flagdeploy.backends.cpu import native
+
+    if shutil.which(native._cxx()) is None:
         pytest.skip("no C++ compiler here")
     check = """
 import torch

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_engine
 
-from flagdeploy.backends.cpu import native, weight_arena
+from flagdeploy.backends.cpu import llama_step, native, weight_arena
 from flagdeploy.engine import SamplingParams
 
 
@@ -49,8 +49,7 @@ def test_the_default_models_step_reads_its_weights_in_order_from_one_arena_and_d
         engine = make_engine(default_model, "auto", compile=None, max_num_seqs=2, max_model_len=128)
         model = engine.runner.model
         assert engine.runner.native is not None
-        lins = [m for layer in model.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                                      layer.down_proj)] + [model.lm_head]
+        lins = [m for layer in model.layers for m in llama_step._linears(layer)] + [model.lm_head]  # the step's order
         weights = [t for m in lins for k, t in m.qweight.prepared.items() if k in ("nib", "dm", "w8", "d")]
         ptrs = [t.data_ptr() for t in weights]
         in_order = all(b - a == -(-t.numel() * t.element_size() // 64) * 64 for a, b, t in zip(ptrs, ptrs[1:], weights))
