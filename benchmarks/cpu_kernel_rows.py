@@ -24,18 +24,21 @@ from cpu_vs_llama_server import cpu_name  # this script runs from benchmarks/
 
 from flagdeploy.backends.cpu import native
 
-ROWS = (1, 2, 3, 5, 8, 16)
+ROWS = (1, 2, 3, 4, 5, 8, 12, 16)
 LAYERS = 30
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: (out, in)
 
 
 def builds(tmp: Path) -> dict[str, object]:
-    """Op namespaces by ISA class: the CPU's own build, and an AVX2 one beside an AVX-512 build."""
+    """Op namespaces by ISA class: the CPU's own build, an AVX2 one beside an AVX-512 build, and beside an AMX
+    build the AVX-512 one (the same kernels without the tile multiplies)."""
     if not native.available():
         raise SystemExit(f"the cpu backend's kernels are not built here: {native.unsupported() or 'no C++ compiler'}")
     out = {native.isa_class(): torch.ops.flagdeploy_cpu}
+    if native.isa() == "amx":
+        out["AVX-512 (built beside it: no AMX)"] = native.build_beside("avx512", tmp / "avx512")
     if native.isa() != "avx2":
-        out["AVX2 (built beside it)"] = native.build_beside("avx2", tmp)
+        out["AVX2 (built beside it)"] = native.build_beside("avx2", tmp / "avx2")
     return out
 
 

@@ -357,14 +357,30 @@ def kernel_builds(tmp_path_factory):
     paths (their pass sizes, shuffles, 8-lane folds) are checked on a CI machine with AVX-512 too."""
     native = _cpu_kernels_or_skip()
     builds = {"native": torch.ops.flagdeploy_cpu}
+    if native.isa() == "avx512":  # q4_linear's AMX path over the tile instructions' stand-in, and the real ones
+        builds["amx stand-in"] = _amx_standin(native, tmp_path_factory.mktemp("amx_standin"))
+        if set(native.ISAS["amx"].cpu_flags) <= native._proc_flags():
+            builds["amx"] = native.build_beside("amx", tmp_path_factory.mktemp("amx"))
     if native.isa() != "avx2":
         builds["avx2"] = native.build_beside("avx2", tmp_path_factory.mktemp("avx2"))
     return builds
 
 
+def _amx_standin(native, directory):
+    """q4_linear built as FLAGDEPLOY_CPU_ISA=amx builds it, but over csrc/amx_standin.h's tile instructions (plain
+    C++ after Intel's documented semantics), so that its AMX path runs on any AVX-512 CPU."""
+    ns = "flagdeploy_cpu_amx_standin"
+    _, flags = native._build("avx512")
+    so = directory / f"{ns}.so"
+    native._compile(so, (*flags, "-DFLAGDEPLOY_AMX_STANDIN", f"-DFLAGDEPLOY_OPS_NS={ns}"),
+                    (native.CSRC / "q4_linear.cpp", native.CSRC / "thread_pool.cpp"))
+    torch.ops.load_library(str(so))
+    return getattr(torch.ops, ns)
+
+
 def _build(kernel_builds, name):
     if name not in kernel_builds:
-        pytest.skip("this CPU's own build is the AVX2 one")
+        pytest.skip(f"this CPU's own build leaves no {name} one to compare")
     return kernel_builds[name]
 
 
@@ -567,7 +583,7 @@ def test_cpu_kernels_isa_is_the_cpus_best_unless_forced(monkeypatch):
     assert native.isa_class() == "AVX2 (FLAGDEPLOY_CPU_ISA=avx2 on an AVX-512 CPU)"
     assert cpu_ops.tune_table(native.cpu_flags())["weight_only_dense"]["dtype"] == "float32"  # tuned as AVX2
     monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "avx3")
-    assert "FLAGDEPLOY_CPU_ISA=avx3 is not one of avx512, avxvnni, avx2, portable" in native.unsupported()
+    assert "FLAGDEPLOY_CPU_ISA=avx3 is not one of avx512, avxvnni, avx2, amx, portable" in native.unsupported()
     monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "portable")  # the plain C++ kernels alone, as another CPU builds them
     assert "portable kernels alone" in native.unsupported() and native.cpu_flags() == avx512
     monkeypatch.setattr(native, "_proc_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
@@ -584,6 +600,36 @@ def test_cpu_kernels_isa_is_the_cpus_best_unless_forced(monkeypatch):
     monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "avx2")
     assert "-mno-avxvnni" in native.ISAS["avx2"].compiler_flags() and native.cpu_flags() == {"avx2", "fma", "f16c"}
     assert native.isa_class() == "AVX2 (FLAGDEPLOY_CPU_ISA=avx2 on an AVX2+VNNI CPU)"
+    # AMX (Intel since Sapphire Rapids): the AVX-512 build by default, with the tile instructions turned off; the
+    # build with the tile multiplies only when asked for by name
+    amx = avx512 | {"amx_tile", "amx_int8", "amx_bf16"}
+    monkeypatch.setattr(native, "_proc_flags", lambda: amx)
+    monkeypatch.delenv("FLAGDEPLOY_CPU_ISA")
+    assert native.isa() == "avx512" and native.isa_class() == "AMX" and native.cpu_flags() == amx
+    assert "-mno-amx-tile" in native.ISAS["avx512"].compiler_flags()
+    monkeypatch.setenv("FLAGDEPLOY_CPU_ISA", "amx")
+    assert native.isa() == "amx" and native.unsupported() is None and "-mamx-int8" in native.ISAS["amx"].compiler_flags()
+    monkeypatch.setattr(native, "_proc_flags", lambda: avx512)
+    assert "lacks amx_tile, amx_int8" in native.unsupported()
+
+
+@pytest.mark.parametrize("build", ["amx stand-in", "amx"])
+def test_cpu_kernels_amx_path_computes_what_the_avx512_one_does(kernel_builds, build):
+    """The AMX build's int4 kernel takes a block's dot products of many rows in tile multiplies, then the VNNI
+    path's own float steps: bit for bit the AVX-512 build's outputs, at every row count around the tiles' 16 rows
+    and its passes, K with an odd count of blocks, several tiles. Over the tile instructions' stand-in on any
+    AVX-512 CPU; over the real ones where the CPU has AMX."""
+    native = _cpu_kernels_or_skip()
+    amx, avx512 = _build(kernel_builds, build), kernel_builds["native"]
+    g = torch.Generator().manual_seed(12)
+    for n, k in [(48, 96), (960, 576), (64, 1536)]:
+        w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                       torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3,
+                       torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
+        nib, dm = native.pack_q4(w)
+        for rows in (1, 3, 4, 5, 8, 15, 16, 17, 33):
+            x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(torch.bfloat16)
+            assert torch.equal(amx.q4_linear(x, nib, dm), avx512.q4_linear(x, nib, dm)), (n, k, rows)
 
 
 def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(kernel_builds):

@@ -27,7 +27,7 @@
 They are compiled once per source, torch version and CPU into the user's cache directory (~40 s on two
 cores, a compiler per source at once, like inductor's own kernels under `serve --compile`) and loaded as a
 torch library, so that compiled graphs call them without Python. They are built for the best instruction set
-the CPU has (ISAS), or the one FLAGDEPLOY_CPU_ISA names (avx512, avxvnni, avx2): all compute the same bits. Where they
+the CPU has (ISAS), or the one FLAGDEPLOY_CPU_ISA names (amx, avx512, avxvnni, avx2): all compute the same bits. Where they
 cannot be used (another CPU, no compiler, FLAGDEPLOY_NATIVE_KERNELS=0) the callers keep torch's kernels:
 `available()` says which, and the log says why. The kernels in plain C++ (PORTABLE: the argmax and sampling
 kernels) are built on their own on any other CPU with a compiler (an ARM server, x86 without AVX2; on x86
@@ -84,10 +84,16 @@ class Isa:
 # (so that an AVX-512 machine builds, tests and measures the AVX2 kernels too).
 # AVX-VNNI (vpdpbusd on ymm: Intel since Alder Lake and Sapphire Rapids, AMD since Zen 5) is a class of its own
 # below AVX-512: an AVX2 build that takes the dot products of int8 in one instruction instead of two.
-ISAS = {"avx512": Isa(("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")),
+# AMX (Intel since Sapphire Rapids): the AVX-512 build plus tile multiplies in q4_linear's many-row path. Last, so
+# asked for by name only (FLAGDEPLOY_CPU_ISA=amx): it is checked bit for bit here through a stand-in of the tile
+# instructions, not yet measured on a CPU that has them; the AVX-512 build turns them off on such a CPU.
+ISAS = {"avx512": Isa(("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"),
+                      turns_off=(("amx_tile", "-mno-amx-tile"),)),
         "avxvnni": Isa(("avx2", "fma", "f16c", "avx_vnni"), ("-mno-avx512f", "-mavxvnni"), hides=("avx512", "amx")),
         "avx2": Isa(("avx2", "fma", "f16c"), ("-mno-avx512f",), hides=("avx512", "amx", "avx_vnni"),
-                    turns_off=(("avx_vnni", "-mno-avxvnni"),))}
+                    turns_off=(("avx_vnni", "-mno-avxvnni"),)),
+        "amx": Isa(("amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"),
+                   ("-mamx-tile", "-mamx-int8"))}
 # The class of CPU a figure was measured on, for benchmarks' headers: the first whose flag the CPU has
 ISA_CLASSES = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx_vnni", "AVX2+VNNI"), ("avx2", "AVX2"))
 
@@ -218,7 +224,7 @@ def _load(name: str) -> bool:
         try:
             _compile(so, flags, sources)
         except (OSError, RuntimeError) as e:
-            log.warning("cpu backend: building csrc/ failed, keeping torch's kernels: %s", e)
+            log.warning("cpu backend: building csrc/ for %s failed: %s", name, e)
             return False
     torch.ops.load_library(str(so))
     return True
@@ -244,7 +250,10 @@ def available() -> bool:
         log.log(logging.WARNING if forced else logging.INFO,
                 "cpu backend: torch's kernels only, not its own (csrc/): %s", reason)
         return False
-    if not _compiler() or not _load(isa()):
+    if not _compiler():
+        return False
+    if not _load(isa()):
+        log.warning("cpu backend: keeping torch's kernels")
         return False
     torch.library.register_fake("flagdeploy_cpu::q4_linear")(_q4_linear_fake)
     torch.library.register_fake("flagdeploy_cpu::q8_linear")(_q8_linear_fake)

@@ -40,6 +40,21 @@
 
 #include "kernels.h"
 
+// AMX (Intel since Sapphire Rapids), native.py's "amx" build: the AVX-512 build plus a path that takes a block's
+// dot products of up to 16 activation rows with a tile's 16 outputs in two tile multiplies (see amx_tile).
+// FLAGDEPLOY_AMX_STANDIN builds that path over amx_standin.h instead (a test's build, on any AVX-512 CPU).
+#if Q4_AVX512 && ((defined(__AMX_TILE__) && defined(__AMX_INT8__)) || defined(FLAGDEPLOY_AMX_STANDIN))
+#define Q4_AMX 1
+#if defined(FLAGDEPLOY_AMX_STANDIN)
+#include "amx_standin.h"
+#else
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#else
+#define Q4_AMX 0
+#endif
+
 namespace {
 
 // The weight's prefetches go to L2: L1's few miss buffers held back how far ahead a thread could ask
@@ -125,6 +140,99 @@ __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, con
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r0 + r) * n_out + 16 * (t + u)),
                           _mm512_cvtepi32_epi16(bf16_lanes(acc[u][r])));
 }
+
+
+#if Q4_AMX
+
+// From this many activation rows on, the AMX path takes a call. Not measured: no CPU with AMX was at hand when it
+// was written (its bits were checked through amx_standin.h). Its reasoning: per tile and block the VNNI path
+// spends ~40 instructions a row (16 vpdpbusd, 16 broadcasts, the float steps), this path ~30 for the tiles plus
+// ~10 a row (the float steps, the dots read back from memory), so it should win from a few rows on.
+constexpr int64_t kAmxRows = 4;
+constexpr int kAmxMaxRows = 16;  // rows of an activation tile
+
+// Whether this process may use the tiles: Linux gives a process AMX's register state only once it asks
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); where it refuses (an old kernel, a VM that hides it), the
+// VNNI path serves every call.
+bool amx_permitted() {
+#if defined(FLAGDEPLOY_AMX_STANDIN)
+  return true;
+#endif
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// The tiles of amx_tile for n activation rows: 0 and 1 the activations' hi and lo parts of a block (n x 32
+// int8), 2 the tile's weights of the block (8 x 64: 4 values of each of the 16 outputs a row, the VNNI
+// layout), 3 and 4 the int32 dots (n x 16)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles(int n) {
+  TileConfig c;
+  c.colsb[0] = c.colsb[1] = QK, c.rows[0] = c.rows[1] = n;
+  c.colsb[2] = 64, c.rows[2] = QK / 4;
+  c.colsb[3] = c.colsb[4] = 64, c.rows[3] = c.rows[4] = n;
+  _tile_loadconfig(&c);
+}
+
+// Tile t of 16 outputs for activation rows [r0, r0 + R) through the AMX tiles. Per block of 32: the weight's
+// nibbles unpacked as the VNNI path unpacks them (chunk c's low nibbles are values 8c..8c+3 of each output, its
+// high nibbles 8c+4..8c+7: rows 2c and 2c + 1 of the weight tile as they are), one tile multiply per activation
+// part (int8 x int8 into int32, exact), and the int32 dots out through memory into the VNNI path's float steps
+// per row, in its order: each output the same bits as the VNNI path's (and so as one row alone, and as AVX2's).
+template <int R>
+__attribute__((noinline)) void amx_tile(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k,
+                                        int64_t r0, int64_t t, uint16_t* y, int64_t n_out) {
+  const int64_t blocks = k / QK;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  alignas(64) uint8_t w[QK / 4 * 64];
+  alignas(64) int32_t dot_hi[R * 16], dot_lo[R * 16];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* hi = a.hi.data() + r0 * k;
+  const int8_t* lo = a.lo.data() + r0 * k;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = t * blocks + b;
+    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(nib + at * 256 + kPrefetchBytes + 64 * c), kPrefetchHint);
+    _mm_prefetch(reinterpret_cast<const char*>(dm + at * 32 + kPrefetchBytes / 8), kPrefetchHint);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(nib + at * 256 + 64 * c);
+      _mm512_store_si512(w + 128 * c, _mm512_and_si512(raw, low4));
+      _mm512_store_si512(w + 128 * c + 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+    }
+    _tile_loadd(2, w, 64);
+    _tile_loadd(0, hi + b * QK, k);
+    _tile_loadd(1, lo + b * QK, k);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_dpbssd(3, 0, 2);
+    _tile_dpbssd(4, 1, 2);
+    _tile_stored(3, dot_hi, 64);
+    _tile_stored(4, dot_lo, 64);
+    const uint16_t* s = dm + at * 32;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t row_block = (r0 + r) * blocks + b;
+      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(dot_hi + 16 * r), 8),
+                                           _mm512_load_si512(dot_lo + 16 * r));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[row_block])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sum[row_block]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r0 + r) * n_out + 16 * t),
+                        _mm512_cvtepi32_epi16(bf16_lanes(acc[r])));
+}
+
+#endif
 
 #else
 
@@ -244,6 +352,25 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
       r += n;
     }
   };
+#if Q4_AMX
+  if (rows_n >= kAmxRows && amx_permitted()) {
+    // passes of equal sizes of up to 16 rows, each over the chunk's tiles with the tiles configured for it
+    const int64_t passes = (rows_n + kAmxMaxRows - 1) / kAmxMaxRows;
+    const int64_t chunk = std::max<int64_t>(1, (n_tiles + 8 * at::get_num_threads() - 1) / (8 * at::get_num_threads()));
+    dynamic_for(n_tiles, chunk, [&](int64_t t0, int64_t t1) {
+      for (int64_t p = 0, r = 0; p < passes; ++p) {
+        const int64_t n = (rows_n - r) / (passes - p);
+        configure_tiles(static_cast<int>(n));
+        with_count<kAmxMaxRows>(n, [&](auto rows) {
+          for (int64_t t = t0; t < t1; ++t) amx_tile<rows>(w, s, a, k, r, t, out, n_out);
+        });
+        r += n;
+      }
+      _tile_release();
+    });
+    return y;
+  }
+#endif
   // chunks of an even count of tiles (pairs stay pairs), about eight a thread
   const int64_t chunk = 2 * std::max<int64_t>(1, (n_tiles + 16 * at::get_num_threads() - 1) / (16 * at::get_num_threads()));
   dynamic_for(n_tiles, chunk, [&](int64_t t0, int64_t t1) {
