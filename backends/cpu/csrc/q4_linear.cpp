@@ -141,7 +141,6 @@ __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, con
                           _mm512_cvtepi32_epi16(bf16_lanes(acc[u][r])));
 }
 
-
 #if Q4_AMX
 
 // From this many activation rows on, the AMX path takes a call. Not measured: no CPU with AMX was at hand when it
@@ -157,12 +156,13 @@ constexpr int kAmxMaxRows = 16;  // rows of an activation tile
 bool amx_permitted() {
 #if defined(FLAGDEPLOY_AMX_STANDIN)
   return true;
-#endif
+#else
   static const bool ok = [] {
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return ok;
+#endif
 }
 
 // The tiles of amx_tile for n activation rows: 0 and 1 the activations' hi and lo parts of a block (n x 32
