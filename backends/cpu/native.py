@@ -224,7 +224,7 @@ def _load(name: str) -> bool:
         try:
             _compile(so, flags, sources)
         except (OSError, RuntimeError) as e:
-            log.warning("cpu backend: building csrc/ for %s failed: %s", name, e)
+            log.warning("cpu backend: building csrc/ failed, keeping torch's kernels: %s", e)
             return False
     torch.ops.load_library(str(so))
     return True
@@ -250,10 +250,7 @@ def available() -> bool:
         log.log(logging.WARNING if forced else logging.INFO,
                 "cpu backend: torch's kernels only, not its own (csrc/): %s", reason)
         return False
-    if not _compiler():
-        return False
-    if not _load(isa()):
-        log.warning("cpu backend: keeping torch's kernels")
+    if not _compiler() or not _load(isa()):
         return False
     torch.library.register_fake("flagdeploy_cpu::q4_linear")(_q4_linear_fake)
     torch.library.register_fake("flagdeploy_cpu::q8_linear")(_q8_linear_fake)

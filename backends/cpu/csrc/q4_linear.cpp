@@ -57,6 +57,18 @@
 
 namespace {
 
+// f(first row, count) over rows [0, rows) in as few passes of at most `most` rows as there can be, of equal
+// sizes: 10 rows in passes of up to 8 as 5 + 5, not 8 + 2
+template <typename F>
+void equal_passes(int64_t rows, int64_t most, const F& f) {
+  const int64_t passes = (rows + most - 1) / most;
+  for (int64_t p = 0, r = 0; p < passes; ++p) {
+    const int64_t n = (rows - r) / (passes - p);
+    f(r, n);
+    r += n;
+  }
+}
+
 // The weight's prefetches go to L2: L1's few miss buffers held back how far ahead a thread could ask
 constexpr auto kPrefetchHint = _MM_HINT_T1;
 
@@ -84,6 +96,15 @@ constexpr int64_t kPairRows = 12;
 // pages (weight_arena.py), 8 KiB ahead into L2 (kPrefetchHint) beats 4 KiB into L1 in every build: the C++
 // 1-row step, interleaved, two runs, 3.67 / 3.75 -> 3.62 / 3.61 ms (AVX2 build 4.48 / 4.27 -> 4.19 / 4.05).
 constexpr int64_t kPrefetchBytes = 8192;
+
+// A block's dots with one activation row into its 16 outputs' float sums: the exact int32 dot (hi part * 256 + lo
+// part, < 2^24: exact in float) times the tile's scales d and the row's block scale, then the offsets m times
+// the block's float sum. The VNNI and AMX paths both add through here, so their outputs agree bit for bit.
+inline __m512 add_block(__m512 acc, __m512i dot_hi, __m512i dot_lo, __m512 d, __m512 m, float scale, float sum) {
+  const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dot_hi, 8), dot_lo);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(scale)), acc);
+  return _mm512_fmadd_ps(m, _mm512_set1_ps(sum), acc);
+}
 
 // Tiles [t, t + T) of 16 output rows for activation rows [r0, r0 + R): each weight chunk is unpacked once
 // and used for R activation rows, and each broadcast activation for T tiles.
@@ -129,9 +150,7 @@ __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, con
       __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * blocks + b;
-        __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dot_hi[u][r], 8), dot_lo[u][r]);  // < 2^24: exact in float
-        acc[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[at])), acc[u][r]);
-        acc[u][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sum[at]), acc[u][r]);
+        acc[u][r] = add_block(acc[u][r], dot_hi[u][r], dot_lo[u][r], d, m, a.scale[at], a.sum[at]);
       }
     }
   }
@@ -221,10 +240,8 @@ __attribute__((noinline)) void amx_tile(const uint8_t* nib, const uint16_t* dm, 
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
     for (int r = 0; r < R; ++r) {
       const int64_t row_block = (r0 + r) * blocks + b;
-      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(dot_hi + 16 * r), 8),
-                                           _mm512_load_si512(dot_lo + 16 * r));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[row_block])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sum[row_block]), acc[r]);
+      acc[r] = add_block(acc[r], _mm512_load_si512(dot_hi + 16 * r), _mm512_load_si512(dot_lo + 16 * r), d, m,
+                         a.scale[row_block], a.sum[row_block]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -344,28 +361,21 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
   const bool pairs = kPairRows > 0 && rows_n >= kPairRows;
   auto rows_over = [&](auto tile_count, int64_t t) {
     constexpr int T = decltype(tile_count)::value, most = kMaxRows / T;  // the registers hold T x most rows' sums
-    // as few passes as that allows, of equal sizes: 10 rows on AVX-512 as 5 + 5, not 8 + 2
-    const int64_t passes = (rows_n + most - 1) / most;
-    for (int64_t p = 0, r = 0; p < passes; ++p) {
-      const int64_t n = (rows_n - r) / (passes - p);
+    equal_passes(rows_n, most, [&](int64_t r, int64_t n) {
       with_count<most>(n, [&](auto rows) { tiles<rows, T>(w, s, a, k, r, t, out, n_out); });
-      r += n;
-    }
+    });
   };
 #if Q4_AMX
   if (rows_n >= kAmxRows && amx_permitted()) {
-    // passes of equal sizes of up to 16 rows, each over the chunk's tiles with the tiles configured for it
-    const int64_t passes = (rows_n + kAmxMaxRows - 1) / kAmxMaxRows;
+    // each pass of up to 16 rows over the chunk's tiles, the tiles configured for its rows
     const int64_t chunk = std::max<int64_t>(1, (n_tiles + 8 * at::get_num_threads() - 1) / (8 * at::get_num_threads()));
     dynamic_for(n_tiles, chunk, [&](int64_t t0, int64_t t1) {
-      for (int64_t p = 0, r = 0; p < passes; ++p) {
-        const int64_t n = (rows_n - r) / (passes - p);
+      equal_passes(rows_n, kAmxMaxRows, [&](int64_t r, int64_t n) {
         configure_tiles(static_cast<int>(n));
         with_count<kAmxMaxRows>(n, [&](auto rows) {
           for (int64_t t = t0; t < t1; ++t) amx_tile<rows>(w, s, a, k, r, t, out, n_out);
         });
-        r += n;
-      }
+      });
       _tile_release();
     });
     return y;
