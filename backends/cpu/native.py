@@ -87,13 +87,12 @@ class Isa:
 # AMX (Intel since Sapphire Rapids): the AVX-512 build plus tile multiplies in q4_linear's many-row path. Last, so
 # asked for by name only (FLAGDEPLOY_CPU_ISA=amx): it is checked bit for bit here through a stand-in of the tile
 # instructions, not yet measured on a CPU that has them; the AVX-512 build turns them off on such a CPU.
-ISAS = {"avx512": Isa(("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"),
-                      turns_off=(("amx_tile", "-mno-amx-tile"),)),
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
+ISAS = {"avx512": Isa(_AVX512, turns_off=(("amx_tile", "-mno-amx-tile"),)),
         "avxvnni": Isa(("avx2", "fma", "f16c", "avx_vnni"), ("-mno-avx512f", "-mavxvnni"), hides=("avx512", "amx")),
         "avx2": Isa(("avx2", "fma", "f16c"), ("-mno-avx512f",), hides=("avx512", "amx", "avx_vnni"),
                     turns_off=(("avx_vnni", "-mno-avxvnni"),)),
-        "amx": Isa(("amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"),
-                   ("-mamx-tile", "-mamx-int8"))}
+        "amx": Isa(("amx_tile", "amx_int8", *_AVX512), ("-mamx-tile", "-mamx-int8"))}
 # The class of CPU a figure was measured on, for benchmarks' headers: the first whose flag the CPU has
 ISA_CLASSES = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx_vnni", "AVX2+VNNI"), ("avx2", "AVX2"))
 
