@@ -629,7 +629,26 @@ def test_cpu_kernels_amx_path_computes_what_the_avx512_one_does(kernel_builds, b
         nib, dm = native.pack_q4(w)
         for rows in (1, 3, 4, 5, 8, 15, 16, 17, 33):
             x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(torch.bfloat16)
-            assert torch.equal(amx.q4_linear(x, nib, dm), avx512.q4_linear(x, nib, dm)), (n, k, rows)
+            for least in (4, 1):  # the kernel's own threshold, then the path at every row count
+                assert amx.q4_amx_min_rows(least) == least
+                assert torch.equal(amx.q4_linear(x, nib, dm), avx512.q4_linear(x, nib, dm)), (n, k, rows, least)
+    amx.q4_amx_min_rows(4)
+
+
+def test_cpu_tune_measures_where_the_amx_path_starts(kernel_builds):
+    """`ops tune` on the amx build measures from how many rows its tile path beats the VNNI one (tune.yaml's
+    `amx_min_rows`), and leaves the kernels' setting as it was."""
+    from flagdeploy.backends.cpu import tune
+
+    native = _cpu_kernels_or_skip()
+    standin = _build(kernel_builds, "amx stand-in")
+    standin.q4_amx_min_rows(6)
+    least = tune._amx_min_rows(standin)
+    assert least is None or least in tune.ROWS
+    assert standin.q4_amx_min_rows(0) == 6
+    standin.q4_amx_min_rows(4)
+    if native.isa() != "amx":  # a build without the path reports 0 and takes no setting
+        assert torch.ops.flagdeploy_cpu.q4_amx_min_rows(5) == 0
 
 
 def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(kernel_builds):

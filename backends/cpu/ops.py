@@ -35,6 +35,8 @@ def tune_table(flags: frozenset[str], path: Path = Path(__file__).with_name("tun
 
 
 TUNE = tune_table(native.cpu_flags())
+if "amx_min_rows" in TUNE["linear_w4a16"]:
+    native.use_amx_from(TUNE["linear_w4a16"]["amx_min_rows"])
 
 
 def rms_norm(x, weight, eps):

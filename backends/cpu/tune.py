@@ -21,7 +21,7 @@ from flagdeploy.ops.check import fastest
 from flagdeploy.ops.registry import OPS
 from flagdeploy.ops.weights import Int4Weight, Int8Weight
 
-from . import ops
+from . import native, ops
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LINEAR_SHAPES = ((960, 576), (3072, 576), (576, 1536))
@@ -73,6 +73,28 @@ def _linear_crossover(op: str, dense_dtype: str) -> int:
         if t_packed <= t_dense:
             last = m
     return last
+
+
+def _amx_min_rows(kernels=None) -> int | None:
+    """The least row count from which q4_linear's AMX path beats its VNNI path by 5% at each count tried up to
+    the packed kernel's 16 (None: from none), over one layer's shapes. Both paths give the same bits, so only
+    their speed is compared; where the kernel may not use the tiles (a Linux that refuses them) both run the VNNI
+    path and none wins. `kernels`: an op namespace with the path (the process's own build where None)."""
+    kernels = kernels or torch.ops.flagdeploy_cpu
+    g = torch.Generator().manual_seed(0)
+    ws = [native.pack_q4(_int4(torch.empty(n, k))) for n, k in LINEAR_SHAPES]
+    before, wins = kernels.q4_amx_min_rows(0), {}
+    try:
+        for m in (r for r in ROWS if r <= 16):
+            xs = [torch.randn(m, k, generator=g).to(torch.bfloat16) for _, k in LINEAR_SHAPES]
+            took = {}
+            for path, rows in (("amx", 1), ("vnni", native.AMX_NEVER)):
+                kernels.q4_amx_min_rows(rows)
+                took[path] = _best(lambda: [kernels.q4_linear(x, *w) for x, w in zip(xs, ws)])
+            wins[m] = took["amx"] < 0.95 * took["vnni"]
+    finally:
+        kernels.q4_amx_min_rows(before)
+    return next((m for m in wins if all(wins[r] for r in wins if r >= m)), None)
 
 
 @contextlib.contextmanager
@@ -202,7 +224,10 @@ def measure() -> dict:
     dense = _dense_dtype()
     return {"linear": _layout_crossovers(),
             "weight_only_dense": {"dtype": dense},
-            "linear_w4a16": {"packed_max_m": _linear_crossover("linear_w4a16", dense)},
+            "linear_w4a16": {"packed_max_m": _linear_crossover("linear_w4a16", dense),
+                             # where the kernels were built with the AMX path (FLAGDEPLOY_CPU_ISA=amx)
+                             **({"amx_min_rows": _amx_min_rows()}
+                                if native.available() and torch.ops.flagdeploy_cpu.q4_amx_min_rows(0) else {})},
             "linear_w8a16": {"packed_max_m": _linear_crossover("linear_w8a16", dense)},
             "moe_experts": {"dense_max_token_experts": _moe_crossover(), "column_major_gate_up": _column_major_gate_up()},
             # float32 caches stay on SDPA by choice, not measurement: the dense float32 mode is batch-invariant

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -162,11 +163,13 @@ __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, con
 
 #if Q4_AMX
 
-// From this many activation rows on, the AMX path takes a call. Not measured: no CPU with AMX was at hand when it
-// was written (its bits were checked through amx_standin.h). Its reasoning: per tile and block the VNNI path
-// spends ~40 instructions a row (16 vpdpbusd, 16 broadcasts, the float steps), this path ~30 for the tiles plus
-// ~10 a row (the float steps, the dots read back from memory), so it should win from a few rows on.
-constexpr int64_t kAmxRows = 4;
+// From this many activation rows on, the AMX path takes a call: tune.yaml's `amx_min_rows`, which native.py sets
+// through q4_amx_min_rows when it loads the kernels and `flagdeploy ops tune --chip cpu` measures. Where the table
+// has none, 4, by reasoning, not measurement (no CPU with AMX was at hand; the path's bits were checked through
+// amx_standin.h): per tile and block the VNNI path spends ~40 instructions a row (16 vpdpbusd, 16 broadcasts, the
+// float steps), this path ~30 for the tiles plus ~10 a row (the float steps, the dots read back from memory).
+// Either path gives the same bits, so the setting moves only the speed.
+std::atomic<int64_t> amx_min_rows{4};
 constexpr int kAmxMaxRows = 16;  // rows of an activation tile
 
 // Whether this process may use the tiles: Linux gives a process AMX's register state only once it asks
@@ -366,7 +369,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
     });
   };
 #if Q4_AMX
-  if (rows_n >= kAmxRows && amx_permitted()) {
+  if (rows_n >= amx_min_rows.load(std::memory_order_relaxed) && amx_permitted()) {
     // each pass of up to 16 rows over the chunk's tiles, the tiles configured for its rows
     const int64_t chunk = std::max<int64_t>(1, (n_tiles + 8 * at::get_num_threads() - 1) / (8 * at::get_num_threads()));
     dynamic_for(n_tiles, chunk, [&](int64_t t0, int64_t t1) {
@@ -392,12 +395,26 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
   return y;
 }
 
+// The least row count of q4_linear's AMX path: set to `rows` where that is positive, and returned; 0 in a build
+// without the path.
+int64_t q4_amx_min_rows(int64_t rows) {
+#if Q4_AMX
+  if (rows > 0) amx_min_rows.store(rows, std::memory_order_relaxed);
+  return amx_min_rows.load(std::memory_order_relaxed);
+#else
+  (void)rows;
+  return 0;
+#endif
+}
+
 }  // namespace FLAGDEPLOY_OPS_NS
 
 TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
   m.def("q4_linear(Tensor x, Tensor nib, Tensor dm) -> Tensor");
+  m.def("q4_amx_min_rows(int rows) -> int", &FLAGDEPLOY_OPS_NS::q4_amx_min_rows);
 }
 
 TORCH_LIBRARY_IMPL(FLAGDEPLOY_OPS_NS, CPU, m) {
   m.impl("q4_linear", &FLAGDEPLOY_OPS_NS::q4_linear);
 }
+
