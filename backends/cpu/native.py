@@ -241,16 +241,17 @@ def _compiler() -> bool:
 
 
 AMX_NEVER = 1 << 62  # q4_amx_min_rows's row count for "never"
-_amx_min_rows = [0]  # what use_amx_from asked of the AMX path (0: the kernels' own default), kept for their load
+_amx_min_rows = 0  # what use_amx_from asked of the AMX path (0: the kernels' own default), kept for their load
 
 
 def use_amx_from(rows: int | None) -> None:
     """q4_linear's AMX path (the amx build) from `rows` activation rows on, None for never: tune.yaml's
     `amx_min_rows`, which `ops tune` measures. Either path gives the same bits: this moves only the speed.
     Applied when the kernels load (at once where they are loaded); nothing in a build without the path."""
-    _amx_min_rows[0] = AMX_NEVER if rows is None else rows
+    global _amx_min_rows
+    _amx_min_rows = AMX_NEVER if rows is None else rows
     if available.cache_info().currsize and available():
-        torch.ops.flagdeploy_cpu.q4_amx_min_rows(_amx_min_rows[0])
+        torch.ops.flagdeploy_cpu.q4_amx_min_rows(_amx_min_rows)
 
 
 @functools.cache
@@ -268,7 +269,7 @@ def available() -> bool:
     torch.library.register_fake("flagdeploy_cpu::q8_linear")(_q8_linear_fake)
     torch.library.register_fake("flagdeploy_cpu::paged_decode_attention")(lambda q, *_: torch.empty_like(q))
     torch.library.register_fake("flagdeploy_cpu::swiglu")(lambda x: x.new_empty(x.shape[0], x.shape[1] // 2))
-    torch.ops.flagdeploy_cpu.q4_amx_min_rows(_amx_min_rows[0])
+    torch.ops.flagdeploy_cpu.q4_amx_min_rows(_amx_min_rows)
     return True
 
 
