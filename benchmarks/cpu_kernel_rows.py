@@ -35,8 +35,10 @@ def builds(tmp: Path) -> dict[str, object]:
     if not native.available():
         raise SystemExit(f"the cpu backend's kernels are not built here: {native.unsupported() or 'no C++ compiler'}")
     out = {native.isa_class(): torch.ops.flagdeploy_cpu}
-    if native.isa() == "amx":
-        out["AVX-512 (built beside it: no AMX)"] = native.build_beside("avx512", tmp / "avx512")
+    if native.isa() == "amx":  # its tiles at every row count (tune.yaml's amx_min_rows picks where they win)
+        torch.ops.flagdeploy_cpu.q4_amx_min_rows(1)
+        out = {"AMX (its tiles at every row count)": torch.ops.flagdeploy_cpu,
+               "AVX-512 (built beside it: no AMX)": native.build_beside("avx512", tmp / "avx512")}
     if native.isa() != "avx2":
         out["AVX2 (built beside it)"] = native.build_beside("avx2", tmp / "avx2")
     return out

@@ -627,12 +627,12 @@ def test_cpu_kernels_amx_path_computes_what_the_avx512_one_does(kernel_builds, b
                        torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3,
                        torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
         nib, dm = native.pack_q4(w)
-        for rows in (1, 3, 4, 5, 8, 15, 16, 17, 33):
+        for rows in (1, 3, 4, 5, 8, 9, 15, 16, 17, 33):
             x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(torch.bfloat16)
-            for least in (4, 1):  # the kernel's own threshold, then the path at every row count
+            for least in (9, 1):  # the path from a second pass's rows on, then at every row count
                 assert amx.q4_amx_min_rows(least) == least
                 assert torch.equal(amx.q4_linear(x, nib, dm), avx512.q4_linear(x, nib, dm)), (n, k, rows, least)
-    amx.q4_amx_min_rows(4)
+    amx.q4_amx_min_rows(native.AMX_NEVER)
 
 
 def test_cpu_tune_measures_where_the_amx_path_starts(kernel_builds):
@@ -646,7 +646,7 @@ def test_cpu_tune_measures_where_the_amx_path_starts(kernel_builds):
     least = tune._amx_min_rows(standin)
     assert least is None or least in tune.ROWS
     assert standin.q4_amx_min_rows(0) == 6
-    standin.q4_amx_min_rows(4)
+    standin.q4_amx_min_rows(native.AMX_NEVER)
     if native.isa() != "amx":  # a build without the path reports 0 and takes no setting
         assert torch.ops.flagdeploy_cpu.q4_amx_min_rows(5) == 0
 

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "activations.h"
@@ -42,7 +43,7 @@
 #include "kernels.h"
 
 // AMX (Intel since Sapphire Rapids), native.py's "amx" build: the AVX-512 build plus a path that takes a block's
-// dot products of up to 16 activation rows with a tile's 16 outputs in two tile multiplies (see amx_tile).
+// dot products of up to 16 activation rows with a tile's 16 outputs in one tile multiply per 8 rows (see amx_tile).
 // FLAGDEPLOY_AMX_STANDIN builds that path over amx_standin.h instead (a test's build, on any AVX-512 CPU).
 #if Q4_AVX512 && ((defined(__AMX_TILE__) && defined(__AMX_INT8__)) || defined(FLAGDEPLOY_AMX_STANDIN))
 #define Q4_AMX 1
@@ -165,12 +166,19 @@ __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, con
 
 // From this many activation rows on, the AMX path takes a call: tune.yaml's `amx_min_rows`, which native.py sets
 // through q4_amx_min_rows when it loads the kernels and `flagdeploy ops tune --chip cpu` measures. Where the table
-// has none, 4, by reasoning, not measurement (no CPU with AMX was at hand; the path's bits were checked through
-// amx_standin.h): per tile and block the VNNI path spends ~40 instructions a row (16 vpdpbusd, 16 broadcasts, the
-// float steps), this path ~30 for the tiles plus ~10 a row (the float steps, the dots read back from memory).
-// Either path gives the same bits, so the setting moves only the speed.
-std::atomic<int64_t> amx_min_rows{4};
-constexpr int kAmxMaxRows = 16;  // rows of an activation tile
+// has none, never: on a 16-core Xeon with AMX (2026-12-05) the tiles beat the VNNI path from 8 rows on one thread
+// (SmolLM2's 120 linears: 8 rows 1.31x, 16 rows 1.34x) but at none with all 16 threads (0.80-0.91x),
+// where a call's share of a thread is a few tiles. Either path gives the same bits: the setting moves only the speed.
+std::atomic<int64_t> amx_min_rows{int64_t{1} << 62};
+// Activation rows of one pass, in halves of up to 8: a half's hi and lo parts of a block stacked in one tile (16
+// rows of 32 bytes), so that one tile multiply gives both parts' dots, and the halves share the weight's tile
+constexpr int kAmxMaxRows = 16, kAmxHalf = 8;
+// Blocks per group: their weights are unpacked, then multiplied, then their dots added, each for the whole group
+// in turn, so that a tile load never reads what a vector store has just written nor a vector load what a tile store
+// has (a forwarding stall each), and the tile multiplies of consecutive blocks overlap (two sets of registers).
+// Block by block, as the first form did, the tiles were 1.1-4x slower than the VNNI path at 1-12 rows on the Xeon
+// (one thread), about even at 16.
+constexpr int kAmxGroup = 8;
 
 // Whether this process may use the tiles: Linux gives a process AMX's register state only once it asks
 // (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); where it refuses (an old kernel, a VM that hides it), the
@@ -187,9 +195,10 @@ bool amx_permitted() {
 #endif
 }
 
-// The tiles of amx_tile for n activation rows: 0 and 1 the activations' hi and lo parts of a block (n x 32
-// int8), 2 the tile's weights of the block (8 x 64: 4 values of each of the 16 outputs a row, the VNNI
-// layout), 3 and 4 the int32 dots (n x 16)
+// The tiles of amx_tile for n activation rows: 0 a block's activations of the first half of the rows (2 n0 x 32
+// int8: their hi parts, then their lo parts; n0 = min(n, 8)), 2 the tile's weights of the block (8 x 64: 4 values
+// of each of the 16 outputs a row, the VNNI layout), 3 the half's int32 dots (2 n0 x 16). 1 and 4 are the second
+// half's activations and dots where n > 8; up to 8 rows, 1, 5 and 4 are a second set for odd blocks instead.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -198,53 +207,94 @@ struct alignas(64) TileConfig {
 
 void configure_tiles(int n) {
   TileConfig c;
-  c.colsb[0] = c.colsb[1] = QK, c.rows[0] = c.rows[1] = n;
-  c.colsb[2] = 64, c.rows[2] = QK / 4;
-  c.colsb[3] = c.colsb[4] = 64, c.rows[3] = c.rows[4] = n;
+  const int n0 = std::min(n, kAmxHalf), n1 = n > kAmxHalf ? n - n0 : n0;
+  c.colsb[0] = c.colsb[1] = QK, c.rows[0] = 2 * n0, c.rows[1] = 2 * n1;
+  c.colsb[3] = c.colsb[4] = 64, c.rows[3] = 2 * n0, c.rows[4] = 2 * n1;
+  for (int i : {2, 5}) c.colsb[i] = 64, c.rows[i] = QK / 4;
   _tile_loadconfig(&c);
 }
 
-// Tile t of 16 outputs for activation rows [r0, r0 + R) through the AMX tiles. Per block of 32: the weight's
-// nibbles unpacked as the VNNI path unpacks them (chunk c's low nibbles are values 8c..8c+3 of each output, its
-// high nibbles 8c+4..8c+7: rows 2c and 2c + 1 of the weight tile as they are), one tile multiply per activation
-// part (int8 x int8 into int32, exact), and the int32 dots out through memory into the VNNI path's float steps
-// per row, in its order: each output the same bits as the VNNI path's (and so as one row alone, and as AVX2's).
+// Rows [r0, r0 + n) of the activations as amx_tile's tiles read them: per block and half of the rows (up to 8,
+// then the rest), the half's hi parts, then its lo parts, 32 bytes each
+std::vector<int8_t> stack_parts(const Activations& a, int64_t r0, int64_t n, int64_t k) {
+  const int64_t blocks = k / QK;
+  std::vector<int8_t> out(blocks * 2 * n * QK);
+  int8_t* o = out.data();
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t h0 = 0; h0 < n; h0 += kAmxHalf) {
+      const int64_t h1 = std::min<int64_t>(n, h0 + kAmxHalf);
+      for (const std::vector<int8_t>* part : {&a.hi, &a.lo})
+        for (int64_t r = h0; r < h1; ++r, o += QK) std::memcpy(o, part->data() + (r0 + r) * k + b * QK, QK);
+    }
+  return out;
+}
+
+// Tile t of 16 outputs for activation rows [r0, r0 + R) through the AMX tiles, `parts` from stack_parts. Per block
+// of 32: the weight's nibbles unpacked as the VNNI path unpacks them (chunk c's low nibbles are values 8c..8c+3 of
+// each output, its high nibbles 8c+4..8c+7: rows 2c and 2c + 1 of the weight tile as they are), one tile multiply
+// for both activation parts (int8 x int8 into int32, exact), and the int32 dots out through memory into the VNNI
+// path's float steps per row, in its order: each output the same bits as the VNNI path's (and so as one row alone,
+// and as AVX2's).
 template <int R>
-__attribute__((noinline)) void amx_tile(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k,
-                                        int64_t r0, int64_t t, uint16_t* y, int64_t n_out) {
+__attribute__((noinline)) void amx_tile(const uint8_t* nib, const uint16_t* dm, const Activations& a,
+                                        const int8_t* parts, int64_t k, int64_t r0, int64_t t, uint16_t* y,
+                                        int64_t n_out) {
   const int64_t blocks = k / QK;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  alignas(64) uint8_t w[QK / 4 * 64];
-  alignas(64) int32_t dot_hi[R * 16], dot_lo[R * 16];
+  alignas(64) uint8_t w[kAmxGroup][QK / 4 * 64];
+  alignas(64) int32_t dots[kAmxGroup][2 * R * 16];
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int8_t* hi = a.hi.data() + r0 * k;
-  const int8_t* lo = a.lo.data() + r0 * k;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t at = t * blocks + b;
-    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(nib + at * 256 + kPrefetchBytes + 64 * c), kPrefetchHint);
-    _mm_prefetch(reinterpret_cast<const char*>(dm + at * 32 + kPrefetchBytes / 8), kPrefetchHint);
-    for (int c = 0; c < 4; ++c) {
-      const __m512i raw = _mm512_loadu_si512(nib + at * 256 + 64 * c);
-      _mm512_store_si512(w + 128 * c, _mm512_and_si512(raw, low4));
-      _mm512_store_si512(w + 128 * c + 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+  for (int64_t b0 = 0; b0 < blocks; b0 += kAmxGroup) {
+    const int group = static_cast<int>(std::min<int64_t>(kAmxGroup, blocks - b0));
+    for (int g = 0; g < group; ++g) {
+      const int64_t at = t * blocks + b0 + g;
+      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(nib + at * 256 + kPrefetchBytes + 64 * c), kPrefetchHint);
+      _mm_prefetch(reinterpret_cast<const char*>(dm + at * 32 + kPrefetchBytes / 8), kPrefetchHint);
+      for (int c = 0; c < 4; ++c) {
+        const __m512i raw = _mm512_loadu_si512(nib + at * 256 + 64 * c);
+        _mm512_store_si512(w[g] + 128 * c, _mm512_and_si512(raw, low4));
+        _mm512_store_si512(w[g] + 128 * c + 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+      }
     }
-    _tile_loadd(2, w, 64);
-    _tile_loadd(0, hi + b * QK, k);
-    _tile_loadd(1, lo + b * QK, k);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_dpbssd(3, 0, 2);
-    _tile_dpbssd(4, 1, 2);
-    _tile_stored(3, dot_hi, 64);
-    _tile_stored(4, dot_lo, 64);
-    const uint16_t* s = dm + at * 32;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
-    for (int r = 0; r < R; ++r) {
-      const int64_t row_block = (r0 + r) * blocks + b;
-      acc[r] = add_block(acc[r], _mm512_load_si512(dot_hi + 16 * r), _mm512_load_si512(dot_lo + 16 * r), d, m,
-                         a.scale[row_block], a.sum[row_block]);
+    for (int g = 0; g < group; ++g) {  // tile numbers are immediates
+      const int8_t* x = parts + (b0 + g) * 2 * R * QK;
+      if constexpr (R > kAmxHalf) {  // both halves on the block's one weight tile
+        _tile_loadd(2, w[g], 64);
+        _tile_loadd(0, x, QK);
+        _tile_loadd(1, x + 2 * kAmxHalf * QK, QK);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_dpbssd(3, 0, 2);
+        _tile_dpbssd(4, 1, 2);
+        _tile_stored(3, dots[g], 64);
+        _tile_stored(4, dots[g] + 2 * kAmxHalf * 16, 64);
+      } else if (g % 2 == 0) {  // even blocks on 0, 2, 3, odd ones on 1, 5, 4
+        _tile_loadd(2, w[g], 64);
+        _tile_loadd(0, x, QK);
+        _tile_zero(3);
+        _tile_dpbssd(3, 0, 2);
+        _tile_stored(3, dots[g], 64);
+      } else {
+        _tile_loadd(5, w[g], 64);
+        _tile_loadd(1, x, QK);
+        _tile_zero(4);
+        _tile_dpbssd(4, 1, 5);
+        _tile_stored(4, dots[g], 64);
+      }
+    }
+    for (int g = 0; g < group; ++g) {
+      const uint16_t* s = dm + (t * blocks + b0 + g) * 32;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
+      for (int r = 0; r < R; ++r) {  // row r's hi dots, then its lo ones n rows on, n its half's row count
+        constexpr int n0 = std::min(R, kAmxHalf);
+        const int32_t* hi = r < n0 ? dots[g] + 16 * r : dots[g] + 16 * (2 * n0 + r - n0);
+        const int n = r < n0 ? n0 : R - n0;
+        const int64_t row_block = (r0 + r) * blocks + b0 + g;
+        acc[r] = add_block(acc[r], _mm512_load_si512(hi), _mm512_load_si512(hi + 16 * n), d, m, a.scale[row_block],
+                           a.sum[row_block]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -370,15 +420,23 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
   };
 #if Q4_AMX
   if (rows_n >= amx_min_rows.load(std::memory_order_relaxed) && amx_permitted()) {
-    // each pass of up to 16 rows over the chunk's tiles, the tiles configured for its rows
+    // each chunk of tiles in passes of up to 16 rows (a tile's weight read from memory once, then from the caches),
+    // every pass's activations stacked once for all threads
+    std::vector<std::pair<int64_t, int64_t>> passes;
+    std::vector<std::vector<int8_t>> parts;
+    equal_passes(rows_n, kAmxMaxRows, [&](int64_t r, int64_t n) {
+      passes.emplace_back(r, n);
+      parts.push_back(stack_parts(a, r, n, k));
+    });
     const int64_t chunk = std::max<int64_t>(1, (n_tiles + 8 * at::get_num_threads() - 1) / (8 * at::get_num_threads()));
     dynamic_for(n_tiles, chunk, [&](int64_t t0, int64_t t1) {
-      equal_passes(rows_n, kAmxMaxRows, [&](int64_t r, int64_t n) {
+      for (size_t p = 0; p < passes.size(); ++p) {
+        const auto [r, n] = passes[p];
         configure_tiles(static_cast<int>(n));
         with_count<kAmxMaxRows>(n, [&](auto rows) {
-          for (int64_t t = t0; t < t1; ++t) amx_tile<rows>(w, s, a, k, r, t, out, n_out);
+          for (int64_t t = t0; t < t1; ++t) amx_tile<rows>(w, s, a, parts[p].data(), k, r, t, out, n_out);
         });
-      });
+      }
       _tile_release();
     });
     return y;
