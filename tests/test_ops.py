@@ -629,7 +629,7 @@ def test_cpu_kernels_amx_path_computes_what_the_avx512_one_does(kernel_builds, b
         nib, dm = native.pack_q4(w)
         for rows in (1, 3, 4, 5, 8, 9, 15, 16, 17, 33):
             x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(torch.bfloat16)
-            for least in (9, 1):  # the path from a second pass's rows on, then at every row count
+            for least in (9, 1):  # the path from two halves of rows on, then at every row count
                 assert amx.q4_amx_min_rows(least) == least
                 assert torch.equal(amx.q4_linear(x, nib, dm), avx512.q4_linear(x, nib, dm)), (n, k, rows, least)
     amx.q4_amx_min_rows(native.AMX_NEVER)
