@@ -24,7 +24,6 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "activations.h"
@@ -422,19 +421,15 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
   if (rows_n >= amx_min_rows.load(std::memory_order_relaxed) && amx_permitted()) {
     // each chunk of tiles in passes of up to 16 rows (a tile's weight read from memory once, then from the caches),
     // every pass's activations stacked once for all threads
-    std::vector<std::pair<int64_t, int64_t>> passes;
-    std::vector<std::vector<int8_t>> parts;
-    equal_passes(rows_n, kAmxMaxRows, [&](int64_t r, int64_t n) {
-      passes.emplace_back(r, n);
-      parts.push_back(stack_parts(a, r, n, k));
-    });
+    struct Pass { int64_t r, n; std::vector<int8_t> parts; };  // rows [r, r + n), stacked by stack_parts
+    std::vector<Pass> passes;
+    equal_passes(rows_n, kAmxMaxRows, [&](int64_t r, int64_t n) { passes.push_back({r, n, stack_parts(a, r, n, k)}); });
     const int64_t chunk = std::max<int64_t>(1, (n_tiles + 8 * at::get_num_threads() - 1) / (8 * at::get_num_threads()));
     dynamic_for(n_tiles, chunk, [&](int64_t t0, int64_t t1) {
-      for (size_t p = 0; p < passes.size(); ++p) {
-        const auto [r, n] = passes[p];
-        configure_tiles(static_cast<int>(n));
-        with_count<kAmxMaxRows>(n, [&](auto rows) {
-          for (int64_t t = t0; t < t1; ++t) amx_tile<rows>(w, s, a, parts[p].data(), k, r, t, out, n_out);
+      for (const Pass& p : passes) {
+        configure_tiles(static_cast<int>(p.n));
+        with_count<kAmxMaxRows>(p.n, [&](auto rows) {
+          for (int64_t t = t0; t < t1; ++t) amx_tile<rows>(w, s, a, p.parts.data(), k, p.r, t, out, n_out);
         });
       }
       _tile_release();
