@@ -195,14 +195,17 @@ def _build(name: str) -> tuple[tuple[Path, ...], tuple[str, ...]]:
     return (PORTABLE, OPENMP_SIMD) if name == "portable" else (SOURCES, (*OPENMP, *ISAS[name].compiler_flags()))
 
 
-def build_beside(name: str, directory: Path):
+def build_beside(name: str, directory: Path, csrc: Path | None = None, namespace: str | None = None):
     """The kernels built for ISA `name` (or the portable ones alone, "portable") under their own op namespace
-    (`torch.ops.flagdeploy_cpu_<name>`) and loaded beside this process's: how a test or benchmark on a larger CPU
-    runs a smaller class's kernels (avx2 on an AVX-512 CPU) in the same process. Built into `directory`, not the
-    cache."""
-    ns = f"flagdeploy_cpu_{name}"
+    (`torch.ops.flagdeploy_cpu_<name>`, or `namespace`) and loaded beside this process's: how a test or benchmark
+    on a larger CPU runs a smaller class's kernels (avx2 on an AVX-512 CPU) in the same process, or another
+    version's (`csrc`: that version's csrc/ folder, e.g. a git ref's) beside this one's. Built into `directory`,
+    not the cache."""
+    ns = namespace or f"flagdeploy_cpu_{name}"
     so = directory / f"{ns}.so"
     sources, flags = _build(name)
+    if csrc is not None:
+        sources = tuple(csrc / p.name for p in sources)
     _compile(so, (*flags, f"-DFLAGDEPLOY_OPS_NS={ns}"), sources)
     torch.ops.load_library(str(so))
     return getattr(torch.ops, ns)

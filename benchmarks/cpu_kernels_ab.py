@@ -1,0 +1,122 @@
+"""The cpu backend's kernels of this checkout against a git ref's, in one process, on the same weights and inputs:
+the default model's C++ decode step (a speculative verify step of one sequence, as cpu_few_rows.py shapes it),
+its 120 4-bit linears alone and a verify step's attention x 30, rounds alternating between the two builds.
+
+    python benchmarks/cpu_kernels_ab.py [--ref HEAD] [--rows 1 5 16] [--rounds 30] [--threads N]
+
+Why: on a small shared VM a figure drifts 10-20% from hour to hour and from one process to the next, so a kernel
+change worth a few percent cannot be seen by running a benchmark before and after it. Here both builds run in the
+same process, in the same minutes, their calls interleaved (the order flipping every round), and the figure is
+the median ratio. The ref's backends/cpu/csrc is built for this CPU's ISA (FLAGDEPLOY_CPU_ISA's where set) under
+its own op namespace beside the working tree's kernels. Outputs are compared first: a change meant to keep the
+bits says so (or not) before its speed is shown.
+
+Measured against itself (the ref's kernels the working tree's), 20 rounds on the 2-core AVX-512 EPYC, two runs: the
+step and the linears 0.994-1.028x, attention 0.992-1.054x and once 1.160x (16 rows): read a few percent as noise,
+attention's more, and run twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from cpu_few_rows import verify_step  # this script runs from benchmarks/
+from cpu_vs_llama_server import cpu_name
+
+from flagdeploy.backends.cpu import llama_step, native
+from flagdeploy.checkpoints.source import resolve
+from flagdeploy.engine import EngineConfig
+from flagdeploy.engine.replica import build_llm_engine
+
+REPO = Path(__file__).resolve().parents[1]
+CSRC = "backends/cpu/csrc"
+
+
+def build_ref(ref: str, tmp: Path):
+    """`ref`'s kernels, built for this CPU's ISA and loaded as torch.ops / torch.classes.flagdeploy_cpu_ref."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, CSRC], capture_output=True, check=False)
+    if archive.returncode:
+        raise SystemExit(f"git archive {ref} {CSRC} failed: {archive.stderr.decode().strip()} "
+                         "(this benchmark needs a git checkout and a ref that has the cpu backend's sources)")
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
+    return native.build_beside(native.isa(), tmp / "build", csrc=tmp / CSRC, namespace="flagdeploy_cpu_ref")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ref", default="HEAD", help="the git ref whose kernels are the baseline")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16])
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    src = resolve(None)
+    engine = build_llm_engine(src.path, src.format, EngineConfig(), chip="cpu", progress=False)
+    runner, model = engine.runner, engine.runner.model
+    if runner.native is None:
+        raise SystemExit("no C++ decode step here (see the engine's log): nothing to compare")
+    with tempfile.TemporaryDirectory() as tmp:
+        ops = {"ref": build_ref(args.ref, Path(tmp)), "new": torch.ops.flagdeploy_cpu}
+    if native.isa() == "amx":  # the same AMX threshold for both (the tune table's, set on the working tree's)
+        ops["ref"].q4_amx_min_rows(ops["new"].q4_amx_min_rows(0))
+    layer, cfg = model.layers[0], model.cfg
+    tensors = llama_step._tensors(model, runner.kv_caches)
+    dims = [layer.heads, layer.kv_heads, cfg.head_dim, cfg.vocab_size]
+    steps = {k: getattr(torch.classes, ns).LlamaStep(tensors, dims, cfg.rms_norm_eps, layer.scale)
+             for k, ns in (("ref", "flagdeploy_cpu_ref"), ("new", "flagdeploy_cpu"))}
+    packed = [m.qweight.prepared for m in model.modules()
+              if getattr(m, "qweight", None) is not None and m is not model.lm_head and "nib" in m.qweight.prepared]
+    g = torch.Generator().manual_seed(0)
+    kc, vc = (torch.randn(400, 16, layer.kv_heads, cfg.head_dim, generator=g).bfloat16() for _ in range(2))
+    table = torch.randperm(400, generator=g)[:17]
+    inputs = {}
+    for r in args.rows:
+        st = verify_step(r, 256, runner.block_size, cfg.vocab_size)
+        width = max(len(t) for t in st.tables)
+        inputs[r] = {
+            "step": (torch.tensor([st.ids, st.positions, st.slots, st.ctx_lens], dtype=torch.int64),
+                     torch.tensor([t + [0] * (width - len(t)) for t in st.tables], dtype=torch.int64), True),
+            "x": {p["nib"].shape[1] * 32: torch.randn(r, p["nib"].shape[1] * 32, generator=g).bfloat16() for p in packed},
+            "q": torch.randn(r, layer.heads, cfg.head_dim, generator=g).bfloat16(),
+            "attn": (table.expand(r, -1).contiguous(), torch.arange(257 - r, 257)),
+        }
+    kinds = {
+        "step": lambda k, r: steps[k].step(*inputs[r]["step"]),
+        "120 4-bit linears": lambda k, r: [ops[k].q4_linear(inputs[r]["x"][p["nib"].shape[1] * 32], p["nib"], p["dm"])
+                                           for p in packed],
+        "attention x 30": lambda k, r: [ops[k].paged_decode_attention(inputs[r]["q"], kc, vc, *inputs[r]["attn"], 0.125)
+                                        for _ in range(len(model.layers))],
+    }
+    same = {}
+    for name, fn in kinds.items():
+        for r in args.rows:
+            a, b = fn("ref", r), fn("new", r)
+            a, b = (torch.cat([t.flatten() for t in x]) if isinstance(x, list) else x for x in (a, b))
+            same[(name, r)] = torch.equal(a, b)
+    times = {(k, name, r): [] for k in ops for name in kinds for r in args.rows}
+    for i in range(args.rounds):
+        for name, fn in kinds.items():
+            for r in args.rows:
+                for k in ("ref", "new") if i % 2 else ("new", "ref"):
+                    t = time.perf_counter()
+                    fn(k, r)
+                    times[(k, name, r)].append((time.perf_counter() - t) * 1e3)
+    print(f"CPU: {cpu_name()}, ISA class {native.isa_class()}, {torch.get_num_threads()} thread(s), torch "
+          f"{torch.__version__}; {args.ref}'s kernels (ref) against the working tree's (new), median of {args.rounds} "
+          "rounds, ms")
+    print(f"{'':>18} {'rows':>5} {'ref':>9} {'new':>9} {'new/ref':>8}  bitwise equal")
+    for name in kinds:
+        for r in args.rows:
+            ref, new = (statistics.median(times[(k, name, r)]) for k in ("ref", "new"))
+            print(f"{name:>18} {r:5d} {ref:9.3f} {new:9.3f} {new / ref:7.3f}x  {'yes' if same[(name, r)] else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
