@@ -204,8 +204,8 @@ def build_beside(name: str, directory: Path, csrc: Path | None = None, namespace
     ns = namespace or f"flagdeploy_cpu_{name}"
     so = directory / f"{ns}.so"
     sources, flags = _build(name)
-    if csrc is not None:
-        sources = tuple(csrc / p.name for p in sources)
+    if csrc is not None:  # that version's own files (it may have more or fewer than this one)
+        sources = tuple(csrc / p.name for p in sources) if name == "portable" else tuple(sorted(csrc.glob("*.cpp")))
     _compile(so, (*flags, f"-DFLAGDEPLOY_OPS_NS={ns}"), sources)
     torch.ops.load_library(str(so))
     return getattr(torch.ops, ns)
