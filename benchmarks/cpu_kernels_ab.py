@@ -11,8 +11,8 @@ the median ratio. The ref's backends/cpu/csrc is built for this CPU's ISA (FLAGD
 its own op namespace beside the working tree's kernels. Outputs are compared first: a change meant to keep the
 bits says so (or not) before its speed is shown.
 
-Measured against itself (the ref's kernels the working tree's), 20 rounds on the 2-core AVX-512 EPYC, two runs: the
-step and the linears 0.994-1.028x, attention 0.992-1.054x and once 1.160x (16 rows): read a few percent as noise,
+Measured against itself (a working tree with no change), 20 rounds on the 2-core AVX-512 EPYC, two runs: the step
+and the linears 0.994-1.028x, attention 0.992-1.054x and once 1.160x (16 rows): read a few percent as noise,
 attention's more, and run twice.
 """
 
