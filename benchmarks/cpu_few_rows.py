@@ -43,6 +43,21 @@ def verify_step(rows: int, context: int, block_size: int, vocab: int) -> PagedSt
                      verify=rows > 1)
 
 
+def default_model(threads: int | None):
+    """(runner, model) of the default model's engine as serve builds it on the CPU, on `threads` torch threads."""
+    if threads:
+        torch.set_num_threads(threads)
+    src = resolve(None)
+    engine = build_llm_engine(src.path, src.format, EngineConfig(), chip="cpu", progress=False)
+    return engine.runner, engine.runner.model
+
+
+def packed_linears(model) -> list[dict]:
+    """The prepared weights of the model's 4-bit linears (the LM head is int8)."""
+    return [m.qweight.prepared for m in model.modules()
+            if getattr(m, "qweight", None) is not None and m is not model.lm_head and "nib" in m.qweight.prepared]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=256, help="tokens already in the sequence's cache")
@@ -50,13 +65,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--eager", action="store_true", help="also time the eager step (no C++ step)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    src = resolve(None)
-    engine = build_llm_engine(src.path, src.format, EngineConfig(), chip="cpu", progress=False)
-    runner, model = engine.runner, engine.runner.model
-    packed = [m.qweight.prepared for m in model.modules()
-              if getattr(m, "qweight", None) is not None and m is not model.lm_head and "nib" in m.qweight.prepared]
+    runner, model = default_model(args.threads)
+    packed = packed_linears(model)
     steps = {r: verify_step(r, args.context, runner.block_size, model.cfg.vocab_size) for r in ROWS}
     xs = {r: {p["nib"].shape[1] * 32: torch.randn(r, p["nib"].shape[1] * 32).bfloat16() for p in packed} for r in ROWS}
     native_step = runner.native

@@ -26,13 +26,10 @@ import time
 from pathlib import Path
 
 import torch
-from cpu_few_rows import verify_step  # this script runs from benchmarks/
+from cpu_few_rows import default_model, packed_linears, verify_step  # this script runs from benchmarks/
 from cpu_vs_llama_server import cpu_name
 
 from flagdeploy.backends.cpu import llama_step, native
-from flagdeploy.checkpoints.source import resolve
-from flagdeploy.engine import EngineConfig
-from flagdeploy.engine.replica import build_llm_engine
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC = "backends/cpu/csrc"
@@ -55,11 +52,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    src = resolve(None)
-    engine = build_llm_engine(src.path, src.format, EngineConfig(), chip="cpu", progress=False)
-    runner, model = engine.runner, engine.runner.model
+    runner, model = default_model(args.threads)
     if runner.native is None:
         raise SystemExit("no C++ decode step here (see the engine's log): nothing to compare")
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,18 +64,15 @@ def main() -> None:
     dims = [layer.heads, layer.kv_heads, cfg.head_dim, cfg.vocab_size]
     steps = {k: getattr(torch.classes, ns).LlamaStep(tensors, dims, cfg.rms_norm_eps, layer.scale)
              for k, ns in (("ref", "flagdeploy_cpu_ref"), ("new", "flagdeploy_cpu"))}
-    packed = [m.qweight.prepared for m in model.modules()
-              if getattr(m, "qweight", None) is not None and m is not model.lm_head and "nib" in m.qweight.prepared]
+    packed = packed_linears(model)
     g = torch.Generator().manual_seed(0)
     kc, vc = (torch.randn(400, 16, layer.kv_heads, cfg.head_dim, generator=g).bfloat16() for _ in range(2))
     table = torch.randperm(400, generator=g)[:17]
     inputs = {}
     for r in args.rows:
         st = verify_step(r, 256, runner.block_size, cfg.vocab_size)
-        width = max(len(t) for t in st.tables)
         inputs[r] = {
-            "step": (torch.tensor([st.ids, st.positions, st.slots, st.ctx_lens], dtype=torch.int64),
-                     torch.tensor([t + [0] * (width - len(t)) for t in st.tables], dtype=torch.int64), True),
+            "step": (*llama_step.step_inputs(st.ids, st.positions, st.slots, st.tables, st.ctx_lens), True),
             "x": {p["nib"].shape[1] * 32: torch.randn(r, p["nib"].shape[1] * 32, generator=g).bfloat16() for p in packed},
             "q": torch.randn(r, layer.heads, cfg.head_dim, generator=g).bfloat16(),
             "attn": (table.expand(r, -1).contiguous(), torch.arange(257 - r, 257)),

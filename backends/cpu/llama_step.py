@@ -45,13 +45,20 @@ class LlamaStep:
         verify step's rows (a sequence's last token and its drafts, each with its own context length) keep the
         head's packed kernel at any row count, as the eager step's verify mode does: the kernel is row-invariant,
         so each row's logits are a plain decode row's, bit for bit."""
-        width = max(len(t) for t in tables)
-        rows = torch.tensor([ids, positions, slots, ctx], dtype=torch.int64)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        rows, padded = step_inputs(ids, positions, slots, tables, ctx)
         if len(ids) <= self._head_rows or verify:
             return self._step.step(rows, padded, True)
         # the head's dense copy, as the eager step calls it
         return self._head(self._step.step(rows, padded, False))[..., : self._vocab].float()
+
+
+def step_inputs(ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+                ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What csrc/llama_step.cpp's `step` takes for these rows: ids, positions, slots and context lengths as the
+    rows of one int64 tensor [4, n], and the block tables padded with block 0 to the widest [n, W]."""
+    width = max(len(t) for t in tables)
+    rows = torch.tensor([ids, positions, slots, ctx], dtype=torch.int64)
+    return rows, torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
 
 
 def _linear(lin) -> list[torch.Tensor] | None:
