@@ -258,13 +258,14 @@ def linear_w4a16(x, w: Int4Weight, bias=None):
 
 
 def prepare_w8a16(w: Int8Weight):
-    """Per-channel weights: the backend's own int8 kernel's layout where it builds, else torch's int8 GEMV's;
-    and a dense copy for more rows. Per-group scales: the dense copy only (neither packed kernel takes them)."""
-    if w.group_size:
-        return _keyed(stripped(w, dense=_dense_copy(w)))
+    """The backend's own int8 kernel's layout where it builds (per channel, or per group of 32: a GGUF's Q8_0 /
+    Q5_0 linears), else for per-channel weights torch's int8 GEMV's; and a dense copy for more rows. Other group
+    sizes, or groups without the kernel: the dense copy only."""
     if native.available() and native.fits_q8(w):
         w8, d = native.pack_q8(w)
         return _keyed(stripped(w, w8=w8, d=d, dense=_dense_copy(w)))
+    if w.group_size:
+        return _keyed(stripped(w, dense=_dense_copy(w)))
     return _keyed(stripped(w, q=w.q, scales=w.scales.to(torch.bfloat16), dense=_dense_copy(w)))
 
 

@@ -1,4 +1,5 @@
-"""GGUF files: llama-architecture metadata and weights, dequantised to the run dtype tensor by tensor."""
+"""GGUF files: llama-architecture metadata and weights, tensor by tensor: dequantised to the run dtype, or kept in
+the quantized bundles the backend's kernels take (4-bit blocks as Int4Weight, wider quantized types as int8)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from typing import Iterator
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 
 from flagdeploy.errors import ModelLoadError
 from flagdeploy.models.config import ModelConfig
-from flagdeploy.ops.weights import Int4Weight
+from flagdeploy.ops.weights import Int4Weight, Int8Weight
 
 from .gguf_file import GGUFFile
 
@@ -113,12 +114,38 @@ def _q4_blocks(data: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarra
     return q, d, zeros
 
 
-_Q4 = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+def _q4k_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raw Q4_K rows → (q [N, K] 0..15, scales [N, K/32], zeros [N, K/32]), Int4Weight's groups of 32.
+
+    A super-block of 256 values is fp16 d and dmin, 12 bytes holding a 6-bit scale sc and min m for each of
+    its 8 groups of 32, and 128 bytes of nibbles: 32 bytes per pair of groups, the first group's values in the
+    low nibbles, the second's in the high ones. Q4_K means d * sc * q - dmin * m, so scales = d * sc (exact in
+    float32) and zeros = 8 * scales - dmin * m (one rounding).
+    """
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, 144)
+    d, dmin = (blocks[..., i:i + 2].copy().view(np.float16)[..., 0].astype(np.float32) for i in (0, 2))
+    sc, m = (a.reshape(n, -1, 8).astype(np.float32) for a in Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12)))
+    nib = blocks[..., 16:].reshape(n, -1, 4, 1, 32)
+    q = np.concatenate((nib & 0x0F, nib >> 4), axis=-2).reshape(n, -1)
+    scales = d[..., None] * sc
+    zeros = 8 * scales - dmin[..., None] * m
+    return q, scales.reshape(n, -1), zeros.reshape(n, -1)
 
 
-def iter_tensors(reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype,
-                 keep_int4: bool = False) -> Iterator[tuple[str, "torch.Tensor | Int4Weight"]]:
-    """(HF name, tensor) pairs, dequantised one at a time; with keep_int4, 4-bit linears stay 4-bit."""
+_Q4 = {GGMLQuantizationType.Q4_0: functools.partial(_q4_blocks, qtype=GGMLQuantizationType.Q4_0),
+       GGMLQuantizationType.Q4_1: functools.partial(_q4_blocks, qtype=GGMLQuantizationType.Q4_1),
+       GGMLQuantizationType.Q4_K: _q4k_blocks}
+_FLOAT = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def iter_tensors(reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, keep_int4: bool = False,
+                 keep_int8: bool = False) -> Iterator[tuple[str, "torch.Tensor | Int4Weight | Int8Weight"]]:
+    """(HF name, tensor) pairs, one at a time. With keep_int4, 4-bit linears (Q4_0, Q4_1, Q4_K) stay 4-bit, as
+    they are. With keep_int8, the other quantized linears (Q5_*, Q6_K, Q8_0, ...: what a Q4_K_M file holds beside
+    its Q4_K) become int8 with a scale per group of 32 (`_int8_groups`), so that every linear of such a file runs
+    on the backend's packed kernels rather than as a dense copy. The rest, and every float tensor, is
+    dequantised to `dtype`."""
     for t in reader.tensors:
         if t.name in _NAME_MAP:
             name = _NAME_MAP[t.name]
@@ -129,8 +156,9 @@ def iter_tensors(reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype,
                 continue
             name = f"model.layers.{m.group(1)}.{_BLOCK_MAP[m.group(2)]}.{m.group(3)}"
         heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads if ".k_proj." in name else 0
-        if keep_int4 and t.tensor_type in _Q4 and name.endswith("proj.weight"):
-            q, s, z = (_unpermute(a, heads) if heads else a for a in _q4_blocks(np.asarray(t.data), t.tensor_type))
+        linear = name.endswith("proj.weight")
+        if keep_int4 and linear and t.tensor_type in _Q4:
+            q, s, z = (_unpermute(a, heads) if heads else a for a in _Q4[t.tensor_type](np.asarray(t.data)))
             yield name, Int4Weight(torch.from_numpy(q), torch.from_numpy(s), torch.from_numpy(z), 32, q.shape[0], q.shape[1])
             continue
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
@@ -140,4 +168,26 @@ def iter_tensors(reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype,
         if heads:
             arr = _unpermute(arr, heads)
         arr = arr if arr.flags.writeable else arr.copy()
-        yield name, torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
+        w = torch.from_numpy(np.ascontiguousarray(arr))
+        yield name, _int8_groups(t, w, heads) if keep_int8 and linear and t.tensor_type not in _FLOAT else w.to(dtype)
+
+
+# Types whose block is an fp16 scale d, then values q with w = d * q, |q| <= 127 (Q5_0: q - 16): exactly int8 per group
+_SYMMETRIC = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0)
+
+
+def _int8_groups(t, w: torch.Tensor, heads: int) -> Int8Weight:
+    """A wider-than-4-bit quantized linear as int8 in groups of 32: exactly where the type is d * q per 32 (Q8_0,
+    Q5_0: q = w / d, since d * q is exact in float32), else rounded to nearest from its own values with the group's
+    largest at 127 (Q6_K's two sub-block scales per 32, Q5_1 / Q5_K's minimums: at most half a 254th of the group's
+    largest value off)."""
+    if t.tensor_type not in _SYMMETRIC:
+        return Int8Weight.quantize(w, 32)
+    n = w.shape[0]
+    d = np.asarray(t.data).reshape(n, -1, 34 if t.tensor_type == GGMLQuantizationType.Q8_0 else 22)[..., :2]
+    d = torch.from_numpy(d.copy().view(np.float16)[..., 0].astype(np.float32))
+    if heads:
+        d = torch.from_numpy(_unpermute(d.numpy(), heads))
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.round(w.unflatten(1, (-1, 32)) / safe[..., None]).flatten(1)
+    return Int8Weight(q.to(torch.int8), d, n, w.shape[1], group_size=32)

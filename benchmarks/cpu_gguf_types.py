@@ -1,0 +1,123 @@
+"""A GGUF of any common quantization type (Q4_K_M, Q5_0, Q8_0, ...) on the cpu backend: how its linears load,
+what that costs in accuracy, and the decode step's time, against the same file's weights dequantised to float32.
+
+What users download is mostly Q4_K_M: Q4_K linears with Q6_K among them, and Q5_0 / Q8_0 where a row is not a
+multiple of 256 values (llama.cpp's fallbacks). weight_format "auto" keeps Q4_0 / Q4_1 / Q4_K linears 4-bit as
+they are and takes the other quantized types as per-channel int8, so that the C++ decode step serves the model;
+this prints, for the file given:
+  - its linears' GGUF types and what they became (4-bit, int8, dense), by bytes of the packed form;
+  - against the dense float32 model of the same file on a few chat prompts: mean and largest next-token KL, top-1
+    agreement, largest relative logit difference (what tests/test_quantized_weights.py bounds for the Q4_1 file);
+  - the decode step in-process at 1 and 5 rows (one sequence, 256 tokens of context) and which path serves it
+    ("C++ step" or "eager"). Run from an older checkout (PYTHONPATH) for what that version did with the file.
+
+    python benchmarks/cpu_gguf_types.py MODEL.gguf [--threads 2] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from pathlib import Path
+
+import torch
+from gguf import GGUFReader
+
+from flagdeploy.engine import EngineConfig
+from flagdeploy.engine.decode_inputs import DecodeInputs
+from flagdeploy.engine.replica import build_llm_engine
+from flagdeploy.models.attention import AttentionMetadata
+from flagdeploy.models.linear import Linear
+
+PROMPTS = ("Write two sentences about the ocean.", "What is the capital of France?",
+           "def fib(n):\n    # return the n-th Fibonacci number\n",
+           "Translate to French: The weather is nice today and we are going to the beach.")
+
+
+def engine(path: str, weight_format: str, threads: int):
+    torch.set_num_threads(threads)
+    return build_llm_engine(Path(path), "gguf", EngineConfig(weight_format=weight_format, max_model_len=1024, max_num_seqs=8),
+                            chip="cpu", progress=False)
+
+
+def logits(eng, ids: list[int]) -> torch.Tensor:
+    t = len(ids)
+    cu = torch.tensor([0, t], dtype=torch.int32)
+    meta = AttentionMetadata(positions=torch.arange(t), slot_mapping=torch.arange(t), num_prefill_tokens=t,
+                             cu_seqlens_q=cu, cu_seqlens_k=cu, prefill_kv_slots=None, block_tables=None,
+                             context_lens=None, logits_indices=torch.arange(t))
+    caches = [[torch.zeros_like(c) for c in layer] for layer in eng.runner.kv_caches]
+    with torch.inference_mode():
+        return eng.model(torch.tensor(ids), meta, caches).float()
+
+
+def step_ms(eng, rows: int, rounds: int) -> tuple[float, str]:
+    """Best time of a decode step of `rows` rows of one sequence at 256 tokens of context (a verify step's shape),
+    through the runner as the engine calls it, and which step served it."""
+    runner, block = eng.runner, eng.runner.block_size
+    ctx0 = 256 - rows
+    table = list(range((256 + block - 1) // block))
+    ids, pos = [1] * rows, list(range(ctx0, 256))
+    native = getattr(runner, "native", None)
+    path = "C++ step" if native is not None and rows <= native.max_rows else "eager"
+
+    def once():
+        if path == "C++ step":
+            native.run(ids, pos, pos, [table] * rows, [p + 1 for p in pos], verify=rows > 1)
+        else:
+            with torch.inference_mode():
+                runner._decode(DecodeInputs.build(ids, pos, pos, [table] * rows, [p + 1 for p in pos], None, "cpu"))
+
+    for _ in range(3):
+        once()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(5):
+            once()
+        best = min(best, (time.perf_counter() - t) / 5)
+    return best * 1e3, path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+
+    types = collections.Counter(t.tensor_type.name for t in GGUFReader(args.model).tensors if t.name.startswith("blk.")
+                                and len(t.shape) == 2)
+    auto = engine(args.model, "auto", args.threads)
+    kinds = collections.Counter()
+    for m in auto.model.modules():
+        if isinstance(m, Linear):
+            q = m.qweight
+            kinds[type(q).__name__ if q is not None else "dense"] += m.out_features * m.in_features
+    total = sum(kinds.values())
+    print(f"{args.model}: linears' GGUF types {dict(types)}")
+    print("loaded as (share of weights): " + ", ".join(f"{k} {v / total:.0%}" for k, v in kinds.items()))
+
+    dense = engine(args.model, "dense", args.threads)
+    tok = auto.tokenizer
+    kl, agree, rel, n = [], 0, 0.0, 0
+    for text in PROMPTS:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+        a, b = logits(dense, ids), logits(auto, ids)
+        kl.append(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="none").sum(-1))
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        n += len(ids)
+        rel = max(rel, ((a - b).norm(dim=-1) / a.norm(dim=-1)).max().item())
+    kls = torch.cat(kl)
+    print(f"against dense float32, {n} positions: mean KL {kls.mean():.5f}, max KL {kls.max():.4f}, "
+          f"top-1 agreement {agree / n:.3f}, largest relative logit difference {rel:.4f}")
+
+    del dense
+    for rows in (1, 5):
+        ms, path = step_ms(auto, rows, args.rounds)
+        print(f"decode step, {rows} row{'s' if rows > 1 else ''}: {ms:.2f} ms ({path}; best of {args.rounds}, {args.threads} threads)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""A GGUF's quantized linears of every common type on the cpu backend's packed kernels (weight_format "auto").
+
+What users download is mostly Q4_K_M: Q4_K linears with Q6_K ones among them (attn_v and ffn_down of some layers,
+the output), and Q5_0 / Q8_0 where a row is not a multiple of 256 values. Q4_0, Q4_1 and Q4_K must arrive as
+the 4-bit bundle without loss; the wider types as int8 in groups of 32 (Q8_0 and Q5_0 exactly); and
+a model mixing them must decode on the C++ step, bit for bit what the eager step computes, close to the dense
+float32 model.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from flagdeploy.checkpoints import gguf_reader
+from flagdeploy.ops.weights import Int4Weight, Int8Weight
+
+# where each type keeps its fp16 scales in a block, and their size: the rest of a block is random bytes
+_HALVES = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
+           T.Q6_K: (208,)}
+_SCALE = {T.Q4_0: 1 / 8, T.Q4_1: 1 / 15, T.Q5_0: 1 / 16, T.Q5_1: 1 / 31, T.Q8_0: 1 / 127, T.Q4_K: 1 / (63 * 15),
+          T.Q5_K: 1 / (63 * 31), T.Q6_K: 1 / (127 * 32)}
+FOUR_BIT = (T.Q4_0, T.Q4_1, T.Q4_K)
+WIDER = (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0)
+
+
+def random_blocks(kind: T, rows: int, cols: int, rng: np.random.Generator, peak: float = 0.1) -> np.ndarray:
+    """Raw rows [rows, bytes] of valid `kind` blocks: random quants and sub-block scales, fp16 scales (and
+    minimums: a second half, negated) that keep the values within about +-peak."""
+    block, size = GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for i, at in enumerate(_HALVES[kind]):
+        half = (rng.uniform(0.5, 1.0, (rows, cols // block)) * peak * _SCALE[kind] * (1 if i == 0 else -0.5))
+        data[..., at:at + 2] = half.astype(np.float16)[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def test_every_quantized_type_arrives_as_the_kernels_take_it(tmp_path):
+    """4-bit types as Int4Weight, dequantising to the GGUF's own values; the wider ones as int8 in groups of 32,
+    exactly where the type is d * q per 32 (Q8_0, Q5_0), else within half a step of the group's grid; floats and
+    non-linears as they were."""
+    rng = np.random.default_rng(0)
+    path, kinds = tmp_path / "types.gguf", FOUR_BIT + WIDER
+    w = GGUFWriter(str(path), "llama")
+    for layer, kind in enumerate(kinds):
+        w.add_tensor(f"blk.{layer}.ffn_down.weight", random_blocks(kind, 16, 512, rng), raw_dtype=kind)
+    w.add_tensor("blk.0.ffn_norm.weight", rng.standard_normal(512).astype(np.float32))
+    w.add_tensor("token_embd.weight", random_blocks(T.Q6_K, 8, 256, rng), raw_dtype=T.Q6_K)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+    reader = gguf_reader.open_gguf(path)
+    cfg = SimpleNamespace(num_heads=1, num_kv_heads=1)
+    got = dict(gguf_reader.iter_tensors(reader, cfg, torch.float32, keep_int4=True, keep_int8=True))
+    for t in GGUFReader(str(path)).tensors:
+        want = dequantize(t.data, t.tensor_type) if t.tensor_type != T.F32 else np.asarray(t.data)
+        name = t.name.replace("blk.", "model.layers.").replace("ffn_down", "mlp.down_proj").replace(
+            "ffn_norm", "post_attention_layernorm").replace("token_embd", "model.embed_tokens")
+        bundle = got[name]
+        if t.tensor_type in FOUR_BIT and "down_proj" in name:
+            assert isinstance(bundle, Int4Weight) and bundle.group_size == 32, t.tensor_type
+            np.testing.assert_allclose(bundle.dequantize(torch.float64).numpy(), want, rtol=0, atol=1e-7 * abs(want).max())
+        elif t.tensor_type in WIDER and "down_proj" in name:
+            assert isinstance(bundle, Int8Weight) and bundle.group_size == 32, t.tensor_type
+            got_w = bundle.dequantize(torch.float64).numpy()
+            if t.tensor_type in (T.Q8_0, T.Q5_0):  # d * q per 32: exactly
+                np.testing.assert_array_equal(got_w, want)
+            else:  # within half a step of the group's int8 grid
+                step = np.abs(want).reshape(16, -1, 32).max(axis=-1, keepdims=True) / 127
+                assert (np.abs(got_w - want).reshape(16, -1, 32) <= step / 2 * (1 + 1e-5)).all(), t.tensor_type
+        else:  # the embedding and the norm: dense, as they were
+            assert isinstance(bundle, torch.Tensor) and torch.equal(bundle, torch.from_numpy(want.astype(np.float32)))
+    # without keep_int8 the wider types stay dense, as before
+    plain = dict(gguf_reader.iter_tensors(reader, cfg, torch.float32, keep_int4=True))
+    assert isinstance(plain["model.layers.3.mlp.down_proj.weight"], torch.Tensor)
+
+
+# A Q4_K_M-like mix on a small llama whose rows are whole K-quant super-blocks: q / k / gate / up Q4_K, v Q6_K (so
+# qkv mixes layouts), o Q5_0, down Q6_K in layer 0 and Q4_K in layer 1, the tied embedding / head Q8_0.
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+MIX = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q5_0, "ffn_gate": T.Q4_K,
+       "ffn_up": T.Q4_K}
+
+
+def write_k_quant_llama(path, tokenizer_from) -> None:
+    """A random llama GGUF with the tokenizer of `tokenizer_from` (a GGUF path), in the Q4_K_M-like mix above."""
+    src, rng = GGUFReader(str(tokenizer_from)), np.random.default_rng(1)
+    w = GGUFWriter(str(path), "llama")
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    w.add_block_count(LAYERS), w.add_context_length(1024), w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN), w.add_head_count(HEADS), w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5), w.add_rope_freq_base(10000.0)
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    w.add_vocab_size(vocab)
+    w.add_tensor("token_embd.weight", random_blocks(T.Q8_0, vocab, HIDDEN, rng, peak=1.0), raw_dtype=T.Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    head_dim = HIDDEN // HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN), "attn_v": (KV_HEADS * head_dim, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    for layer in range(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(HIDDEN, np.float32))
+        for part, (rows, cols) in shapes.items():
+            kind = MIX.get(part, T.Q6_K if layer == 0 else T.Q4_K)
+            w.add_tensor(f"blk.{layer}.{part}.weight", random_blocks(kind, rows, cols, rng, peak=0.25), raw_dtype=kind)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+
+@pytest.fixture(scope="module")
+def k_quant_model(default_model, tmp_path_factory):
+    from flagdeploy.checkpoints.source import resolve
+
+    path = tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf"
+    write_k_quant_llama(path, default_model.path)
+    return resolve(str(path))
+
+
+def test_a_q4_k_m_mix_decodes_on_the_cpp_step_close_to_dense(k_quant_model):
+    """Every linear packed (Q4_K-only fusions 4-bit, qkv with its Q6_K v and the wider types int8), the C++ step
+    serving greedy decoding bit for bit as the eager step, and the prompt's logits close to the dense model's."""
+    from conftest import make_engine
+    from flagdeploy.backends.cpu import native
+    from test_cpu_llama_step import _checking
+    from test_llama_vs_transformers import _prefill_logits
+
+    from flagdeploy.engine import SamplingParams
+
+    packed = make_engine(k_quant_model, "auto", compile=None, max_num_seqs=2, max_model_len=256)
+    layer = packed.model.layers[0]
+    kinds = {name: type(getattr(layer, name).qweight).__name__ for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    assert kinds == {"qkv_proj": "Int8Weight", "o_proj": "Int8Weight", "gate_up_proj": "Int4Weight", "down_proj": "Int8Weight"}
+    assert type(packed.model.layers[1].down_proj.qweight) is Int4Weight
+    tok = packed.tokenizer
+    ids = tok.encode("The capital of France is")
+    if native.available():
+        assert packed.runner.native is not None, "the C++ step refused a model whose linears are all packed"
+        served = _checking(packed.runner)
+        greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        both, alone = packed.generate([ids, ids[:3]], greedy), packed.generate([ids], greedy)
+        assert 1 in served and 2 in served and both[0] == alone[0]
+    dense = make_engine(k_quant_model, "dense", max_num_seqs=2, max_model_len=256)
+    a, b = _prefill_logits(dense, ids), _prefill_logits(packed, ids)
+    rel = ((a - b).norm(dim=-1) / a.norm(dim=-1)).max().item()
+    assert rel < 0.05, f"relative logit drift {rel:.4f} against the dense model"
