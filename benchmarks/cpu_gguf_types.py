@@ -12,6 +12,13 @@ this prints, for the file given:
     ("C++ step" or "eager"). Run from an older checkout (PYTHONPATH) for what that version did with the file.
 
     python benchmarks/cpu_gguf_types.py MODEL.gguf [--threads 2] [--rounds 7]
+
+The bundled SmolLM2-135M's rows are 576 values wide, not a multiple of K-quants' 256: llama.cpp's Q4_K_M of it is
+mostly Q5_0. For the mix a larger model's Q4_K_M has (Q4_K, Q6_K among it), write a random one whose rows are
+whole super-blocks and have llama.cpp requantize it (random weights: its answers are noise, its speed is not):
+
+    python benchmarks/cpu_gguf_types.py --write-random /tmp/llama-1024.gguf [--hidden 1024 --layers 16 --ffn 2816]
+    python benchmarks/cpu_vs_llama_server.py --model /tmp/llama-1024.gguf --quantize Q4_K_M
 """
 
 from __future__ import annotations
@@ -21,9 +28,12 @@ import collections
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from gguf import GGUFReader
 
+from flagdeploy.checkpoints.source import resolve
+from flagdeploy.checkpoints.tiny_gguf import write_llama_gguf
 from flagdeploy.engine import EngineConfig
 from flagdeploy.engine.decode_inputs import DecodeInputs
 from flagdeploy.engine.replica import build_llm_engine
@@ -82,10 +92,26 @@ def step_ms(eng, rows: int, rounds: int) -> tuple[float, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model")
+    ap.add_argument("model", nargs="?")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--write-random", type=Path, metavar="OUT", help="write a random F16 llama GGUF with the bundled "
+                    "model's tokenizer to OUT and exit")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--ffn", type=int, default=2816)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
     args = ap.parse_args()
+    if args.write_random:
+        rng = np.random.default_rng(0)
+        write_llama_gguf(args.write_random, resolve(None).path,
+                         lambda name, rows, cols: (rng.standard_normal((rows, cols), np.float32) * 0.02).astype(np.float16),
+                         hidden=args.hidden, layers=args.layers, ffn=args.ffn, heads=args.heads, kv_heads=args.kv_heads)
+        print(args.write_random)
+        return
+    if not args.model:
+        ap.error("give a GGUF file (or --write-random OUT)")
 
     types = collections.Counter(t.tensor_type.name for t in GGUFReader(args.model).tensors if t.name.startswith("blk.")
                                 and len(t.shape) == 2)

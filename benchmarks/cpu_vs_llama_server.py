@@ -1,7 +1,8 @@
 """`flagdeploy serve` against llama.cpp's `llama-server` on the CPU, same GGUF, same run (issue 33).
 
     python benchmarks/cpu_vs_llama_server.py [--rounds 3] [--max-tokens 128] [--concurrency 16] [--quick]
-        [--llama-server PATH] [--model SRC] [--build-only] [--isa avx2] [--temperature T [--top-p P] [--top-k K]]
+        [--llama-server PATH] [--model SRC] [--quantize TYPE] [--build-only] [--isa avx2]
+        [--temperature T [--top-p P] [--top-k K]]
 
 What a CPU user would otherwise run is llama.cpp's server, so that is the baseline. The script:
 
@@ -10,8 +11,9 @@ What a CPU user would otherwise run is llama.cpp's server, so that is the baseli
    a user would build it for this machine (GGML_NATIVE, Release) and cached under
    `<flagdeploy cache>/llama-server/bin/`, keyed by that version and a hash of the CPU's flags, so only the
    first run on a machine pays the build (minutes). `--llama-server PATH` uses a binary you have.
-2. serves the embedded default GGUF (SmolLM2-135M-Instruct Q4_1, found as `flagdeploy serve` finds it)
-   with both servers, started one after the other and then both up, but never both busy (they would share
+2. serves the embedded default GGUF (SmolLM2-135M-Instruct Q4_1, found as `flagdeploy serve` finds it), or
+   --model's, requantized first to --quantize's type (Q4_K_M: what most users download) by llama.cpp's own
+   `llama-quantize` (built and cached as llama-server is), with both servers, started one after the other and then both up, but never both busy (they would share
    the cores): their rounds alternate, in the order A B B A A ..., so that a host whose speed drifts over
    the minutes of a run (this VM's does, by up to ~30%) favours neither:
    `llama-server -m GGUF -t THREADS -np CONCURRENCY -c CONCURRENCY*CTX_PER_SLOT` and `flagdeploy serve` with
@@ -183,23 +185,24 @@ def run_logged(cmd: list[str], logfile: Path, cwd: Path, env: dict[str, str] | N
         raise SystemExit(f"{cmd[0]} failed (exit {proc.returncode}); full log: {logfile}")
 
 
-def build_llama_server(version: str, jobs: int, isa: str | None = None) -> Path:
-    """The cached llama-server for this llama-cpp-python version and this CPU (or ISA), built first if absent."""
+def build_llama_server(version: str, jobs: int, isa: str | None = None, tool: str = "llama-server") -> Path:
+    """The cached llama-server (or another llama.cpp tool: `llama-quantize`) for this llama-cpp-python version and
+    this CPU (or ISA), built first if absent."""
     root = cache_dir() / "llama-server"
     cmake_flags = [f for f in CMAKE_FLAGS if not (isa and f.startswith("-DGGML_NATIVE"))] + ISA_CMAKE_FLAGS.get(isa, [])
     key = f"{cpu_key()}-{isa}" if isa else cpu_key()
-    binary = root / "bin" / f"llama-server-{version}-{key}"
+    binary = root / "bin" / f"{tool}-{version}-{key}"
     if binary.is_file() and os.access(binary, os.X_OK):
         log(f"using cached {binary}")
         return binary
-    for tool in ("cmake", "c++"):
-        if shutil.which(tool) is None:
-            raise SystemExit(f"building llama-server needs `{tool}` on PATH (or pass --llama-server PATH)")
+    for needed in ("cmake", "c++"):
+        if shutil.which(needed) is None:
+            raise SystemExit(f"building {tool} needs `{needed}` on PATH (or pass --llama-server PATH)")
     sdist_dir = root / "sdist"
     sdist_dir.mkdir(parents=True, exist_ok=True)
     sdist = sdist_dir / f"llama_cpp_python-{version}.tar.gz"
     binary.parent.mkdir(parents=True, exist_ok=True)
-    logfile = root / f"build-{version}-{key}.log"
+    logfile = root / f"build-{tool}-{version}-{key}.log"
     logfile.write_text("")
     t0 = time.perf_counter()
     if not sdist.is_file():
@@ -221,10 +224,10 @@ def build_llama_server(version: str, jobs: int, isa: str | None = None) -> Path:
         env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(work)}
         log(f"configuring llama.cpp {llama_cpp_version(src)} (log: {logfile})")
         run_logged(["cmake", "-B", "build", *cmake_flags], logfile, cwd=src, env=env)
-        log(f"building llama-server with {jobs} jobs; this takes minutes, once per machine")
-        run_logged(["cmake", "--build", "build", "--target", "llama-server", "-j", str(jobs)], logfile, cwd=src,
+        log(f"building {tool} with {jobs} jobs; this takes minutes, once per machine")
+        run_logged(["cmake", "--build", "build", "--target", tool, "-j", str(jobs)], logfile, cwd=src,
                    env=env, progress=re.compile(r"^\[\s*\d+%\] (Built target|Linking)"))
-        built = src / "build" / "bin" / "llama-server"
+        built = src / "build" / "bin" / tool
         tmp = binary.with_name(f".{binary.name}.{os.getpid()}.tmp")
         shutil.copy2(built, tmp)
         os.chmod(tmp, 0o755)
@@ -237,6 +240,29 @@ def build_llama_server(version: str, jobs: int, isa: str | None = None) -> Path:
         shutil.rmtree(work, ignore_errors=True)
     log(f"built {binary} in {seconds:.0f} s")
     return binary
+
+
+def requantized(src: Path, kind: str, args: argparse.Namespace) -> Path:
+    """`src` requantized to `kind` (Q4_K_M, Q5_0, ...) by llama.cpp's own llama-quantize, cached under the llama-server
+    cache: the file a user who downloads that type has (from the bundled Q4_1 it is a requantization, so its answers
+    are worse than a conversion from the original weights would give; both servers read the same file)."""
+    st = src.stat()
+    tag = hashlib.sha256(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:8]
+    out = cache_dir() / "llama-server" / "models" / f"{src.stem}-{tag}-{kind}.gguf"
+    if out.is_file():
+        return out
+    beside = args.llama_server.expanduser().resolve().parent / "llama-quantize" if args.llama_server else None
+    tool = beside if beside and beside.is_file() else build_llama_server(
+        args.llama_cpp_python or llama_cpp_python_version(), args.threads, args.isa, "llama-quantize")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        run_logged([str(tool), "--allow-requantize", str(src), str(tmp), kind, str(args.threads)],
+                   out.with_suffix(".log"), cwd=out.parent)
+        os.replace(tmp, out)  # last: a file at the final path is always complete
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
 
 
 def llama_cpp_version(src: Path) -> str:
@@ -528,6 +554,9 @@ def main() -> None:
                     help=f"source distribution to build from (default: the installed one, else {LLAMA_CPP_PYTHON})")
     ap.add_argument("--build-only", action="store_true", help="find or build llama-server, print its path, exit")
     ap.add_argument("--model", default=None, help="model source (default: the embedded SmolLM2-135M-Instruct GGUF)")
+    ap.add_argument("--quantize", default=None, metavar="TYPE",
+                    help="serve the model requantized to TYPE (Q4_K_M, Q5_0, Q8_0, ...) by llama.cpp's llama-quantize "
+                         "(built beside llama-server, or found beside --llama-server); the file is cached")
     ap.add_argument("--threads", type=int, default=cores(), help="llama-server -t and the build's -j (default: the "
                                                                  "CPUs this process may use)")
     ap.add_argument("--ctx-per-slot", type=int, default=4096,
@@ -563,6 +592,9 @@ def main() -> None:
     src = resolve(args.model)
     if src.format != "gguf":
         raise SystemExit(f"{src.path} is not a GGUF file; llama-server needs one")
+    if args.quantize:
+        args.model = str(requantized(src.path, args.quantize, args))
+        src = resolve(args.model)
     print(f"model {src.name} ({src.path})\nllama-server {binary} ({llama_server_version(binary)})\n"
           f"{args.max_tokens} tokens per request, {args.rounds} round(s) after a warm-up, {args.concurrency} concurrent, "
           f"llama-server -t {args.threads}; {cpu_name()}, ISA class {isa_class()}, {cores()} CPUs"

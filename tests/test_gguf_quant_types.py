@@ -2,7 +2,7 @@
 
 What users download is mostly Q4_K_M: Q4_K linears with Q6_K ones among them (attn_v and ffn_down of some layers,
 the output), and Q5_0 / Q8_0 where a row is not a multiple of 256 values. Q4_0, Q4_1 and Q4_K must arrive as
-the 4-bit bundle without loss; the wider types as int8 in groups of 32 (Q8_0 and Q5_0 exactly); and
+the 4-bit bundle without loss; the wider types as int8 with a scale per group (Q8_0, Q5_0, Q6_K exactly); and
 a model mixing them must decode on the C++ step, bit for bit what the eager step computes, close to the dense
 float32 model.
 """
@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from flagdeploy.checkpoints import gguf_reader
+from flagdeploy.checkpoints.tiny_gguf import write_llama_gguf
 from flagdeploy.ops.weights import Int4Weight, Int8Weight
 
 # where each type keeps its fp16 scales in a block, and their size: the rest of a block is random bytes
@@ -43,9 +44,9 @@ def random_blocks(kind: T, rows: int, cols: int, rng: np.random.Generator, peak:
 
 
 def test_every_quantized_type_arrives_as_the_kernels_take_it(tmp_path):
-    """4-bit types as Int4Weight, dequantising to the GGUF's own values; the wider ones as int8 in groups of 32,
-    exactly where the type is d * q per 32 (Q8_0, Q5_0), else within half a step of the group's grid; floats and
-    non-linears as they were."""
+    """4-bit types as Int4Weight, dequantising to the GGUF's own values; the wider ones as int8 with a scale per
+    group, exactly where the type is int8 times a scale per group (Q8_0, Q5_0 per 32, Q6_K per 16), else in groups
+    of 32 within half a step of the group's grid; floats and non-linears as they were."""
     rng = np.random.default_rng(0)
     path, kinds = tmp_path / "types.gguf", FOUR_BIT + WIDER
     w = GGUFWriter(str(path), "llama")
@@ -67,9 +68,10 @@ def test_every_quantized_type_arrives_as_the_kernels_take_it(tmp_path):
             assert isinstance(bundle, Int4Weight) and bundle.group_size == 32, t.tensor_type
             np.testing.assert_allclose(bundle.dequantize(torch.float64).numpy(), want, rtol=0, atol=1e-7 * abs(want).max())
         elif t.tensor_type in WIDER and "down_proj" in name:
-            assert isinstance(bundle, Int8Weight) and bundle.group_size == 32, t.tensor_type
+            exact = {T.Q8_0: 32, T.Q5_0: 32, T.Q6_K: 16}  # d * q per group: exactly
+            assert isinstance(bundle, Int8Weight) and bundle.group_size == exact.get(t.tensor_type, 32), t.tensor_type
             got_w = bundle.dequantize(torch.float64).numpy()
-            if t.tensor_type in (T.Q8_0, T.Q5_0):  # d * q per 32: exactly
+            if t.tensor_type in exact:
                 np.testing.assert_array_equal(got_w, want)
             else:  # within half a step of the group's int8 grid
                 step = np.abs(want).reshape(16, -1, 32).max(axis=-1, keepdims=True) / 127
@@ -83,36 +85,18 @@ def test_every_quantized_type_arrives_as_the_kernels_take_it(tmp_path):
 
 # A Q4_K_M-like mix on a small llama whose rows are whole K-quant super-blocks: q / k / gate / up Q4_K, v Q6_K (so
 # qkv mixes layouts), o Q5_0, down Q6_K in layer 0 and Q4_K in layer 1, the tied embedding / head Q8_0.
-HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 MIX = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q5_0, "ffn_gate": T.Q4_K,
-       "ffn_up": T.Q4_K}
+       "ffn_up": T.Q4_K, "blk.0.ffn_down": T.Q6_K, "blk.1.ffn_down": T.Q4_K, "token_embd": T.Q8_0}
 
 
 def write_k_quant_llama(path, tokenizer_from) -> None:
-    """A random llama GGUF with the tokenizer of `tokenizer_from` (a GGUF path), in the Q4_K_M-like mix above."""
-    src, rng = GGUFReader(str(tokenizer_from)), np.random.default_rng(1)
-    w = GGUFWriter(str(path), "llama")
-    for key, field in src.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-    w.add_block_count(LAYERS), w.add_context_length(1024), w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN), w.add_head_count(HEADS), w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-5), w.add_rope_freq_base(10000.0)
-    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
-    w.add_vocab_size(vocab)
-    w.add_tensor("token_embd.weight", random_blocks(T.Q8_0, vocab, HIDDEN, rng, peak=1.0), raw_dtype=T.Q8_0)
-    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    head_dim = HIDDEN // HEADS
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN), "attn_v": (KV_HEADS * head_dim, HIDDEN),
-              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
-    for layer in range(LAYERS):
-        for norm in ("attn_norm", "ffn_norm"):
-            w.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(HIDDEN, np.float32))
-        for part, (rows, cols) in shapes.items():
-            kind = MIX.get(part, T.Q6_K if layer == 0 else T.Q4_K)
-            w.add_tensor(f"blk.{layer}.{part}.weight", random_blocks(kind, rows, cols, rng, peak=0.25), raw_dtype=kind)
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    rng = np.random.default_rng(1)
+
+    def weight(name: str, rows: int, cols: int):
+        kind = next(k for part, k in MIX.items() if part in name)
+        return random_blocks(kind, rows, cols, rng, peak=1.0 if "token_embd" in name else 0.25), kind
+
+    write_llama_gguf(path, tokenizer_from, weight, hidden=256, layers=2, ffn=512, heads=4, kv_heads=2)
 
 
 @pytest.fixture(scope="module")

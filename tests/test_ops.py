@@ -320,10 +320,11 @@ def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtyp
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("group", [8, 16, 32])
 @pytest.mark.parametrize("rows", [1, 9], ids=lambda m: f"m{m}")
 def test_cpu_groupwise_w8a16_matches_reference(rows, group):
-    """Groups of 32 (a GGUF's Q8_0 / Q5_0 linears) on the int8 kernel where it builds, others on the dense copy."""
+    """Groups of 16 or 32 (a GGUF's Q6_K, Q8_0 / Q5_0 linears) on the int8 kernel where it builds, others on the
+    dense copy."""
     g = torch.Generator().manual_seed(2)
     w = Int8Weight.quantize(torch.randn(48, 64, generator=g) * 0.1, group_size=group)
     x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
@@ -442,11 +443,11 @@ def test_cpu_kernels_thread_pool_gives_one_answer_to_concurrent_callers_thread_c
     assert os.waitstatus_to_exitcode(status) == 0, "the forked child's kernels failed or answered differently"
 
 
-@pytest.mark.parametrize("group", [0, 32], ids=["per-channel", "group32"])
+@pytest.mark.parametrize("group", [0, 16, 32], ids=["per-channel", "group16", "group32"])
 @pytest.mark.parametrize("n,k", [(8, 32), (48, 64), (960, 576), (49152, 576)])
 def test_cpu_int8_kernel_rounds_no_worse_than_its_bf16_output_and_rows_are_independent(n, k, group):
-    """The cpu backend's int8 kernel (a quantized model's LM head; with a scale per group of 32, a GGUF's Q8_0 /
-    Q5_0 linears) carries the activations as ~15-bit integers and sums exactly in int32 per block, so against
+    """The cpu backend's int8 kernel (a quantized model's LM head; with a scale per group of 16 or 32, a GGUF's
+    Q6_K, Q8_0 and Q5_0 linears) carries the activations as ~15-bit integers and sums exactly in int32 per block, so against
     float64 its error is its bf16 output's rounding (torch's int8 GEMV, bf16 throughout, adds ~1.5x). A row's
     result is bitwise the same alone or beside others, whichever group of rows the kernel tiles it in: a
     speculative verify row equals a plain one."""
@@ -465,7 +466,7 @@ def test_cpu_int8_kernel_rounds_no_worse_than_its_bf16_output_and_rows_are_indep
 
 def test_cpu_int8_weights_the_kernel_cannot_take_keep_torchs():
     """Widths off the 8-row tile, or a -128 (the kernel's int16 products assume -127..127) leave torch's int8
-    GEMV (per-group scales other than 32: the dense copy), with the reference's results."""
+    GEMV (per-group scales other than 16 or 32: the dense copy), with the reference's results."""
     _cpu_kernels_or_skip()
     be = ops.get_backend("cpu")
     g = torch.Generator().manual_seed(5)
@@ -671,7 +672,7 @@ def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(kernel_builds)
         nib, dm = native.pack_q4(w)
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         assert torch.equal(avx2.q4_linear(x, nib, dm), default.q4_linear(x, nib, dm))
-        for group in (0, 32):  # an odd count of 8-row tiles
+        for group in (0, 16, 32):  # an odd count of 8-row tiles
             w8, d = native.pack_q8(Int8Weight.quantize(torch.randn(n + 8, k, generator=g), group))
             assert torch.equal(avx2.q8_linear(x, w8, d), default.q8_linear(x, w8, d))
     w8, s = fp8_block_quantize(torch.randn(200, 160, generator=g) * 0.05, (128, 128))

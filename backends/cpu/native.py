@@ -328,20 +328,20 @@ TILE8 = 8  # output rows per tile of the int8 kernel
 
 
 def fits_q8(w: Int8Weight) -> bool:
-    """Int8 in -127..127 (the kernel's int16 products need no -128), per channel or per group of 32 inputs, widths
-    it tiles."""
-    return (w.group_size in (0, GROUP) and w.q.dim() == 2 and w.out_features % TILE8 == 0
+    """Int8 in -127..127 (the kernel's int16 products need no -128), per channel or per group of 16 or 32 inputs,
+    widths it tiles."""
+    return (w.group_size in (0, 16, GROUP) and w.q.dim() == 2 and w.out_features % TILE8 == 0
             and w.in_features % GROUP == 0 and int(w.q.min()) >= -127)
 
 
 def pack_q8(w: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """(w8, d) in the kernel's layout (csrc/q8_linear.cpp): tiles of 8 rows, and per tile and block of 32, the
     rows' values two columns at a time (one int32 lane per row); the scales as float32, per channel [N], or per
-    group of 32 as [N/8, K/32, 8] (per tile and block, its rows' scales)."""
+    group of G inputs as [N/8, K/G, 8] (per tile and group, its rows' scales)."""
     t, g = w.out_features // TILE8, w.in_features // GROUP
     w8 = w.q.to(torch.int8).view(t, TILE8, g, GROUP // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
     if w.group_size:
-        return w8, w.scales.float().view(t, TILE8, g).transpose(1, 2).contiguous()
+        return w8, w.scales.float().view(t, TILE8, -1).transpose(1, 2).contiguous()
     return w8, w.scales.float().reshape(-1).contiguous()
 
 

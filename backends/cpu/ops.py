@@ -258,9 +258,9 @@ def linear_w4a16(x, w: Int4Weight, bias=None):
 
 
 def prepare_w8a16(w: Int8Weight):
-    """The backend's own int8 kernel's layout where it builds (per channel, or per group of 32: a GGUF's Q8_0 /
-    Q5_0 linears), else for per-channel weights torch's int8 GEMV's; and a dense copy for more rows. Other group
-    sizes, or groups without the kernel: the dense copy only."""
+    """The backend's own int8 kernel's layout where it builds (per channel, or per group of 16 or 32: a GGUF's
+    Q6_K, Q8_0 / Q5_0 linears), else for per-channel weights torch's int8 GEMV's; and a dense copy for more rows.
+    Other group sizes, or groups without the kernel: the dense copy only."""
     if native.available() and native.fits_q8(w):
         w8, d = native.pack_q8(w)
         return _keyed(stripped(w, w8=w8, d=d, dense=_dense_copy(w)))

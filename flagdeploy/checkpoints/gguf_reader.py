@@ -124,7 +124,7 @@ def _q4k_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """
     n = data.shape[0]
     blocks = data.reshape(n, -1, 144)
-    d, dmin = (blocks[..., i:i + 2].copy().view(np.float16)[..., 0].astype(np.float32) for i in (0, 2))
+    d, dmin = (_f16(blocks[..., i:i + 2])[..., 0] for i in (0, 2))
     sc, m = (a.reshape(n, -1, 8).astype(np.float32) for a in Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12)))
     nib = blocks[..., 16:].reshape(n, -1, 4, 1, 32)
     q = np.concatenate((nib & 0x0F, nib >> 4), axis=-2).reshape(n, -1)
@@ -143,7 +143,7 @@ def iter_tensors(reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, keep_in
                  keep_int8: bool = False) -> Iterator[tuple[str, "torch.Tensor | Int4Weight | Int8Weight"]]:
     """(HF name, tensor) pairs, one at a time. With keep_int4, 4-bit linears (Q4_0, Q4_1, Q4_K) stay 4-bit, as
     they are. With keep_int8, the other quantized linears (Q5_*, Q6_K, Q8_0, ...: what a Q4_K_M file holds beside
-    its Q4_K) become int8 with a scale per group of 32 (`_int8_groups`), so that every linear of such a file runs
+    its Q4_K) become int8 with a scale per group of 16 or 32 (`_int8_groups`), so that every linear of such a file runs
     on the backend's packed kernels rather than as a dense copy. The rest, and every float tensor, is
     dequantised to `dtype`."""
     for t in reader.tensors:
@@ -172,22 +172,32 @@ def iter_tensors(reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, keep_in
         yield name, _int8_groups(t, w, heads) if keep_int8 and linear and t.tensor_type not in _FLOAT else w.to(dtype)
 
 
-# Types whose block is an fp16 scale d, then values q with w = d * q, |q| <= 127 (Q5_0: q - 16): exactly int8 per group
-_SYMMETRIC = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0)
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """fp16 values from their bytes, the last axis pairs of bytes, as float32."""
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+# Types that are exactly int8 times a scale per group: {type: (group, block bytes, the block's scales from its bytes)}.
+# Q8_0 is d * q per 32, Q5_0 d * (q - 16) per 32, Q6_K d * sc_i * (q - 32) per 16 (sc_i int8; |q| <= 32 after the
+# offset): the scales are exact in float32, and so is w / scale.
+_EXACT_INT8 = {
+    GGMLQuantizationType.Q8_0: (32, 34, lambda b: _f16(b[..., 0:2])),
+    GGMLQuantizationType.Q5_0: (32, 22, lambda b: _f16(b[..., 0:2])),
+    GGMLQuantizationType.Q6_K: (16, 210, lambda b: _f16(b[..., 208:210]) * b[..., 192:208].view(np.int8)),
+}
 
 
 def _int8_groups(t, w: torch.Tensor, heads: int) -> Int8Weight:
-    """A wider-than-4-bit quantized linear as int8 in groups of 32: exactly where the type is d * q per 32 (Q8_0,
-    Q5_0: q = w / d, since d * q is exact in float32), else rounded to nearest from its own values with the group's
-    largest at 127 (Q6_K's two sub-block scales per 32, Q5_1 / Q5_K's minimums: at most half a 254th of the group's
-    largest value off)."""
-    if t.tensor_type not in _SYMMETRIC:
+    """A wider-than-4-bit quantized linear as int8 with a scale per group: exactly where the type is int8 times a
+    scale per group (_EXACT_INT8: q = w / scale), else in groups of 32 rounded to nearest from its own values with
+    the group's largest at 127 (Q5_1 / Q5_K's minimums, other types: at most half a 254th of the group's largest
+    value off)."""
+    if t.tensor_type not in _EXACT_INT8:
         return Int8Weight.quantize(w, 32)
+    group, size, scales_of = _EXACT_INT8[t.tensor_type]
     n = w.shape[0]
-    d = np.asarray(t.data).reshape(n, -1, 34 if t.tensor_type == GGMLQuantizationType.Q8_0 else 22)[..., :2]
-    d = torch.from_numpy(d.copy().view(np.float16)[..., 0].astype(np.float32))
-    if heads:
-        d = torch.from_numpy(_unpermute(d.numpy(), heads))
-    safe = torch.where(d == 0, torch.ones_like(d), d)
-    q = torch.round(w.unflatten(1, (-1, 32)) / safe[..., None]).flatten(1)
-    return Int8Weight(q.to(torch.int8), d, n, w.shape[1], group_size=32)
+    s = scales_of(np.asarray(t.data).reshape(n, -1, size)).reshape(n, -1)
+    s = torch.from_numpy(_unpermute(s, heads) if heads else s)
+    safe = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.round(w.unflatten(1, (-1, group)) / safe[..., None]).flatten(1)
+    return Int8Weight(q.to(torch.int8), s, n, w.shape[1], group_size=group)

@@ -1,7 +1,7 @@
 // int8 weights x activations quantised to ~15 bits, on AVX2: the few-row (decode) linear of an int8 weight
 // with per-channel scales, what a quantized model's LM head is (a GGUF's Q8_0 token embedding, tied), or with
-// a scale per group of 32 inputs, what a GGUF's Q8_0 and Q5_0 linears are exactly (and its Q6_K / Q5_K ones
-// within a rounding: gguf_reader.py), the linears a Q4_K_M file holds beside its 4-bit ones.
+// a scale per group of 32 inputs, what a GGUF's Q8_0 and Q5_0 linears are exactly, or of 16, what its Q6_K ones
+// are (gguf_reader.py): the linears a Q4_K_M file holds beside its 4-bit ones.
 //
 // torch's _weight_int8pack_mm converts every weight to float for one multiply-add, and reaches ~7 GB/s of
 // weight on a 2-core AVX2 EPYC where the cores read ~26 GB/s. Here each activation block of 32 is
@@ -9,8 +9,8 @@
 // (|.| <= 32640), so vpmaddwd multiplies two sign-extended int16 weights of each of 8 output rows by the
 // same two activations, broadcast, into exact int32 sums: 8 lanes, 8 rows, no horizontal sum. A block's
 // int32 dot (|.| < 2^27) becomes float once, times the block's scale; the row's scale d multiplies the
-// finished sum (per-group scales: the block's float step takes the group's scales times the block's, and
-// nothing multiplies the sum). With AVX-512 VNNI, two adjacent tiles (16 output rows, one a lane) go through one vpdpwssd
+// finished sum (per-group scales: each group's int32 dots are their own float step, times the group's scales and
+// the activation block's, and nothing multiplies the sum). With AVX-512 VNNI, two adjacent tiles (16 output rows, one a lane) go through one vpdpwssd
 // per column pair and activation row, which sums the same int16 products into int32 as vpmaddwd + vpaddd do
 // (integer sums, no overflow: the same values), and the float steps are the same per lane, so both builds
 // compute the same bits.
@@ -18,8 +18,8 @@
 // Layout (written by `pack_q8` in native.py), N a multiple of 8 and K of 32, tiles of 8 output rows:
 //   w8 [N/8, K/32, 16, 8, 2] int8: for tile t and block b, 16 pairs of columns; in pair c, row j's values
 //       2c and 2c + 1.
-//   d [N] float32: the rows' scales, w = d * q; or per group of 32 inputs, d [N/8, K/32, 8] float32: for tile t
-//       and block b, its 8 rows' scales of that block, w = d * q.
+//   d [N] float32: the rows' scales, w = d * q; or per group of G inputs (16 or 32), d [N/8, K/G, 8] float32: for
+//       tile t and group g, its 8 rows' scales of that group, w = d * q.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -58,42 +58,50 @@ inline void prefetch_block(const int8_t* w) {  // the 256 bytes of a block, kPre
   for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64 * c), _MM_HINT_T0);
 }
 
+// How many times a block's int32 dots become float, for weights with a scale per Group inputs (0: per channel)
+template <int Group>
+constexpr int kParts = Group == 16 ? 2 : 1;
+
 // Tile t of 8 output rows for activation rows [r0, r0 + R): each 32 bytes of weight are widened once
-// and used for R rows. Grouped: d holds a scale per row and block (the layout's second form).
-template <int R, bool Grouped>
+// and used for R rows. Group 16 or 32: d holds a scale per row and group of inputs (the layout's second form),
+// and each group's dots are their own float step.
+template <int R, int Group>
 void tile(const int8_t* w8, const float* d, const int16_t* x16, const float* scale, int64_t k, int64_t r0,
           int64_t t, uint16_t* y, int64_t n_out) {
   const int64_t blocks = k / QK;
+  constexpr int parts = kParts<Group>, chunks = QK / 4 / parts;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int8_t* w = w8 + (t * blocks + b) * (kTile * QK);
     prefetch_block(w);
-    __m256i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-    for (int c = 0; c < QK / 4; ++c) {  // two column pairs per 32 bytes
-      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
-      __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
-      __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
-      for (int r = 0; r < R; ++r) {
-        const int32_t* xr = reinterpret_cast<const int32_t*>(x16 + (r0 + r) * k + b * QK + 4 * c);
-        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(w0, _mm256_set1_epi32(xr[0])));
-        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(w1, _mm256_set1_epi32(xr[1])));
+    for (int part = 0; part < parts; ++part) {
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      for (int c = part * chunks; c < (part + 1) * chunks; ++c) {  // two column pairs per 32 bytes
+        __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+        __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+        __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xr = reinterpret_cast<const int32_t*>(x16 + (r0 + r) * k + b * QK + 4 * c);
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(w0, _mm256_set1_epi32(xr[0])));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(w1, _mm256_set1_epi32(xr[1])));
+        }
       }
-    }
-    if constexpr (Grouped) {
-      const __m256 dg = _mm256_loadu_ps(d + (t * blocks + b) * kTile);
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dg, _mm256_set1_ps(scale[(r0 + r) * blocks + b])),
-                                 acc[r]);
-    } else {
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(scale[(r0 + r) * blocks + b]), acc[r]);
+      if constexpr (Group > 0) {
+        const __m256 dg = _mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile);
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dg, _mm256_set1_ps(scale[(r0 + r) * blocks + b])),
+                                   acc[r]);
+      } else {
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(scale[(r0 + r) * blocks + b]), acc[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
     float out[kTile];
-    _mm256_storeu_ps(out, Grouped ? acc[r] : _mm256_mul_ps(acc[r], _mm256_loadu_ps(d + kTile * t)));
+    _mm256_storeu_ps(out, Group > 0 ? acc[r] : _mm256_mul_ps(acc[r], _mm256_loadu_ps(d + kTile * t)));
     for (int j = 0; j < kTile; ++j) y[(r0 + r) * n_out + kTile * t + j] = bf16_bits(out[j]);
   }
 }
@@ -107,10 +115,11 @@ constexpr int kPairsAtOnce = 8;  // column pairs widened into registers at a tim
 // widened once into registers, 8 at a time, and used for all R rows: one vpdpwssd per pair and row, the row's two
 // activations broadcast. The LM head (49152 x 576), ms, AVX2 tiles / these / the dense bf16 copy through oneDNN:
 // 4 rows 1.03 / 0.56 / 1.57, 8 rows 2.91 / 0.81 / 1.95, 16 rows 5.17 / 1.75 / 2.18 (R = 8 twice: 2.5-3.3).
-template <int R, bool Grouped>
+template <int R, int Group>
 void tile_pair(const int8_t* w8, const float* d, const int16_t* x16, const float* scale, int64_t k, int64_t r0,
                int64_t t, uint16_t* y, int64_t n_out) {
   const int64_t blocks = k / QK, tile_bytes = kTile * QK;
+  constexpr int parts = kParts<Group>, pairs = QK / 2 / parts;
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -119,56 +128,59 @@ void tile_pair(const int8_t* w8, const float* d, const int16_t* x16, const float
     const int8_t* w1 = w0 + blocks * tile_bytes;
     prefetch_block(w0);
     prefetch_block(w1);
-    __m512i dot[R];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
 #pragma GCC unroll 2
-    for (int c0 = 0; c0 < QK / 2; c0 += kPairsAtOnce) {
-      __m512i wc[kPairsAtOnce];  // column pair c0 + c: 8 rows x 2 values from each tile, as int16
+    for (int part = 0; part < parts; ++part) {
+      __m512i dot[R];
 #pragma GCC unroll 16
-      for (int c = 0; c < kPairsAtOnce; ++c)
-        wc[c] = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + 16 * (c0 + c)))),
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w1 + 16 * (c0 + c))), 1));
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+      for (int c0 = part * pairs; c0 < (part + 1) * pairs; c0 += kPairsAtOnce) {
+        __m512i wc[kPairsAtOnce];  // column pair c0 + c: 8 rows x 2 values from each tile, as int16
 #pragma GCC unroll 16
-      for (int c = 0; c < kPairsAtOnce; ++c)
+        for (int c = 0; c < kPairsAtOnce; ++c)
+          wc[c] = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + 16 * (c0 + c)))),
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w1 + 16 * (c0 + c))), 1));
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const int32_t* xr = reinterpret_cast<const int32_t*>(x16 + (r0 + r) * k + b * QK);
-          dot[r] = _mm512_dpwssd_epi32(dot[r], wc[c], _mm512_set1_epi32(xr[c0 + c]));
-        }
+        for (int c = 0; c < kPairsAtOnce; ++c)
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xr = reinterpret_cast<const int32_t*>(x16 + (r0 + r) * k + b * QK);
+            dot[r] = _mm512_dpwssd_epi32(dot[r], wc[c], _mm512_set1_epi32(xr[c0 + c]));
+          }
+      }
+      if constexpr (Group > 0) {  // the two tiles' scales of this group, as the AVX2 tiles take them
+        const __m512 dg = _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile))),
+            _mm256_castps_pd(_mm256_loadu_ps(d + (((t + 1) * blocks + b) * parts + part) * kTile)), 1));
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dg, _mm512_set1_ps(scale[(r0 + r) * blocks + b])),
+                                   acc[r]);
+      } else {
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(scale[(r0 + r) * blocks + b]), acc[r]);
     }
-    if constexpr (Grouped) {  // the two tiles' scales of this block, as the AVX2 tiles take them
-      const __m512 dg = _mm512_castpd_ps(_mm512_insertf64x4(
-          _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(d + (t * blocks + b) * kTile))),
-          _mm256_castps_pd(_mm256_loadu_ps(d + ((t + 1) * blocks + b) * kTile)), 1));
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dg, _mm512_set1_ps(scale[(r0 + r) * blocks + b])),
-                                 acc[r]);
-    } else {
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(scale[(r0 + r) * blocks + b]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r0 + r) * n_out + kTile * t),
-                        _mm512_cvtepi32_epi16(bf16_lanes(Grouped ? acc[r] : _mm512_mul_ps(acc[r], _mm512_loadu_ps(d + kTile * t)))));
+                        _mm512_cvtepi32_epi16(bf16_lanes(Group > 0 ? acc[r] : _mm512_mul_ps(acc[r], _mm512_loadu_ps(d + kTile * t)))));
 }
 #else
 #define Q8_TILE_PAIRS 0
 #endif
 
 // Activation rows [r0, r0 + n), 0 < n <= Most, over tile t (or tiles t, t + 1: Pair) in one pass of exactly n rows
-template <int Most, bool Pair, bool Grouped>
+template <int Most, bool Pair, int Group>
 void tile_rows(const int8_t* w8, const float* d, const int16_t* x16, const float* scale, int64_t k, int64_t r0,
                int64_t n, int64_t t, uint16_t* y, int64_t n_out) {
   with_count<Most>(n, [&](auto rows) {
 #if Q8_TILE_PAIRS
-    if constexpr (Pair) return tile_pair<rows, Grouped>(w8, d, x16, scale, k, r0, t, y, n_out);
+    if constexpr (Pair) return tile_pair<rows, Group>(w8, d, x16, scale, k, r0, t, y, n_out);
 #endif
-    tile<rows, Grouped>(w8, d, x16, scale, k, r0, t, y, n_out);
+    tile<rows, Group>(w8, d, x16, scale, k, r0, t, y, n_out);
   });
 }
 
@@ -177,28 +189,28 @@ void tile_rows(const int8_t* w8, const float* d, const int16_t* x16, const float
 // registers hold only 8 rows' int32 sums (the float sums, touched once a block, go to the stack): the LM head,
 // 49152 x 576, one thread, 2-core AVX-512 EPYC built for AVX2, ms by rows in one pass: 1 0.96, 2 1.58, 3 2.1,
 // 4 2.15, 5 2.57, 6 3.07, 7 3.61, 8 4.12; 5 rows as 4 + 1 3.13, 8 as 4 + 4 4.55, 16 as 8 + 8 7.99 (4 x 4 8.70).
-template <int Most, bool Pair, bool Grouped>
+template <int Most, bool Pair, int Group>
 void rows_over(const int8_t* w8, const float* d, const int16_t* x16, const float* scale, int64_t k, int64_t r0,
                int64_t n, int64_t t, uint16_t* y, int64_t n_out) {
   int64_t r = r0;
-  for (; r + Most <= r0 + n; r += Most) tile_rows<Most, Pair, Grouped>(w8, d, x16, scale, k, r, Most, t, y, n_out);
-  if (r < r0 + n) tile_rows<Most, Pair, Grouped>(w8, d, x16, scale, k, r, r0 + n - r, t, y, n_out);
+  for (; r + Most <= r0 + n; r += Most) tile_rows<Most, Pair, Group>(w8, d, x16, scale, k, r, Most, t, y, n_out);
+  if (r < r0 + n) tile_rows<Most, Pair, Group>(w8, d, x16, scale, k, r, r0 + n - r, t, y, n_out);
 }
 
 // The call's tiles, in pairs where that pays (AVX-512 VNNI, kPairRows rows on)
-template <bool Grouped>
+template <int Group>
 void q8_tiles(const int8_t* w, const float* ds, const int16_t* xs, const float* sc, int64_t k, int64_t rows_n,
               int64_t n_tiles, uint16_t* out, int64_t n_out) {
   // every row group over a tile (or pair of tiles) before the next: its K x 8 bytes stay in L1 for the others
-  auto one = [&](int64_t t) { rows_over<kTileRows, false, Grouped>(w, ds, xs, sc, k, 0, rows_n, t, out, n_out); };
+  auto one = [&](int64_t t) { rows_over<kTileRows, false, Group>(w, ds, xs, sc, k, 0, rows_n, t, out, n_out); };
 #if Q8_TILE_PAIRS
   if (rows_n >= kPairRows) {
     const int64_t pairs = n_tiles / 2;
     dynamic_for(pairs, std::max<int64_t>(8, pairs / (8 * at::get_num_threads())), [&](int64_t p0, int64_t p1) {
       for (int64_t t = 2 * p0; t < 2 * p1; t += 2) {
         int64_t r = 0;
-        for (; r + 16 <= rows_n; r += 16) tile_pair<16, Grouped>(w, ds, xs, sc, k, r, t, out, n_out);
-        if (r < rows_n) rows_over<8, true, Grouped>(w, ds, xs, sc, k, r, rows_n - r, t, out, n_out);
+        for (; r + 16 <= rows_n; r += 16) tile_pair<16, Group>(w, ds, xs, sc, k, r, t, out, n_out);
+        if (r < rows_n) rows_over<8, true, Group>(w, ds, xs, sc, k, r, rows_n - r, t, out, n_out);
       }
     });
     if (n_tiles % 2) one(n_tiles - 1);
@@ -216,11 +228,13 @@ namespace FLAGDEPLOY_OPS_NS {
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& d) {
   TORCH_CHECK(x.dim() == 2 && w8.dim() == 5 && (d.dim() == 1 || d.dim() == 3),
-              "q8_linear: x [M, K], w8 [N/8, K/32, 16, 8, 2], d [N] or [N/8, K/32, 8]");
+              "q8_linear: x [M, K], w8 [N/8, K/32, 16, 8, 2], d [N] or [N/8, K/G, 8] (G 16 or 32)");
   const int64_t rows_n = x.size(0), k = x.size(1), n_tiles = w8.size(0), n_out = kTile * n_tiles;
-  const bool grouped = d.dim() == 3;
+  const int64_t group = d.dim() == 3 && d.size(1) > 0 ? k / d.size(1) : 0;
   TORCH_CHECK(k % QK == 0 && w8.size(1) == k / QK &&
-                  (grouped ? d.size(0) == n_tiles && d.size(1) == k / QK && d.size(2) == kTile : d.size(0) == n_out),
+                  (d.dim() == 3 ? d.size(0) == n_tiles && (group == 16 || group == 32) && d.size(1) * group == k &&
+                                      d.size(2) == kTile
+                                : d.size(0) == n_out),
               "q8_linear: x's width or the scales' count does not match the packed weight's (K a multiple of 32)");
   TORCH_CHECK(w8.scalar_type() == at::kChar && d.scalar_type() == at::kFloat && w8.is_contiguous() && d.is_contiguous(),
               "q8_linear: w8 must be contiguous int8, d contiguous float32");
@@ -231,10 +245,14 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor
   const int8_t* w = w8.data_ptr<int8_t>();
   const float* ds = d.data_ptr<float>();
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  if (grouped)
-    q8_tiles<true>(w, ds, x16.data(), a.scale.data(), k, rows_n, n_tiles, out, n_out);
+  const int16_t* xs = x16.data();
+  const float* sc = a.scale.data();
+  if (group == 16)
+    q8_tiles<16>(w, ds, xs, sc, k, rows_n, n_tiles, out, n_out);
+  else if (group == 32)
+    q8_tiles<32>(w, ds, xs, sc, k, rows_n, n_tiles, out, n_out);
   else
-    q8_tiles<false>(w, ds, x16.data(), a.scale.data(), k, rows_n, n_tiles, out, n_out);
+    q8_tiles<0>(w, ds, xs, sc, k, rows_n, n_tiles, out, n_out);
   return y;
 }
 
