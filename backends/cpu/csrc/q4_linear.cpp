@@ -76,11 +76,12 @@ constexpr auto kPrefetchHint = _MM_HINT_T1;
 // Activation rows taken in one pass over a tile: each weight chunk is unpacked once for all of them, so
 // the rows between 2 and kMaxRows cost the instructions of their dot products only, not the weight's bytes
 // again. Held by the registers: on AVX-512 a row's two int32 and one float sums for one tile (half as many
-// rows for a pair of tiles), on AVX2 a row's two int16 and one float sums for half a tile (16 ymm registers).
+// rows for a pair of tiles), on AVX2 a row's two int16 sums for each half of a tile (16 ymm registers; the
+// float sums, touched once a block, go to the stack).
 #if Q4_AVX512
 constexpr int kMaxRows = 8;
 #else
-constexpr int kMaxRows = 4;
+constexpr int kMaxRows = 2;
 #endif
 
 #if Q4_AVX512
@@ -307,15 +308,16 @@ __attribute__((noinline)) void amx_tile(const uint8_t* nib, const uint16_t* dm, 
 
 constexpr int64_t kPairRows = 0;
 
-// AVX2: the same arithmetic on each half of a tile (rows 0-7, then 8-15; the tile's bytes stay in L1
-// between the two). vpmaddubsw sums two nibble x int8 products into int16 (at most 2 * 15 * 128 = 3840: no
-// saturation); a block's 8 of those per lane are summed in int16 for each part (at most 30720: no
-// overflow), and only then does vpmaddwd widen them to int32, times 256 (hi part) or 1 (lo part): two
-// widening multiplies a block instead of eight, the same exact int32 dot as the AVX-512 path. The first
-// half prefetches the weight stream ahead (the second reads the same lines from L1): measured on the
-// 2-core AVX2 EPYC, the default model's 120 4-bit linears of a decode token 5.7 -> 5.0 ms, bitwise equal.
-// Since the weights lie end to end on huge pages (weight_arena.py), further ahead (1 KiB before): 8 KiB into
-// L2 as on AVX-512 (see there; 5 rows 10.29 -> 9.74 ms).
+// AVX2: the same arithmetic on each half of a tile (output rows 0-7 and 8-15, one ymm each), both halves in
+// one pass so that each broadcast activation serves two multiplies (passes of up to kMaxRows = 2 rows: the
+// two halves' int16 sums of 2 rows, the 4 unpacked nibble vectors and the broadcasts fill the 16 registers).
+// Against the halves one after the other in passes of 4 rows, interleaved A/B of the C++ step, AVX2 build on
+// the AVX-512 EPYC, two runs: 0.94-0.97x at 1 row, 0.98-0.99x at 2-16 rows, bitwise equal. vpmaddubsw sums
+// two nibble x int8 products into int16 (at most 2 * 15 * 128 = 3840: no saturation); a block's 8 of those
+// per lane are summed in int16 for each part (at most 30720: no overflow), and only then does vpmaddwd widen
+// them to int32, times 256 (hi part) or 1 (lo part): two widening multiplies a block instead of eight, the
+// same exact int32 dot as the AVX-512 path. The weight stream is prefetched 8 KiB ahead into L2, as on
+// AVX-512 (see there; 1 KiB before: 5 rows 10.29 -> 9.74 ms).
 constexpr int64_t kPrefetchBytes = 8192;
 
 #if defined(__AVXVNNI__)
@@ -341,49 +343,56 @@ __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, con
   }
   const int64_t blocks = k / QK;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* w = nib + (t * blocks + b) * 256 + 32 * h;
-      if (h == 0) {
-        for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64 * c), kPrefetchHint);
-        _mm_prefetch(reinterpret_cast<const char*>(dm + (t * blocks + b) * 32 + kPrefetchBytes / 8), kPrefetchHint);
+  __m256 acc[2][R];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* w = nib + (t * blocks + b) * 256;
+    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64 * c), kPrefetchHint);
+    _mm_prefetch(reinterpret_cast<const char*>(dm + (t * blocks + b) * 32 + kPrefetchBytes / 8), kPrefetchHint);
+    __m256i hi[2][R], lo[2][R];
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < R; ++r) hi[h][r] = lo[h][r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i q0[2], q1[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c + 32 * h));
+        q0[h] = _mm256_and_si256(raw, low4), q1[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
       }
-      __m256i hi[R], lo[R];
-      for (int r = 0; r < R; ++r) hi[r] = lo[r] = _mm256_setzero_si256();
-      for (int c = 0; c < 4; ++c) {
-        __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c));
-        __m256i q0 = _mm256_and_si256(raw, low4), q1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-        for (int r = 0; r < R; ++r) {
-          const int64_t at = (r0 + r) * k + b * QK + 8 * c;
-          const int32_t* xh = reinterpret_cast<const int32_t*>(a.hi.data() + at);
-          const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + at);
-          hi[r] = add_dots(hi[r], q0, _mm256_set1_epi32(xh[0]));
-          hi[r] = add_dots(hi[r], q1, _mm256_set1_epi32(xh[1]));
-          lo[r] = add_dots(lo[r], q0, _mm256_set1_epi32(xl[0]));
-          lo[r] = add_dots(lo[r], q1, _mm256_set1_epi32(xl[1]));
+      for (int r = 0; r < R; ++r) {  // each broadcast activation serves both halves
+        const int64_t at = (r0 + r) * k + b * QK + 8 * c;
+        const int32_t* xh = reinterpret_cast<const int32_t*>(a.hi.data() + at);
+        const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + at);
+        const __m256i h0 = _mm256_set1_epi32(xh[0]), h1 = _mm256_set1_epi32(xh[1]);
+        const __m256i l0 = _mm256_set1_epi32(xl[0]), l1 = _mm256_set1_epi32(xl[1]);
+        for (int h = 0; h < 2; ++h) {
+          hi[h][r] = add_dots(add_dots(hi[h][r], q0[h], h0), q1[h], h1);
+          lo[h][r] = add_dots(add_dots(lo[h][r], q0[h], l0), q1[h], l1);
         }
-        // Sums in this order, chunk by chunk: otherwise GCC reassociates the integer adds into one tree per
-        // block with all 16 x R products live at once, spilled to the stack (16 ymm registers)
-        for (int r = 0; r < R; ++r) asm("" : "+x"(hi[r]), "+x"(lo[r]));
       }
+      // Sums in this order, chunk by chunk: otherwise GCC reassociates the integer adds into one tree per
+      // block with all 16 x R products live at once, spilled to the stack (16 ymm registers)
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) asm("" : "+x"(hi[h][r]), "+x"(lo[h][r]));
+    }
+    for (int h = 0; h < 2; ++h) {
       const uint16_t* s = dm + (t * blocks + b) * 32 + 8 * h;
       __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
       __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * blocks + b;
-        const __m256i dot = block_dot(hi[r], lo[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sum[at]), acc[r]);
+        const __m256i dot = block_dot(hi[h][r], lo[h][r]);
+        acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[h][r]);
+        acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sum[at]), acc[h][r]);
       }
     }
+  }
+  for (int h = 0; h < 2; ++h)
     for (int r = 0; r < R; ++r) {
       float out[8];
-      _mm256_storeu_ps(out, acc[r]);
+      _mm256_storeu_ps(out, acc[h][r]);
       for (int j = 0; j < 8; ++j) y[(r0 + r) * n_out + 16 * t + 8 * h + j] = bf16_bits(out[j]);
     }
-  }
 }
 
 #endif

@@ -9,11 +9,11 @@
 // (|.| <= 32640), so vpmaddwd multiplies two sign-extended int16 weights of each of 8 output rows by the
 // same two activations, broadcast, into exact int32 sums: 8 lanes, 8 rows, no horizontal sum. A block's
 // int32 dot (|.| < 2^27) becomes float once, times the block's scale; the row's scale d multiplies the
-// finished sum (per-group scales: each group's int32 dots are their own float step, times the group's scales and
-// the activation block's, and nothing multiplies the sum). With AVX-512 VNNI, two adjacent tiles (16 output rows, one a lane) go through one vpdpwssd
-// per column pair and activation row, which sums the same int16 products into int32 as vpmaddwd + vpaddd do
-// (integer sums, no overflow: the same values), and the float steps are the same per lane, so both builds
-// compute the same bits.
+// finished sum (per-group scales: each group's int32 dots are their own float step, times the group's scales
+// and the activation block's, and nothing multiplies the sum). With AVX-512 VNNI, two adjacent tiles (16 output
+// rows, one a lane) go through one vpdpwssd per column pair and activation row, which sums the same int16
+// products into int32 as vpmaddwd + vpaddd do (integer sums, no overflow: the same values), and the float steps
+// are the same per lane, so both builds compute the same bits.
 //
 // Layout (written by `pack_q8` in native.py), N a multiple of 8 and K of 32, tiles of 8 output rows:
 //   w8 [N/8, K/32, 16, 8, 2] int8: for tile t and block b, 16 pairs of columns; in pair c, row j's values
@@ -161,7 +161,7 @@ void tile_pair(const int8_t* w8, const float* d, const int16_t* x16, const float
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r)
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(scale[(r0 + r) * blocks + b]), acc[r]);
-    }
+      }
     }
   }
   for (int r = 0; r < R; ++r)
