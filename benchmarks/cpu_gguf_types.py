@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from cpu_few_rows import verify_step  # this script runs from benchmarks/
 from gguf import GGUFReader
 
 from flagdeploy.checkpoints.source import resolve
 from flagdeploy.checkpoints.tiny_gguf import write_llama_gguf
 from flagdeploy.engine import EngineConfig
-from flagdeploy.engine.decode_inputs import DecodeInputs
 from flagdeploy.engine.replica import build_llm_engine
 from flagdeploy.models.attention import AttentionMetadata
 from flagdeploy.models.linear import Linear
@@ -63,29 +63,18 @@ def logits(eng, ids: list[int]) -> torch.Tensor:
 
 
 def step_ms(eng, rows: int, rounds: int) -> tuple[float, str]:
-    """Best time of a decode step of `rows` rows of one sequence at 256 tokens of context (a verify step's shape),
-    through the runner as the engine calls it, and which step served it."""
-    runner, block = eng.runner, eng.runner.block_size
-    ctx0 = 256 - rows
-    table = list(range((256 + block - 1) // block))
-    ids, pos = [1] * rows, list(range(ctx0, 256))
-    native = getattr(runner, "native", None)
-    path = "C++ step" if native is not None and rows <= native.max_rows else "eager"
-
-    def once():
-        if path == "C++ step":
-            native.run(ids, pos, pos, [table] * rows, [p + 1 for p in pos], verify=rows > 1)
-        else:
-            with torch.inference_mode():
-                runner._decode(DecodeInputs.build(ids, pos, pos, [table] * rows, [p + 1 for p in pos], None, "cpu"))
-
+    """Best time of a decode step of `rows` rows of one sequence at 256 tokens of context (a verify step's shape,
+    cpu_few_rows.py's), through the runner as the engine runs it, and which step served it."""
+    runner = eng.runner
+    step = verify_step(rows, 256, runner.block_size, eng.model.cfg.vocab_size)
+    path = "C++ step" if runner.native is not None and rows <= runner.native.max_rows else "eager"
     for _ in range(3):
-        once()
+        runner.execute(step)
     best = float("inf")
     for _ in range(rounds):
         t = time.perf_counter()
         for _ in range(5):
-            once()
+            runner.execute(step)
         best = min(best, (time.perf_counter() - t) / 5)
     return best * 1e3, path
 

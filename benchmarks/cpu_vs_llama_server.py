@@ -13,9 +13,10 @@ What a CPU user would otherwise run is llama.cpp's server, so that is the baseli
    first run on a machine pays the build (minutes). `--llama-server PATH` uses a binary you have.
 2. serves the embedded default GGUF (SmolLM2-135M-Instruct Q4_1, found as `flagdeploy serve` finds it), or
    --model's, requantized first to --quantize's type (Q4_K_M: what most users download) by llama.cpp's own
-   `llama-quantize` (built and cached as llama-server is), with both servers, started one after the other and then both up, but never both busy (they would share
-   the cores): their rounds alternate, in the order A B B A A ..., so that a host whose speed drifts over
-   the minutes of a run (this VM's does, by up to ~30%) favours neither:
+   `llama-quantize` (built and cached as llama-server is), with both servers, started one after the other and
+   then both up, but never both busy (they would share the cores): their rounds alternate, in the order
+   A B B A A ..., so that a host whose speed drifts over the minutes of a run (this VM's does, by up to ~30%)
+   favours neither:
    `llama-server -m GGUF -t THREADS -np CONCURRENCY -c CONCURRENCY*CTX_PER_SLOT` and `flagdeploy serve` with
    its default flags (only --port; --model only when --model is given here). The per-slot context defaults
    to flagdeploy serve's default --max-model-len, 4096, so both hold the same context per sequence.
@@ -243,9 +244,10 @@ def build_llama_server(version: str, jobs: int, isa: str | None = None, tool: st
 
 
 def requantized(src: Path, kind: str, args: argparse.Namespace) -> Path:
-    """`src` requantized to `kind` (Q4_K_M, Q5_0, ...) by llama.cpp's own llama-quantize, cached under the llama-server
-    cache: the file a user who downloads that type has (from the bundled Q4_1 it is a requantization, so its answers
-    are worse than a conversion from the original weights would give; both servers read the same file)."""
+    """`src` requantized to `kind` (Q4_K_M, Q5_0, ...) by llama.cpp's own llama-quantize, cached beside the built
+    llama-server: the file a user who downloads that type has (from the bundled Q4_1 it is a requantization, so
+    its answers are worse than a conversion from the original weights would give; both servers read the same
+    file)."""
     st = src.stat()
     tag = hashlib.sha256(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:8]
     out = cache_dir() / "llama-server" / "models" / f"{src.stem}-{tag}-{kind}.gguf"

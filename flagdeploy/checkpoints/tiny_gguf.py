@@ -20,10 +20,9 @@ Weight = "np.ndarray | tuple[np.ndarray, GGMLQuantizationType]"
 
 
 def write_llama_gguf(path: Path, tokenizer_from: Path, weight: Callable[[str, int, int], Weight], *, hidden: int,
-                     layers: int, ffn: int, heads: int, kv_heads: int, tied: bool = True) -> None:
+                     layers: int, ffn: int, heads: int, kv_heads: int) -> None:
     """A llama GGUF at `path`: every `tokenizer.*` key of `tokenizer_from`, the given dimensions, norms of ones, and
-    each weight as `weight(gguf name, rows, cols)` gives it (the embedding is [vocab, hidden]; with tied, it is
-    also the head)."""
+    each weight as `weight(gguf name, rows, cols)` gives it (the embedding is [vocab, hidden], tied to the head)."""
     src, path = GGUFReader(str(tokenizer_from)), Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     w = GGUFWriter(str(tmp), "llama")
@@ -44,8 +43,6 @@ def write_llama_gguf(path: Path, tokenizer_from: Path, weight: Callable[[str, in
             w.add_tensor(name, data)
 
     add("token_embd.weight", vocab, hidden)
-    if not tied:
-        add("output.weight", vocab, hidden)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden), "attn_v": (kv_heads * head_dim, hidden),
               "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
