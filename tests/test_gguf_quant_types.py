@@ -135,3 +135,36 @@ def test_a_q4_k_m_mix_decodes_on_the_cpp_step_close_to_dense(k_quant_model):
     a, b = _prefill_logits(dense, ids), _prefill_logits(packed, ids)
     rel = ((a - b).norm(dim=-1) / a.norm(dim=-1)).max().item()
     assert rel < 0.05, f"relative logit drift {rel:.4f} against the dense model"
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["int8 read as int8", "int8 as a dense copy"])
+def test_a_fused_linear_of_mixed_layouts_joins_as_int8_only_where_int8_is_read(packed):
+    """A Q4_K q beside a Q6_K v: one int8 weight in groups of 32 on a backend whose int8 linears read int8 (the
+    cpu), within half a step of each group's grid; elsewhere (a backend that makes a dense copy at load, as cuda
+    does) the exact dense join, as before."""
+    from dataclasses import replace
+
+    from flagdeploy import ops
+    from flagdeploy.models.linear import Linear
+
+    g = torch.Generator().manual_seed(3)
+    q = Int4Weight(torch.randint(0, 16, (64, 64), generator=g, dtype=torch.uint8), torch.rand(64, 2, generator=g) * 0.01,
+                   torch.randn(64, 2, generator=g) * 0.01, 32, 64, 64)
+    v = Int8Weight.quantize(torch.randn(32, 64, generator=g) * 0.05, 16)
+    want = torch.cat([q.dequantize(), v.dequantize()])
+    cpu = ops.active_backend()
+    # no `prepare`: the joined bundle stays as finalize made it, to be read here
+    ops.use_backend(replace(cpu, prepare={}, packed_weights=cpu.packed_weights if packed else ()))
+    try:
+        lin = Linear(96, 64, torch.float32, ("q_proj", "v_proj"))
+        lin.load_part("q_proj", "weight", q)
+        lin.load_part("v_proj", "weight", v)
+        lin.finalize()
+    finally:
+        ops.use_backend(cpu)
+    if packed:
+        assert isinstance(lin.qweight, Int8Weight) and lin.qweight.group_size == 32 and lin.weight is None
+        step = want.abs().unflatten(1, (-1, 32)).amax(-1, keepdim=True) / 127
+        assert ((lin.qweight.dequantize() - want).abs().unflatten(1, (-1, 32)) <= step / 2 * (1 + 1e-5)).all()
+    else:
+        assert lin.qweight is None and torch.equal(lin.weight, want)

@@ -26,9 +26,9 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     """(model, tokenizer) from a .gguf file or an HF safetensors directory.
 
     weight_format "dense" dequantises everything to `dtype`. "auto" keeps a GGUF's 4-bit linears
-    as int4 and stores its other quantized linears (a Q4_K_M file's Q6_K, Q5_0, Q8_0) and the LM head as int8
-    where the backend has kernels for them (on the CPU that is what makes decoding fast: the step reads
-    1/8 to 1/4 of the bytes), keeps FP8 block-scaled linears FP8
+    as int4 and stores the LM head as int8 where the backend has kernels for them, and its other quantized
+    linears (a Q4_K_M file's Q6_K, Q5_0, Q8_0) as int8 where those kernels read int8 (`Backend.packed_weights`;
+    on the CPU that is what makes decoding fast: the step reads 1/8 to 1/4 of the bytes), keeps FP8 block-scaled linears FP8
     where the backend runs `linear_fp8_block`, and in a float32 run keeps expert banks that are exactly
     bfloat16 (a BF16 checkpoint's) bfloat16 where the backend declares bf16 matmuls at full speed in a
     float32 step (`Backend.narrow_weight_dtypes`: the experts are most of a MoE decode step's bytes);
@@ -45,6 +45,7 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     be = ops.active_backend()
     keep_int4 = weight_format == "auto" and "linear_w4a16" in be.overrides
     quantize_head = keep_int4 and fmt == "gguf" and "linear_w8a16" in be.overrides
+    keep_int8 = quantize_head and "linear_w8a16" in be.packed_weights  # the wider types read as int8, not dense
     keep_fp8 = weight_format == "auto" and "linear_fp8_block" in be.overrides  # FP8 matmul units run FP8 as stored
     # a float32 run whose matmuls take bf16 at full speed (the CPU's AMX): a BF16 checkpoint's experts stay bf16
     bf16_experts = weight_format == "auto" and dtype == torch.float32 and "bfloat16" in be.narrow_weight_dtypes
@@ -58,7 +59,7 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
         return model, tokenizer
     if fmt == "gguf":
         reader = gguf_reader.open_gguf(path)
-        tensors, total = gguf_reader.iter_tensors(reader, cfg, dtype, keep_int4, quantize_head), len(reader.tensors)
+        tensors, total = gguf_reader.iter_tensors(reader, cfg, dtype, keep_int4, keep_int8), len(reader.tensors)
     else:
         # under TP/EP each rank reads only its slices (and skips experts it does not hold)
         plan = getattr(model, "read_plan", None) if parallel.tp_size() * parallel.ep_size() > 1 else None

@@ -20,7 +20,8 @@ class Linear(nn.Module):
 
     Parts arrive one by one from a loader (`load_part`); `finalize` joins them and hands quantized
     bundles to the active backend to lay out. Mixed dense/quantized parts are joined dense; quantized parts of
-    different layouts as int8 in groups of 32 where the backend runs int8 linears natively, else dense.
+    different layouts as int8 in groups of 32 where the backend's int8 linears read int8 (`packed_weights`),
+    else dense.
 
     Under tensor parallelism `out_features` / `in_features` are this rank's, and `shards` says which
     slice of each checkpoint part this rank keeps: rows (column-parallel: q/k/v heads, gate/up) or
@@ -68,7 +69,7 @@ class Linear(nn.Module):
             except ValueError:  # parts that cannot share one layout are joined dense below
                 q = None
         if q is None and len(ws) > 1 and all(type(w) in (Int4Weight, Int8Weight) for w in ws) \
-                and "linear_w8a16" in ops.active_backend().overrides:
+                and "linear_w8a16" in ops.active_backend().packed_weights:
             # quantized parts of different layouts (a GGUF's Q4_K q and k beside its Q6_K v): one int8 weight with a
             # scale per group of 32 (a rounding of at most half a 254th of a group's largest value), which the
             # backend runs natively, rather than a dense copy of all of them

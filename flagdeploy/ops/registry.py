@@ -77,6 +77,10 @@ class Backend:
     # `weight_format=auto` keeps weights stored in one of them as stored (the CPU's AMX: bf16). A GPU runs
     # 16-bit end to end when speed matters, and a float32 run on it is asked for exactness: none.
     narrow_weight_dtypes: tuple[str, ...] = ()
+    # Weight-only linear ops whose kernels read the quantized bytes at every step (not a dense copy made at load):
+    # where `linear_w8a16` is one, `weight_format=auto` keeps a GGUF's wider quantized linears (Q5_*, Q6_K, Q8_0)
+    # and a fused linear of mixed quantized layouts as int8 groups, which only pays where int8 is what is read.
+    packed_weights: tuple[str, ...] = ()
     # inductor settings for the compiled decode step (`serve --compile`, engine/compiled_step.py) that are
     # this backend's to choose, e.g. {"freezing": True}: the weights become constants that inductor lays
     # out once for its own GEMM calls (the cpu backend's tune table says where that is faster). Entries
