@@ -83,6 +83,22 @@ def test_every_quantized_type_arrives_as_the_kernels_take_it(tmp_path):
     assert isinstance(plain["model.layers.3.mlp.down_proj.weight"], torch.Tensor)
 
 
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0])
+def test_q_and_k_rows_come_back_in_hf_order_with_their_scales(tmp_path, kind):
+    """llama.cpp stores q / k rows interleaved for its rope; the bundles un-permute the values and their per-group
+    scales alike, so each dequantises to the dense tensor's HF order exactly."""
+    path = tmp_path / "qk.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.attn_q.weight", random_blocks(kind, 32, 256, np.random.default_rng(5)), raw_dtype=kind)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    reader, cfg = gguf_reader.open_gguf(path), SimpleNamespace(num_heads=4, num_kv_heads=4)
+    bundle = dict(gguf_reader.iter_tensors(reader, cfg, torch.float32, keep_int4=True, keep_int8=True))
+    dense = dict(gguf_reader.iter_tensors(reader, cfg, torch.float32))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(dense[name], torch.from_numpy(dequantize(reader.tensors[0].data, kind)))  # rows moved
+    torch.testing.assert_close(bundle[name].dequantize(torch.float32), dense[name], rtol=0, atol=1e-7)
+
+
 # A Q4_K_M-like mix on a small llama whose rows are whole K-quant super-blocks: q / k / gate / up Q4_K, v Q6_K (so
 # qkv mixes layouts), o Q5_0, down Q6_K in layer 0 and Q4_K in layer 1, the tied embedding / head Q8_0.
 MIX = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q5_0, "ffn_gate": T.Q4_K,
