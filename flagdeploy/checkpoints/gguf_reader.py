@@ -95,6 +95,11 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """fp16 values from their bytes, the last axis pairs of bytes, as float32."""
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
 def _q4_blocks(data: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Raw Q4_0 / Q4_1 rows → (q [N, K] 0..15, scales [N, K/32], zeros [N, K/32]) without loss.
 
@@ -104,11 +109,11 @@ def _q4_blocks(data: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarra
     n = data.shape[0]
     head = 4 if qtype == GGMLQuantizationType.Q4_1 else 2
     blocks = data.reshape(n, -1, head + 16)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = _f16(blocks[..., 0:2])[..., 0]
     nib = blocks[..., head:]
     q = np.concatenate((nib & 0x0F, nib >> 4), axis=-1).reshape(n, -1)
     if qtype == GGMLQuantizationType.Q4_1:
-        zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
+        zeros = _f16(blocks[..., 2:4])[..., 0] + 8 * d
     else:
         zeros = np.zeros_like(d)
     return q, d, zeros
@@ -170,11 +175,6 @@ def iter_tensors(reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, keep_in
         arr = arr if arr.flags.writeable else arr.copy()
         w = torch.from_numpy(np.ascontiguousarray(arr))
         yield name, _int8_groups(t, w, heads) if keep_int8 and linear and t.tensor_type not in _FLOAT else w.to(dtype)
-
-
-def _f16(raw: np.ndarray) -> np.ndarray:
-    """fp16 values from their bytes, the last axis pairs of bytes, as float32."""
-    return raw.copy().view(np.float16).astype(np.float32)
 
 
 # Types that are exactly int8 times a scale per group: {type: (group, block bytes, the block's scales from its bytes)}.
