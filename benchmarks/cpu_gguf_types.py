@@ -3,15 +3,19 @@ what that costs in accuracy, and the decode step's time, against the same file's
 
 What users download is mostly Q4_K_M: Q4_K linears with Q6_K among them, and Q5_0 / Q8_0 where a row is not a
 multiple of 256 values (llama.cpp's fallbacks). weight_format "auto" keeps Q4_0 / Q4_1 / Q4_K linears 4-bit as
-they are and takes the other quantized types as per-channel int8, so that the C++ decode step serves the model;
-this prints, for the file given:
-  - its linears' GGUF types and what they became (4-bit, int8, dense), by bytes of the packed form;
+they are and takes the other quantized types as int8 with a scale per group (held in 5 or 6 bits where the values
+fit and the kernels' build has vpdpbusd), so that the C++ decode step serves the model; this prints, for the file:
+  - its linears' GGUF types and what they became (4-bit, int8, dense), and the bytes a decoded token reads of
+    them against the file's own;
   - against the dense float32 model of the same file on a few chat prompts: mean and largest next-token KL, top-1
     agreement, largest relative logit difference (what tests/test_quantized_weights.py bounds for the Q4_1 file);
   - the decode step in-process at 1 and 5 rows (one sequence, 256 tokens of context) and which path serves it
     ("C++ step" or "eager"). Run from an older checkout (PYTHONPATH) for what that version did with the file.
 
-    python benchmarks/cpu_gguf_types.py MODEL.gguf [--threads 2] [--rounds 7]
+    python benchmarks/cpu_gguf_types.py MODEL.gguf [--threads 2] [--rounds 7] [--ab-bits]
+
+--ab-bits adds the step at 1, 2, 5 and 16 rows with the 5- / 6-bit forms against every int8 linear in 8 bits,
+both loaded in one process, rounds interleaved: the ratio of the two.
 
 The bundled SmolLM2-135M's rows are 576 values wide, not a multiple of K-quants' 256: llama.cpp's Q4_K_M of it is
 mostly Q5_0. For the mix a larger model's Q4_K_M has (Q4_K, Q6_K among it), write a random one whose rows are
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import time
 from pathlib import Path
 
@@ -33,6 +38,7 @@ import torch
 from cpu_few_rows import verify_step  # this script runs from benchmarks/
 from gguf import GGUFReader
 
+from flagdeploy.backends.cpu import native
 from flagdeploy.checkpoints.source import resolve
 from flagdeploy.checkpoints.tiny_gguf import write_llama_gguf
 from flagdeploy.engine import EngineConfig
@@ -79,6 +85,8 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=2816)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--ab-bits", action="store_true", help="also time the step with every int8 linear in 8 bits against "
+                    "the 5- / 6-bit forms, in one process")
     args = ap.parse_args()
     if args.write_random:
         rng = np.random.default_rng(0)
@@ -90,17 +98,24 @@ def main() -> None:
     if not args.model:
         ap.error("give a GGUF file (or --write-random OUT)")
 
-    types = collections.Counter(t.tensor_type.name for t in GGUFReader(args.model).tensors if t.name.startswith("blk.")
-                                and len(t.shape) == 2)
+    tensors = GGUFReader(args.model).tensors
+    types = collections.Counter(t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2)
+    head = "output.weight" if any(t.name == "output.weight" for t in tensors) else "token_embd.weight"  # tied: one
+    file_bytes = sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2 and (t.name.startswith("blk.") or t.name == head))
     auto = engine(args.model, "auto", args.threads)
-    kinds = collections.Counter()
+    kinds, held = collections.Counter(), 0
     for m in auto.model.modules():
         if isinstance(m, Linear):
             q = m.qweight
             kinds[type(q).__name__ if q is not None else "dense"] += m.out_features * m.in_features
+            # what a decode step reads: the packed kernels' tensors (a dense linear: its weight)
+            held += sum(t.nbytes for k, t in q.prepared.items() if k in ("nib", "dm", "w8", "d")) if q is not None \
+                else m.weight.nbytes
     total = sum(kinds.values())
     print(f"{args.model}: linears' GGUF types {dict(types)}")
     print("loaded as (share of weights): " + ", ".join(f"{k} {v / total:.0%}" for k, v in kinds.items()))
+    print(f"a decoded token reads {held / 1e6:.1f} MB of linears and head (the file's: {file_bytes / 1e6:.1f} MB, "
+          f"{held / file_bytes:.2f}x)")
 
     dense = engine(args.model, "dense", args.threads)
     tok = auto.tokenizer
@@ -121,6 +136,36 @@ def main() -> None:
     for rows in (1, 5):
         ms, path = step_ms(auto, rows, args.rounds)
         print(f"decode step, {rows} row{'s' if rows > 1 else ''}: {ms:.2f} ms ({path}; best of {args.rounds}, {args.threads} threads)")
+    if args.ab_bits:
+        ab_bits(args.model, auto, args.threads, args.rounds)
+
+
+def ab_bits(path: str, low, threads: int, rounds: int) -> None:
+    """The decode step with the int8 linears that fit 5 or 6 bits held in those (`low`, as loaded) against the same
+    file with every int8 linear in 8 bits, in one process, rounds interleaved (the order flipping each round)."""
+    pack = native.pack_q8
+    native.pack_q8 = lambda w, bits=None: pack(w, 8)
+    try:
+        eight = engine(path, "auto", threads)
+    finally:
+        native.pack_q8 = pack
+    for rows in (1, 2, 5, 16):
+        steps = {}
+        for name, eng in (("8 bits", eight), ("fewest bits", low)):
+            st = verify_step(rows, 256, eng.runner.block_size, eng.model.cfg.vocab_size)
+            steps[name] = (eng.runner, st)
+            for _ in range(3):
+                eng.runner.execute(st)
+        times = {name: [] for name in steps}
+        for r in range(2 * rounds):
+            for name in list(steps)[:: 1 if r % 2 else -1]:
+                runner, st = steps[name]
+                t = time.perf_counter()
+                for _ in range(5):
+                    runner.execute(st)
+                times[name].append((time.perf_counter() - t) / 5 * 1e3)
+        a, b = (statistics.median(times[name]) for name in steps)
+        print(f"{rows:>2} rows: 8 bits {a:.2f} ms, fewest bits {b:.2f} ms: {b / a:.3f}x")
 
 
 if __name__ == "__main__":

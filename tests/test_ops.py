@@ -464,6 +464,30 @@ def test_cpu_int8_kernel_rounds_no_worse_than_its_bf16_output_and_rows_are_indep
         assert torch.equal(alone, got)
 
 
+@pytest.mark.parametrize("group", [16, 32])
+def test_cpu_int8_kernel_holds_5_and_6_bit_values_in_as_many_bits_with_the_same_results(group):
+    """Per-group weights whose values fit 5 bits (a GGUF's Q5_0) or 6 (Q6_K) can be held in 5 or 6 bits a value
+    (what a decode step reads of them; by default where the build has vpdpbusd), and the kernel answers bit for bit
+    as from their 8-bit packing: any row count (AVX-512's tile pairs from 3 rows, passes of 4 or 8), an odd count
+    of tiles; values one past the range take the next form."""
+    native = _cpu_kernels_or_skip()
+    g = torch.Generator().manual_seed(group)
+    for lo, hi, bits, block_bytes in ((-16, 15, 5, 160), (-32, 31, 6, 192), (-17, 15, 6, 192), (-32, 32, 8, None)):
+        n, k = 40, 256
+        q = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int8)
+        q[3, 7], q[5, 200] = lo, hi  # both ends of the range present
+        w = Int8Weight(q, torch.rand(n, k // group, generator=g) * 0.01 + 1e-4, n, k, group_size=group)
+        assert native.q8_bits(w) == bits
+        packed, eight = native.pack_q8(w, bits), native.pack_q8(w, 8)
+        if block_bytes:
+            assert packed[0].shape == (n // 8, k // 32, block_bytes)
+        for rows in (1, 2, 3, 5, 8, 9, 16, 17):
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+            assert torch.equal(native.q8_linear(x, *packed), native.q8_linear(x, *eight)), (bits, rows)
+    per_channel = Int8Weight(torch.randint(-8, 8, (16, 64), generator=g, dtype=torch.int8), torch.rand(16), 16, 64)
+    assert native.q8_bits(per_channel) == 8  # the form is per group only
+
+
 def test_cpu_int8_weights_the_kernel_cannot_take_keep_torchs():
     """Widths off the 8-row tile, or a -128 (the kernel's int16 products assume -127..127) leave torch's int8
     GEMV (per-group scales other than 16 or 32: the dense copy), with the reference's results."""
@@ -675,6 +699,11 @@ def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(kernel_builds)
         for group in (0, 16, 32):  # an odd count of 8-row tiles
             w8, d = native.pack_q8(Int8Weight.quantize(torch.randn(n + 8, k, generator=g), group))
             assert torch.equal(avx2.q8_linear(x, w8, d), default.q8_linear(x, w8, d))
+        for group, top in ((32, 16), (16, 32)):  # values held in 5 and 6 bits
+            q = torch.randint(-top, top, (n + 8, k), generator=g, dtype=torch.int8)
+            w = Int8Weight(q, torch.rand(n + 8, k // group, generator=g) * 0.01, n + 8, k, group_size=group)
+            w8, d = native.pack_q8(w, native.q8_bits(w))
+            assert w8.dim() == 3 and torch.equal(avx2.q8_linear(x, w8, d), default.q8_linear(x, w8, d))
     w8, s = fp8_block_quantize(torch.randn(200, 160, generator=g) * 0.05, (128, 128))
     u8 = w8.view(torch.uint8)
     for group in (0, 32):

@@ -75,6 +75,10 @@ class Isa:
     # what turns off, under -march=native, a feature of the CPU this build must not use (the flag only where the
     # CPU has the feature: an older compiler may not know it)
     turns_off: tuple[tuple[str, str], ...] = ()
+    # whether per-group int8 weights whose values fit 5 or 6 bits are held in as many (pack_q8): where vpdpbusd takes
+    # their bytes (measured on AVX-512; on AVX2, whose vpmaddubsw + vpmaddwd take two instructions a product, a
+    # default-model step of 5 or 16 rows was 1.27x slower than from 8 bits)
+    low_bit_weights: bool = False
 
     def compiler_flags(self) -> tuple[str, ...]:
         return (*self.cxx_flags, *(flag for feature, flag in self.turns_off if feature in _proc_flags()))
@@ -88,11 +92,11 @@ class Isa:
 # asked for by name only (FLAGDEPLOY_CPU_ISA=amx): on a 16-core Xeon its tiles won from 8 rows on one thread and at
 # no row count on all 16 (tune.yaml's amx_min_rows); the AVX-512 build turns them off on such a CPU.
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
-ISAS = {"avx512": Isa(_AVX512, turns_off=(("amx_tile", "-mno-amx-tile"),)),
+ISAS = {"avx512": Isa(_AVX512, turns_off=(("amx_tile", "-mno-amx-tile"),), low_bit_weights=True),
         "avxvnni": Isa(("avx2", "fma", "f16c", "avx_vnni"), ("-mno-avx512f", "-mavxvnni"), hides=("avx512", "amx")),
         "avx2": Isa(("avx2", "fma", "f16c"), ("-mno-avx512f",), hides=("avx512", "amx", "avx_vnni"),
                     turns_off=(("avx_vnni", "-mno-avxvnni"),)),
-        "amx": Isa(("amx_tile", "amx_int8", *_AVX512), ("-mamx-tile", "-mamx-int8"))}
+        "amx": Isa(("amx_tile", "amx_int8", *_AVX512), ("-mamx-tile", "-mamx-int8"), low_bit_weights=True)}
 # The class of CPU a figure was measured on, for benchmarks' headers: the first whose flag the CPU has
 ISA_CLASSES = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx_vnni", "AVX2+VNNI"), ("avx2", "AVX2"))
 
@@ -334,15 +338,43 @@ def fits_q8(w: Int8Weight) -> bool:
             and w.in_features % GROUP == 0 and int(w.q.min()) >= -127)
 
 
-def pack_q8(w: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+def q8_bits(w: Int8Weight) -> int:
+    """The fewest bits the kernel can hold `w`'s values in: 5 (-16..15, a GGUF's Q5_0) or 6 (-32..31, Q6_K) where
+    its scales are per group, else 8."""
+    if w.group_size:
+        low, high = int(w.q.min()), int(w.q.max())
+        for bits in (5, 6):
+            if -(1 << (bits - 1)) <= low and high < 1 << (bits - 1):
+                return bits
+    return 8
+
+
+def pack_q8(w: Int8Weight, bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(w8, d) in the kernel's layout (csrc/q8_linear.cpp): tiles of 8 rows, and per tile and block of 32, the
-    rows' values two columns at a time (one int32 lane per row); the scales as float32, per channel [N], or per
-    group of G inputs as [N/8, K/G, 8] (per tile and group, its rows' scales)."""
+    rows' values two columns at a time (one int32 lane per row), or in `bits` 5 or 6 (default: q8_bits where this
+    build's Isa holds low-bit weights, else 8) the 8 rows' values four columns at a time; the scales as float32,
+    per channel [N], or per group of G inputs as [N/8, K/G, 8] (per tile and group, its rows' scales)."""
+    if bits is None:
+        bits = q8_bits(w) if ISAS.get(isa(), Isa(())).low_bit_weights else 8
     t, g = w.out_features // TILE8, w.in_features // GROUP
-    w8 = w.q.to(torch.int8).view(t, TILE8, g, GROUP // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+    if bits < 8:  # per tile and block, 8 chunks of the 8 rows' 4 inputs, then packed
+        w8 = _pack_low_bits(w.q.to(torch.int8).view(t, TILE8, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 8, 32), bits)
+    else:
+        w8 = w.q.to(torch.int8).view(t, TILE8, g, GROUP // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
     if w.group_size:
         return w8, w.scales.float().view(t, TILE8, -1).transpose(1, 2).contiguous()
     return w8, w.scales.float().reshape(-1).contiguous()
+
+
+def _pack_low_bits(chunks: torch.Tensor, bits: int) -> torch.Tensor:
+    """A block's 8 chunks of 32 values as 4 x 32 bytes of low nibbles (chunks 2v and 2v + 1 in byte i of the
+    v-th) and `bits` - 4 x 32 bytes of the high bits (the e-th holds chunk (8 / E) e + j's at bit E j)."""
+    u = (chunks.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)  # 0 .. 2^bits - 1
+    nib = (u[:, :, 0::2] & 0x0F) | ((u[:, :, 1::2] & 0x0F) << 4)
+    extra = bits - 4
+    high = (u >> 4).unflatten(2, (extra, 8 // extra))  # [t, g, E, 8 / E, 32]
+    high = sum(high[:, :, :, j] << (extra * j) for j in range(8 // extra))
+    return torch.cat([nib.flatten(2), high.to(torch.uint8).flatten(2)], dim=2).view(torch.int8).contiguous()
 
 
 def q8_linear(x: torch.Tensor, w8: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,18 @@
 //       2c and 2c + 1.
 //   d [N] float32: the rows' scales, w = d * q; or per group of G inputs (16 or 32), d [N/8, K/G, 8] float32: for
 //       tile t and group g, its 8 rows' scales of that group, w = d * q.
+//
+// Per-group weights whose values fit 5 or 6 bits (a GGUF's Q5_0: -16..15; Q6_K: -32..31) may be held in as many
+// bits (fewer bytes a step reads; native.py's Isa.low_bit_weights: by default where vpdpbusd is), as
+// u = q + 2^(bits - 1) in 0..63, and multiplied as bytes: vpdpbusd (AVX-512 VNNI, AVX-VNNI; vpmaddubsw + vpmaddwd
+// on AVX2) of the unsigned u by the activations' two int8 parts, 4 inputs of a row a lane, one instruction per 4
+// products and part where the 8-bit form's vpdpwssd takes int16 weights widened from bytes.
+// The offset comes off the exact int32 dot (sum u x - 2^(bits - 1) sum x, x the int16 activations), so a
+// block's dot, and every output, is the 8-bit form's bit for bit. Layout (`pack_q8` with bits 5 or 6):
+//   w [N/8, K/32, 128 + 32 E] int8 (E = bits - 4): for tile t and block b, 8 chunks of 32 bytes, chunk c = the
+//       tile's 8 rows x inputs 4c..4c+3 (byte 4 j + i: row j, input 4c + i), stored as 4 x 32 bytes of low nibbles
+//       (byte i of the v-th: chunk 2v's byte i in its low nibble, chunk 2v + 1's in its high one), then E x 32
+//       bytes of the high bits (byte i of the e-th: chunk (8 / E) e + j's byte i's high bits at bit E j).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -54,8 +66,14 @@ constexpr int64_t kPairRows = 3;
 // 16 rows 2.5 -> 1.8 ms; 2 and 4 KiB gained less.
 constexpr int64_t kPrefetchBytes = 8192;
 
-inline void prefetch_block(const int8_t* w) {  // the 256 bytes of a block, kPrefetchBytes on
-  for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64 * c), _MM_HINT_T0);
+// Bytes of a tile's block of 32 inputs, by the bits of its values (8, or 5 and 6 packed)
+template <int Bits>
+constexpr int64_t kBlockBytes = Bits == 8 ? kTile * QK : 128 + 32 * (Bits - 4);
+
+template <int Bits = 8>
+inline void prefetch_block(const int8_t* w) {  // a block's bytes, kPrefetchBytes on
+  for (int c = 0; c < (kBlockBytes<Bits> + 63) / 64; ++c)
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64 * c), _MM_HINT_T0);
 }
 
 // How many times a block's int32 dots become float, for weights with a scale per Group inputs (0: per channel)
@@ -104,6 +122,153 @@ void tile(const int8_t* w8, const float* d, const int16_t* x16, const float* sca
     _mm256_storeu_ps(out, Group > 0 ? acc[r] : _mm256_mul_ps(acc[r], _mm256_loadu_ps(d + kTile * t)));
     for (int j = 0; j < kTile; ++j) y[(r0 + r) * n_out + kTile * t + j] = bf16_bits(out[j]);
   }
+}
+
+// ---- the 5- and 6-bit forms ----
+
+// Rows of one pass over a tile: their hi and lo int32 sums in registers (16 ymm on AVX2, 32 with AVX-512)
+#if defined(__AVX512VL__)
+constexpr int kLowRows = 8;
+#else
+constexpr int kLowRows = 4;
+#endif
+
+// Chunk c of a block: its 32 values u (0 .. 2^Bits - 1) as bytes. 16-bit shifts: the bits each mask keeps never
+// cross a byte.
+template <int Bits>
+inline __m256i low_chunk(const int8_t* w, int c) {
+  constexpr int extra = Bits - 4, per = 8 / extra;
+  const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * (c / 2)));
+  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * (c / per)));
+  const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(nib, 4 * (c % 2)), _mm256_set1_epi8(0x0F));
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(high, extra * (c % per)), _mm256_set1_epi8((1 << extra) - 1));
+  return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+}
+
+// sums + each lane's 4 products u x (u unsigned, x int8) in int32
+inline __m256i add_dots(__m256i sums, __m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(sums, u, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(sums, u, x);
+#else  // two products a 16-bit sum: at most 2 * 63 * 128, no saturation
+  return _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Tile t for activation rows [r0, r0 + R) of a 5- or 6-bit weight: each chunk unpacked once for the R rows; a
+// group's dot is 256 hi + lo - 2^(Bits - 1) sum(x), the 8-bit form's int32, and the float steps are its own.
+template <int R, int Group, int Bits>
+void tile_low(const int8_t* w8, const float* d, const Activations& a, const int32_t* xsum, int64_t k, int64_t r0,
+              int64_t t, uint16_t* y, int64_t n_out) {
+  const int64_t blocks = k / QK, groups = k / Group;
+  constexpr int parts = kParts<Group>, chunks = 8 / parts;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* w = w8 + (t * blocks + b) * kBlockBytes<Bits>;
+    prefetch_block<Bits>(w);
+#pragma GCC unroll 2
+    for (int part = 0; part < parts; ++part) {
+      __m256i hi[R], lo[R];
+      for (int r = 0; r < R; ++r) hi[r] = lo[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8  // constant chunk indices: low_chunk's shifts by immediates
+      for (int c = part * chunks; c < (part + 1) * chunks; ++c) {
+        const __m256i u = low_chunk<Bits>(w, c);
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (r0 + r) * k + b * QK + 4 * c;
+          hi[r] = add_dots(hi[r], u, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(a.hi.data() + at)));
+          lo[r] = add_dots(lo[r], u, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(a.lo.data() + at)));
+        }
+      }
+      const __m256 dg = _mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile);
+      for (int r = 0; r < R; ++r) {
+        const int32_t offset = xsum[(r0 + r) * groups + b * parts + part] * (1 << (Bits - 1));
+        const __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(hi[r], 8), lo[r]), _mm256_set1_epi32(offset));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dg, _mm256_set1_ps(a.scale[(r0 + r) * blocks + b])),
+                                 acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[kTile];
+    _mm256_storeu_ps(out, acc[r]);
+    for (int j = 0; j < kTile; ++j) y[(r0 + r) * n_out + kTile * t + j] = bf16_bits(out[j]);
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define Q8_LOW_PAIRS 1
+// Tiles t and t + 1 (16 output rows) for rows [r0, r0 + R): tile_low on 16 lanes, each broadcast activation serving
+// both tiles (kPairRows rows on, as the 8-bit form's pairs). Per lane the same steps: the same bits.
+template <int R, int Group, int Bits>
+void tile_low_pair(const int8_t* w8, const float* d, const Activations& a, const int32_t* xsum, int64_t k, int64_t r0,
+                   int64_t t, uint16_t* y, int64_t n_out) {
+  const int64_t blocks = k / QK, groups = k / Group;
+  constexpr int parts = kParts<Group>, chunks = 8 / parts;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* w0 = w8 + (t * blocks + b) * kBlockBytes<Bits>;  // tile t + 1's block b is a tile further
+    const int8_t* w1 = w0 + blocks * kBlockBytes<Bits>;
+    prefetch_block<Bits>(w0);
+    prefetch_block<Bits>(w1);
+#pragma GCC unroll 2
+    for (int part = 0; part < parts; ++part) {
+      __m512i hi[R], lo[R];
+      for (int r = 0; r < R; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int c = part * chunks; c < (part + 1) * chunks; ++c) {
+        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(low_chunk<Bits>(w0, c)), low_chunk<Bits>(w1, c), 1);
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (r0 + r) * k + b * QK + 4 * c;
+          hi[r] = _mm512_dpbusd_epi32(hi[r], u, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a.hi.data() + at)));
+          lo[r] = _mm512_dpbusd_epi32(lo[r], u, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a.lo.data() + at)));
+        }
+      }
+      const __m512 dg = _mm512_castpd_ps(_mm512_insertf64x4(
+          _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile))),
+          _mm256_castps_pd(_mm256_loadu_ps(d + (((t + 1) * blocks + b) * parts + part) * kTile)), 1));
+      for (int r = 0; r < R; ++r) {
+        const int32_t offset = xsum[(r0 + r) * groups + b * parts + part] * (1 << (Bits - 1));
+        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[r], 8), lo[r]), _mm512_set1_epi32(offset));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dg, _mm512_set1_ps(a.scale[(r0 + r) * blocks + b])),
+                                 acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r0 + r) * n_out + kTile * t), _mm512_cvtepi32_epi16(bf16_lanes(acc[r])));
+}
+#else
+#define Q8_LOW_PAIRS 0
+#endif
+
+template <int Group, int Bits>
+void low_tiles(const int8_t* w, const float* ds, const Activations& a, const int32_t* xsum, int64_t k, int64_t rows_n,
+               int64_t n_tiles, uint16_t* out, int64_t n_out) {
+#if Q8_LOW_PAIRS
+  if (rows_n >= kPairRows && n_tiles >= 2) {
+    const int64_t pairs = n_tiles / 2;
+    dynamic_for(pairs, std::max<int64_t>(8, pairs / (8 * at::get_num_threads())), [&](int64_t p0, int64_t p1) {
+      for (int64_t t = 2 * p0; t < 2 * p1; t += 2)
+        for (int64_t r0 = 0; r0 < rows_n; r0 += kLowRows)
+          with_count<kLowRows>(std::min<int64_t>(kLowRows, rows_n - r0),
+                               [&](auto rows) { tile_low_pair<rows, Group, Bits>(w, ds, a, xsum, k, r0, t, out, n_out); });
+    });
+    if (n_tiles % 2 == 0) return;
+    w += (n_tiles - 1) * (k / QK) * kBlockBytes<Bits>;  // the odd tile on its own (below), as tile 0 of the rest
+    ds += (n_tiles - 1) * (k / Group) * kTile;
+    out += (n_tiles - 1) * kTile;
+    n_tiles = 1;
+  }
+#endif
+  dynamic_for(n_tiles, std::max<int64_t>(16, n_tiles / (8 * at::get_num_threads())), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r0 = 0; r0 < rows_n; r0 += kLowRows)  // every pass over the tile before the next: it stays in L1
+        with_count<kLowRows>(std::min<int64_t>(kLowRows, rows_n - r0),
+                             [&](auto rows) { tile_low<rows, Group, Bits>(w, ds, a, xsum, k, r0, t, out, n_out); });
+  });
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -227,10 +392,14 @@ void q8_tiles(const int8_t* w, const float* ds, const int16_t* xs, const float* 
 namespace FLAGDEPLOY_OPS_NS {
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& d) {
-  TORCH_CHECK(x.dim() == 2 && w8.dim() == 5 && (d.dim() == 1 || d.dim() == 3),
-              "q8_linear: x [M, K], w8 [N/8, K/32, 16, 8, 2], d [N] or [N/8, K/G, 8] (G 16 or 32)");
+  TORCH_CHECK(x.dim() == 2 && (w8.dim() == 5 || w8.dim() == 3) && (d.dim() == 1 || d.dim() == 3),
+              "q8_linear: x [M, K], w8 [N/8, K/32, 16, 8, 2] (5- or 6-bit: [N/8, K/32, 160 or 192]), d [N] or "
+              "[N/8, K/G, 8] (G 16 or 32)");
   const int64_t rows_n = x.size(0), k = x.size(1), n_tiles = w8.size(0), n_out = kTile * n_tiles;
   const int64_t group = d.dim() == 3 && d.size(1) > 0 ? k / d.size(1) : 0;
+  const int bits = w8.dim() == 5 ? 8 : w8.size(2) == kBlockBytes<5> ? 5 : w8.size(2) == kBlockBytes<6> ? 6 : 0;
+  TORCH_CHECK(bits == 8 || (bits && group),
+              "q8_linear: a 5- or 6-bit weight has 160 or 192 bytes a tile's block and a scale per group of 16 or 32");
   TORCH_CHECK(k % QK == 0 && w8.size(1) == k / QK &&
                   (d.dim() == 3 ? d.size(0) == n_tiles && (group == 16 || group == 32) && d.size(1) * group == k &&
                                       d.size(2) == kTile
@@ -247,12 +416,23 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int16_t* xs = x16.data();
   const float* sc = a.scale.data();
-  if (group == 16)
+  if (bits < 8) {
+    std::vector<int32_t> xsum(rows_n * (k / group));  // per row and group: the sum of its int16 activations
+    for (int64_t i = 0; i < rows_n * (k / group); ++i) {
+      int32_t sum = 0;
+      for (int64_t j = 0; j < group; ++j) sum += x16[i * group + j];
+      xsum[i] = sum;
+    }
+    const auto tiles = group == 16 ? (bits == 6 ? low_tiles<16, 6> : low_tiles<16, 5>)
+                                   : (bits == 6 ? low_tiles<32, 6> : low_tiles<32, 5>);
+    tiles(w, ds, a, xsum.data(), k, rows_n, n_tiles, out, n_out);
+  } else if (group == 16) {
     q8_tiles<16>(w, ds, xs, sc, k, rows_n, n_tiles, out, n_out);
-  else if (group == 32)
+  } else if (group == 32) {
     q8_tiles<32>(w, ds, xs, sc, k, rows_n, n_tiles, out, n_out);
-  else
+  } else {
     q8_tiles<0>(w, ds, xs, sc, k, rows_n, n_tiles, out, n_out);
+  }
   return y;
 }
 
