@@ -40,6 +40,8 @@ def random_blocks(kind: T, rows: int, cols: int, rng: np.random.Generator, peak:
     for i, at in enumerate(_HALVES[kind]):
         half = (rng.uniform(0.5, 1.0, (rows, cols // block)) * peak * _SCALE[kind] * (1 if i == 0 else -0.5))
         data[..., at:at + 2] = half.astype(np.float16)[..., None].view(np.uint8)
+    if kind == T.Q6_K:  # as llama.cpp's quantiser writes them: a block's largest sub-scale is 127 or -128
+        data[..., 192] = rng.choice(np.array([127, 128], dtype=np.uint8), (rows, cols // block))
     return data.reshape(rows, -1)
 
 
@@ -105,11 +107,11 @@ MIX = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q5
        "ffn_up": T.Q4_K, "blk.0.ffn_down": T.Q6_K, "blk.1.ffn_down": T.Q4_K, "token_embd": T.Q8_0}
 
 
-def write_k_quant_llama(path, tokenizer_from) -> None:
+def write_k_quant_llama(path, tokenizer_from, mix: dict = MIX) -> None:
     rng = np.random.default_rng(1)
 
     def weight(name: str, rows: int, cols: int):
-        kind = next(k for part, k in MIX.items() if part in name)
+        kind = next(k for part, k in mix.items() if part in name)
         return random_blocks(kind, rows, cols, rng, peak=1.0 if "token_embd" in name else 0.25), kind
 
     write_llama_gguf(path, tokenizer_from, weight, hidden=256, layers=2, ffn=512, heads=4, kv_heads=2)
@@ -139,6 +141,8 @@ def test_a_q4_k_m_mix_decodes_on_the_cpp_step_close_to_dense(k_quant_model):
     kinds = {name: type(getattr(layer, name).qweight).__name__ for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
     assert kinds == {"qkv_proj": "Int8Weight", "o_proj": "Int8Weight", "gate_up_proj": "Int4Weight", "down_proj": "Int8Weight"}
     assert type(packed.model.layers[1].down_proj.qweight) is Int4Weight
+    if native.available() and native.ISAS[native.isa()].low_bit_weights:  # Q6_K in 6 bits with its own int8 scales
+        assert layer.down_proj.qweight.prepared["w8"].shape[-1] == 208
     tok = packed.tokenizer
     ids = tok.encode("The capital of France is")
     if native.available():
@@ -204,3 +208,32 @@ def test_a_fused_linear_of_mixed_layouts_joins_as_int8_only_where_int8_is_read(p
         assert ((lin.qweight.dequantize() - want).abs().unflatten(1, (-1, 32)) <= step / 2 * (1 + 1e-5)).all()
     else:
         assert lin.qweight is None and torch.equal(lin.weight, want)
+
+
+def test_a_q6_k_head_loads_as_the_file_holds_it_where_the_kernels_hold_6_bits(default_model, tmp_path):
+    """A tied Q6_K token embedding (what llama.cpp's K-quant mixes give a tied head): where the backend's int8 kernels
+    hold 6-bit values (AVX-512 builds) the head is the file's own values, exactly, packed in 6 bits with Q6_K's
+    scales (6.6 bits a weight, not per-channel int8's 8), the embedding still dense for the lookups; elsewhere per
+    channel as before. Either way the C++ step decodes as the eager step does."""
+    from conftest import make_engine
+    from test_cpu_llama_step import _checking
+
+    from flagdeploy import ops
+    from flagdeploy.checkpoints.source import resolve
+    from flagdeploy.engine import SamplingParams
+
+    path = tmp_path / "tiny-q6_k-head.gguf"
+    write_k_quant_llama(path, default_model.path, {**MIX, "token_embd": T.Q6_K})
+    engine = make_engine(resolve(str(path)), "auto", compile=None, max_num_seqs=2, max_model_len=256)
+    model, head = engine.model, engine.model.lm_head.qweight
+    if ops.active_backend().int8_low_bits():
+        # the file's Q6_K as its exact int8 per 16 (test_every_quantized_type...), in 6 bits and its own int8 scales
+        assert not model.cfg.tie_word_embeddings and head.group_size == 16 and head.prepared["w8"].shape[-1] == 208
+        assert model.embed_tokens.dtype == model.dtype  # still dense, for the lookups
+    else:
+        assert head.group_size == 0
+    ids = engine.tokenizer.encode("The capital of France is")
+    if engine.runner.native is not None:
+        served = _checking(engine.runner)
+        greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        assert engine.generate([ids, ids[:3]], greedy)[0] == engine.generate([ids], greedy)[0] and 2 in served

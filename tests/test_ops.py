@@ -488,6 +488,32 @@ def test_cpu_int8_kernel_holds_5_and_6_bit_values_in_as_many_bits_with_the_same_
     assert native.q8_bits(per_channel) == 8  # the form is per group only
 
 
+def _q6_k_like(n: int, k: int, g: torch.Generator) -> Int8Weight:
+    """Q6_K's values and scales: d (an fp16) x an int8 per 16 inputs, the largest of a row's 256 at 127 or -128."""
+    d = ((torch.rand(n, k // 256, 1, generator=g) * 2e-3 - 1e-3).half().float())  # either sign, as llama.cpp writes it
+    sc = torch.randint(-128, 128, (n, k // 256, 16), generator=g)
+    sc[..., 5] = torch.where(torch.rand(n, k // 256, generator=g) > 0.5, -128, 127)
+    return Int8Weight(torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8), (d * sc).view(n, -1), n, k,
+                      group_size=16)
+
+
+def test_cpu_int8_kernel_holds_q6_k_scales_as_q6_k_does():
+    """Q6_K's scales per 16 are an int8 times an fp16 per 256 inputs: held so (0.6 bits a weight, not 2: 208 bytes a
+    tile's block, a float32 per 256) wherever every product gives a scale back exactly, with the 8-bit form's
+    results bit for bit; one scale off that grid keeps the float32 per group."""
+    native = _cpu_kernels_or_skip()
+    g = torch.Generator().manual_seed(6)
+    for n, k in ((40, 256), (48, 768)):
+        w = _q6_k_like(n, k, g)
+        w8, d = native.pack_q8(w, 6)
+        assert w8.shape == (n // 8, k // 32, 208) and d.shape == (n // 8, k // 256, 8)
+        for rows in (1, 2, 3, 5, 9, 16, 17):
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+            assert torch.equal(native.q8_linear(x, w8, d), native.q8_linear(x, *native.pack_q8(w, 8))), rows
+    w.scales[3, 7] *= 1 + 2 ** -20
+    assert native.pack_q8(w, 6)[0].shape[-1] == 192
+
+
 def test_cpu_int8_weights_the_kernel_cannot_take_keep_torchs():
     """Widths off the 8-row tile, or a -128 (the kernel's int16 products assume -127..127) leave torch's int8
     GEMV (per-group scales other than 16 or 32: the dense copy), with the reference's results."""
@@ -704,6 +730,10 @@ def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(kernel_builds)
             w = Int8Weight(q, torch.rand(n + 8, k // group, generator=g) * 0.01, n + 8, k, group_size=group)
             w8, d = native.pack_q8(w, native.q8_bits(w))
             assert w8.dim() == 3 and torch.equal(avx2.q8_linear(x, w8, d), default.q8_linear(x, w8, d))
+    for rows in (2, 5, 17):  # Q6_K's own scales
+        w8, d = native.pack_q8(_q6_k_like(40, 512, g), 6)
+        x = torch.randn(rows, 512, generator=g).to(torch.bfloat16)
+        assert w8.shape[-1] == 208 and torch.equal(avx2.q8_linear(x, w8, d), default.q8_linear(x, w8, d))
     w8, s = fp8_block_quantize(torch.randn(200, 160, generator=g) * 0.05, (128, 128))
     u8 = w8.view(torch.uint8)
     for group in (0, 32):

@@ -2,7 +2,7 @@
 
 from flagdeploy.ops.registry import Backend
 
-from . import llama_step, ops
+from . import llama_step, native, ops
 
 backend = Backend(
     name="cpu",
@@ -35,6 +35,7 @@ backend = Backend(
     prepare={"linear_w4a16": ops.prepare_w4a16, "linear_w8a16": ops.prepare_w8a16, "moe_experts": ops.prepare_moe_banks,
              "linear": ops.prepare_linear},
     packed_weights=("linear_w4a16", "linear_w8a16"),
+    int8_low_bits=lambda: native.holds_low_bits() and native.available(),
     priority=0,
     description=("torch CPU kernels (oneDNN / AMX, fused SDPA, packed int8 GEMV, int8 x int8 matmul) and its own "
                  "int4 x int8 GEMV, AVX-512 VNNI or AVX2, and a llama decode step in C++ (csrc/, built on first use)"),

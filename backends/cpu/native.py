@@ -349,21 +349,51 @@ def q8_bits(w: Int8Weight) -> int:
     return 8
 
 
+def holds_low_bits() -> bool:
+    """Whether pack_q8 holds per-group values of 5 or 6 bits in as many by default: this build's Isa.low_bit_weights."""
+    return ISAS.get(isa(), Isa(())).low_bit_weights
+
+
 def pack_q8(w: Int8Weight, bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(w8, d) in the kernel's layout (csrc/q8_linear.cpp): tiles of 8 rows, and per tile and block of 32, the
     rows' values two columns at a time (one int32 lane per row), or in `bits` 5 or 6 (default: q8_bits where this
     build's Isa holds low-bit weights, else 8) the 8 rows' values four columns at a time; the scales as float32,
     per channel [N], or per group of G inputs as [N/8, K/G, 8] (per tile and group, its rows' scales)."""
     if bits is None:
-        bits = q8_bits(w) if ISAS.get(isa(), Isa(())).low_bit_weights else 8
+        bits = q8_bits(w) if holds_low_bits() else 8
     t, g = w.out_features // TILE8, w.in_features // GROUP
     if bits < 8:  # per tile and block, 8 chunks of the 8 rows' 4 inputs, then packed
         w8 = _pack_low_bits(w.q.to(torch.int8).view(t, TILE8, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 8, 32), bits)
+        factors = _q6k_scales(w) if bits == 6 else None
+        if factors is not None:  # each block's 16 int8 scales after its values; d per 256 inputs
+            sub, per_256 = factors
+            sub = sub.view(t, TILE8, g, 2).permute(0, 2, 3, 1).reshape(t, g, 2 * TILE8)
+            return torch.cat([w8, sub], dim=2).contiguous(), per_256.view(t, TILE8, -1).transpose(1, 2).contiguous()
     else:
         w8 = w.q.to(torch.int8).view(t, TILE8, g, GROUP // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
     if w.group_size:
         return w8, w.scales.float().view(t, TILE8, -1).transpose(1, 2).contiguous()
     return w8, w.scales.float().reshape(-1).contiguous()
+
+
+def _q6k_scales(w: Int8Weight) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Scales per group of 16 as Q6_K holds them, int8 [N, K/16] times float32 [N, K/256] (0.6 bits a weight, not
+    2), where every product is the scale exactly; else None. A GGUF's Q6_K is d * sc with d an fp16 and the
+    largest |sc| of its 256 inputs 127 or 128 (llama.cpp's quantiser: -128 for the largest, d of either sign), so d
+    is that largest scale / +-128 or +-127."""
+    if w.group_size != 16 or w.in_features % 256:
+        return None
+    s = w.scales.float().view(w.out_features, -1, 16)
+    largest = s.abs().amax(dim=-1, keepdim=True)
+    sub, per_256 = torch.zeros_like(s, dtype=torch.int8), torch.zeros_like(largest)
+    done = torch.zeros_like(largest, dtype=torch.bool)
+    for top in (128.0, -128.0, 127.0, -127.0):
+        d = largest / top
+        sc = torch.round(s / torch.where(d == 0, torch.ones_like(d), d))
+        ok = ((sc >= -128) & (sc <= 127) & (sc * d == s)).all(dim=-1, keepdim=True) & ~done
+        sub = torch.where(ok, sc.clamp(-128, 127).to(torch.int8), sub)
+        per_256, done = torch.where(ok, d, per_256), done | ok
+    return (sub.view(w.out_features, -1), per_256.view(w.out_features, -1)) if bool(done.all()) else None
 
 
 def _pack_low_bits(chunks: torch.Tensor, bits: int) -> torch.Tensor:

@@ -144,13 +144,28 @@ _Q4 = {GGMLQuantizationType.Q4_0: functools.partial(_q4_blocks, qtype=GGMLQuanti
 _FLOAT = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
+# LM heads kept as the file holds them where the backend's int8 kernels hold 6-bit values (`Backend.int8_low_bits`):
+# Q6_K (what llama.cpp's K-quant mixes give the output) at its own 6.6 bits a weight, exact, where per-channel int8
+# would take 8 and round once more
+HEAD_AS_STORED = (GGMLQuantizationType.Q6_K,)
+
+
+def head_as_stored(reader: GGUFFile) -> bool:
+    """Whether the file's LM head (output.weight, or the token embedding it is tied to) is of HEAD_AS_STORED."""
+    by_name = {t.name: t for t in reader.tensors}
+    head = by_name.get("output.weight", by_name.get("token_embd.weight"))
+    return head is not None and head.tensor_type in HEAD_AS_STORED
+
+
 def iter_tensors(reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, keep_int4: bool = False,
-                 keep_int8: bool = False) -> Iterator[tuple[str, "torch.Tensor | Int4Weight | Int8Weight"]]:
+                 keep_int8: bool = False, head_int8: bool = False) -> Iterator[tuple[str, "torch.Tensor | Int4Weight | Int8Weight"]]:
     """(HF name, tensor) pairs, one at a time. With keep_int4, 4-bit linears (Q4_0, Q4_1, Q4_K) stay 4-bit, as
     they are. With keep_int8, the other quantized linears (Q5_*, Q6_K, Q8_0, ...: what a Q4_K_M file holds beside
     its Q4_K) become int8 with a scale per group of 16 or 32 (`_int8_groups`), so that every linear of such a file runs
-    on the backend's packed kernels rather than as a dense copy. The rest, and every float tensor, is
-    dequantised to `dtype`."""
+    on the backend's packed kernels rather than as a dense copy. With head_int8, a head of HEAD_AS_STORED comes as
+    such an int8 bundle too, as "lm_head.weight" (also where it is the tied token embedding, which then comes dense
+    as well, for the lookups). The rest, and every float tensor, is dequantised to `dtype`."""
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
     for t in reader.tensors:
         if t.name in _NAME_MAP:
             name = _NAME_MAP[t.name]
@@ -161,7 +176,9 @@ def iter_tensors(reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, keep_in
                 continue
             name = f"model.layers.{m.group(1)}.{_BLOCK_MAP[m.group(2)]}.{m.group(3)}"
         heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads if ".k_proj." in name else 0
-        linear = name.endswith("proj.weight")
+        head = head_int8 and t.tensor_type in HEAD_AS_STORED and (name == "lm_head.weight" or
+                                                                   (tied and name == "model.embed_tokens.weight"))
+        linear = name.endswith("proj.weight") or (head and name == "lm_head.weight")
         if keep_int4 and linear and t.tensor_type in _Q4:
             q, s, z = (_unpermute(a, heads) if heads else a for a in _Q4[t.tensor_type](np.asarray(t.data)))
             yield name, Int4Weight(torch.from_numpy(q), torch.from_numpy(s), torch.from_numpy(z), 32, q.shape[0], q.shape[1])
@@ -175,6 +192,8 @@ def iter_tensors(reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, keep_in
         arr = arr if arr.flags.writeable else arr.copy()
         w = torch.from_numpy(np.ascontiguousarray(arr))
         yield name, _int8_groups(t, w, heads) if keep_int8 and linear and t.tensor_type not in _FLOAT else w.to(dtype)
+        if head and name == "model.embed_tokens.weight":
+            yield "lm_head.weight", _int8_groups(t, w, 0)
 
 
 # Types that are exactly int8 times a scale per group: {type: (group, block bytes, the block's scales from its bytes)}.

@@ -50,6 +50,9 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     # a float32 run whose matmuls take bf16 at full speed (the CPU's AMX): a BF16 checkpoint's experts stay bf16
     bf16_experts = weight_format == "auto" and dtype == torch.float32 and "bfloat16" in be.narrow_weight_dtypes
     cfg = read_model_config(path, fmt)
+    head_int8 = keep_int8 and fmt == "gguf" and be.int8_low_bits() and gguf_reader.head_as_stored(gguf_reader.open_gguf(path))
+    if head_int8:  # a head of its own, as the file holds it (a tied one also stays the embedding, for the lookups)
+        cfg.tie_word_embeddings = False
     model = build_model(cfg, dtype, device)
     if mtp:
         _attach_mtp(model, path, fmt, load_format)
@@ -59,7 +62,7 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
         return model, tokenizer
     if fmt == "gguf":
         reader = gguf_reader.open_gguf(path)
-        tensors, total = gguf_reader.iter_tensors(reader, cfg, dtype, keep_int4, keep_int8), len(reader.tensors)
+        tensors, total = gguf_reader.iter_tensors(reader, cfg, dtype, keep_int4, keep_int8, head_int8), len(reader.tensors)
     else:
         # under TP/EP each rank reads only its slices (and skips experts it does not hold)
         plan = getattr(model, "read_plan", None) if parallel.tp_size() * parallel.ep_size() > 1 else None

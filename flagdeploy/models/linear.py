@@ -109,7 +109,10 @@ class Linear(nn.Module):
         self.bias = torch.zeros(self.out_features, dtype=self.dtype, device=device) if self.has_bias else None
 
     def quantize_int8(self) -> None:
-        """Re-store a dense weight as per-channel int8 (used for lm_head in the quantized weight format)."""
+        """Re-store a dense weight as per-channel int8 (used for lm_head in the quantized weight format); one loaded
+        quantized (a GGUF's Q6_K head, `gguf_reader.HEAD_AS_STORED`) stays as the file holds it."""
+        if self.qweight is not None:
+            return
         q = Int8Weight.quantize(self.weight)
         self.weight, self._op = None, "linear_w8a16"
         self.qweight = ops.prepare_weight(self._op, q)

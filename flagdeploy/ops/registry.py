@@ -81,6 +81,10 @@ class Backend:
     # where `linear_w8a16` is one, `weight_format=auto` keeps a GGUF's wider quantized linears (Q5_*, Q6_K, Q8_0)
     # and a fused linear of mixed quantized layouts as int8 groups, which only pays where int8 is what is read.
     packed_weights: tuple[str, ...] = ()
+    # whether `linear_w8a16`'s kernels hold per-group values of at most 6 bits in 6 (asked at load time: the answer may
+    # need the kernels built). Where they do, a GGUF's Q6_K LM head loads as the file holds it (6.6 bits a weight,
+    # exact) rather than as per-channel int8 (8 bits, rounded once more).
+    int8_low_bits: Callable[[], bool] = lambda: False
     # inductor settings for the compiled decode step (`serve --compile`, engine/compiled_step.py) that are
     # this backend's to choose, e.g. {"freezing": True}: the weights become constants that inductor lays
     # out once for its own GEMM calls (the cpu backend's tune table says where that is faster). Entries

@@ -66,13 +66,9 @@ constexpr int64_t kPairRows = 3;
 // 16 rows 2.5 -> 1.8 ms; 2 and 4 KiB gained less.
 constexpr int64_t kPrefetchBytes = 8192;
 
-// Bytes of a tile's block of 32 inputs, by the bits of its values (8, or 5 and 6 packed)
-template <int Bits>
-constexpr int64_t kBlockBytes = Bits == 8 ? kTile * QK : 128 + 32 * (Bits - 4);
-
-template <int Bits = 8>
-inline void prefetch_block(const int8_t* w) {  // a block's bytes, kPrefetchBytes on
-  for (int c = 0; c < (kBlockBytes<Bits> + 63) / 64; ++c)
+template <int64_t Bytes = kTile * QK>
+inline void prefetch_block(const int8_t* w) {  // a tile's block of Bytes, kPrefetchBytes on
+  for (int c = 0; c < (Bytes + 63) / 64; ++c)
     _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + 64 * c), _MM_HINT_T0);
 }
 
@@ -133,6 +129,27 @@ constexpr int kLowRows = 8;
 constexpr int kLowRows = 4;
 #endif
 
+// A 5- or 6-bit form: its bits, and whether its scales come as Q6_K holds them (`sub`: an int8 per group of 16 in
+// the block, times a float32 per 256 inputs of a row) rather than as a float32 per group; a tile's block's bytes
+template <int Bits, bool Sub>
+struct Low {
+  static constexpr int bits = Bits;
+  static constexpr bool sub = Sub;
+  static constexpr int64_t bytes = 128 + 32 * (Bits - 4) + (Sub ? 2 * kTile : 0);
+};
+
+// The tile's 8 scales of group `part` of block b: its float32s, or its int8s times the rows' float32s of the 256
+// inputs (`pack_q8` keeps only factorings whose products are the scales exactly: the same floats either way)
+template <class F>
+inline __m256 group_scales(const int8_t* w, const float* d, int64_t t, int64_t k, int64_t b, int part, int parts) {
+  if constexpr (F::sub) {
+    const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + F::bytes - 2 * kTile + kTile * part));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), _mm256_loadu_ps(d + (t * (k / 256) + b / 8) * kTile));
+  } else {
+    return _mm256_loadu_ps(d + ((t * (k / QK) + b) * parts + part) * kTile);
+  }
+}
+
 // Chunk c of a block: its 32 values u (0 .. 2^Bits - 1) as bytes. 16-bit shifts: the bits each mask keeps never
 // cross a byte.
 template <int Bits>
@@ -158,7 +175,7 @@ inline __m256i add_dots(__m256i sums, __m256i u, __m256i x) {
 
 // Tile t for activation rows [r0, r0 + R) of a 5- or 6-bit weight: each chunk unpacked once for the R rows; a
 // group's dot is 256 hi + lo - 2^(Bits - 1) sum(x), the 8-bit form's int32, and the float steps are its own.
-template <int R, int Group, int Bits>
+template <int R, int Group, class F>
 void tile_low(const int8_t* w8, const float* d, const Activations& a, const int32_t* xsum, int64_t k, int64_t r0,
               int64_t t, uint16_t* y, int64_t n_out) {
   const int64_t blocks = k / QK, groups = k / Group;
@@ -166,24 +183,24 @@ void tile_low(const int8_t* w8, const float* d, const Activations& a, const int3
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const int8_t* w = w8 + (t * blocks + b) * kBlockBytes<Bits>;
-    prefetch_block<Bits>(w);
+    const int8_t* w = w8 + (t * blocks + b) * F::bytes;
+    prefetch_block<F::bytes>(w);
 #pragma GCC unroll 2
     for (int part = 0; part < parts; ++part) {
       __m256i hi[R], lo[R];
       for (int r = 0; r < R; ++r) hi[r] = lo[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8  // constant chunk indices: low_chunk's shifts by immediates
       for (int c = part * chunks; c < (part + 1) * chunks; ++c) {
-        const __m256i u = low_chunk<Bits>(w, c);
+        const __m256i u = low_chunk<F::bits>(w, c);
         for (int r = 0; r < R; ++r) {
           const int64_t at = (r0 + r) * k + b * QK + 4 * c;
           hi[r] = add_dots(hi[r], u, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(a.hi.data() + at)));
           lo[r] = add_dots(lo[r], u, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(a.lo.data() + at)));
         }
       }
-      const __m256 dg = _mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile);
+      const __m256 dg = group_scales<F>(w, d, t, k, b, part, parts);
       for (int r = 0; r < R; ++r) {
-        const int32_t offset = xsum[(r0 + r) * groups + b * parts + part] * (1 << (Bits - 1));
+        const int32_t offset = xsum[(r0 + r) * groups + b * parts + part] * (1 << (F::bits - 1));
         const __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(hi[r], 8), lo[r]), _mm256_set1_epi32(offset));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dg, _mm256_set1_ps(a.scale[(r0 + r) * blocks + b])),
                                  acc[r]);
@@ -201,7 +218,7 @@ void tile_low(const int8_t* w8, const float* d, const Activations& a, const int3
 #define Q8_LOW_PAIRS 1
 // Tiles t and t + 1 (16 output rows) for rows [r0, r0 + R): tile_low on 16 lanes, each broadcast activation serving
 // both tiles (kPairRows rows on, as the 8-bit form's pairs). Per lane the same steps: the same bits.
-template <int R, int Group, int Bits>
+template <int R, int Group, class F>
 void tile_low_pair(const int8_t* w8, const float* d, const Activations& a, const int32_t* xsum, int64_t k, int64_t r0,
                    int64_t t, uint16_t* y, int64_t n_out) {
   const int64_t blocks = k / QK, groups = k / Group;
@@ -209,28 +226,27 @@ void tile_low_pair(const int8_t* w8, const float* d, const Activations& a, const
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const int8_t* w0 = w8 + (t * blocks + b) * kBlockBytes<Bits>;  // tile t + 1's block b is a tile further
-    const int8_t* w1 = w0 + blocks * kBlockBytes<Bits>;
-    prefetch_block<Bits>(w0);
-    prefetch_block<Bits>(w1);
+    const int8_t* w0 = w8 + (t * blocks + b) * F::bytes;  // tile t + 1's block b is a tile further
+    const int8_t* w1 = w0 + blocks * F::bytes;
+    prefetch_block<F::bytes>(w0);
+    prefetch_block<F::bytes>(w1);
 #pragma GCC unroll 2
     for (int part = 0; part < parts; ++part) {
       __m512i hi[R], lo[R];
       for (int r = 0; r < R; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int c = part * chunks; c < (part + 1) * chunks; ++c) {
-        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(low_chunk<Bits>(w0, c)), low_chunk<Bits>(w1, c), 1);
+        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(low_chunk<F::bits>(w0, c)), low_chunk<F::bits>(w1, c), 1);
         for (int r = 0; r < R; ++r) {
           const int64_t at = (r0 + r) * k + b * QK + 4 * c;
           hi[r] = _mm512_dpbusd_epi32(hi[r], u, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a.hi.data() + at)));
           lo[r] = _mm512_dpbusd_epi32(lo[r], u, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a.lo.data() + at)));
         }
       }
-      const __m512 dg = _mm512_castpd_ps(_mm512_insertf64x4(
-          _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile))),
-          _mm256_castps_pd(_mm256_loadu_ps(d + (((t + 1) * blocks + b) * parts + part) * kTile)), 1));
+      const __m512 dg = _mm512_insertf32x8(_mm512_castps256_ps512(group_scales<F>(w0, d, t, k, b, part, parts)),
+                                           group_scales<F>(w1, d, t + 1, k, b, part, parts), 1);
       for (int r = 0; r < R; ++r) {
-        const int32_t offset = xsum[(r0 + r) * groups + b * parts + part] * (1 << (Bits - 1));
+        const int32_t offset = xsum[(r0 + r) * groups + b * parts + part] * (1 << (F::bits - 1));
         const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[r], 8), lo[r]), _mm512_set1_epi32(offset));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dg, _mm512_set1_ps(a.scale[(r0 + r) * blocks + b])),
                                  acc[r]);
@@ -244,7 +260,7 @@ void tile_low_pair(const int8_t* w8, const float* d, const Activations& a, const
 #define Q8_LOW_PAIRS 0
 #endif
 
-template <int Group, int Bits>
+template <int Group, class F>
 void low_tiles(const int8_t* w, const float* ds, const Activations& a, const int32_t* xsum, int64_t k, int64_t rows_n,
                int64_t n_tiles, uint16_t* out, int64_t n_out) {
 #if Q8_LOW_PAIRS
@@ -254,11 +270,11 @@ void low_tiles(const int8_t* w, const float* ds, const Activations& a, const int
       for (int64_t t = 2 * p0; t < 2 * p1; t += 2)
         for (int64_t r0 = 0; r0 < rows_n; r0 += kLowRows)
           with_count<kLowRows>(std::min<int64_t>(kLowRows, rows_n - r0),
-                               [&](auto rows) { tile_low_pair<rows, Group, Bits>(w, ds, a, xsum, k, r0, t, out, n_out); });
+                               [&](auto rows) { tile_low_pair<rows, Group, F>(w, ds, a, xsum, k, r0, t, out, n_out); });
     });
     if (n_tiles % 2 == 0) return;
-    w += (n_tiles - 1) * (k / QK) * kBlockBytes<Bits>;  // the odd tile on its own (below), as tile 0 of the rest
-    ds += (n_tiles - 1) * (k / Group) * kTile;
+    w += (n_tiles - 1) * (k / QK) * F::bytes;  // the odd tile on its own (below), as tile 0 of the rest
+    ds += (n_tiles - 1) * (k / (F::sub ? 256 : Group)) * kTile;
     out += (n_tiles - 1) * kTile;
     n_tiles = 1;
   }
@@ -267,7 +283,7 @@ void low_tiles(const int8_t* w, const float* ds, const Activations& a, const int
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t r0 = 0; r0 < rows_n; r0 += kLowRows)  // every pass over the tile before the next: it stays in L1
         with_count<kLowRows>(std::min<int64_t>(kLowRows, rows_n - r0),
-                             [&](auto rows) { tile_low<rows, Group, Bits>(w, ds, a, xsum, k, r0, t, out, n_out); });
+                             [&](auto rows) { tile_low<rows, Group, F>(w, ds, a, xsum, k, r0, t, out, n_out); });
   });
 }
 
@@ -393,16 +409,21 @@ namespace FLAGDEPLOY_OPS_NS {
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& d) {
   TORCH_CHECK(x.dim() == 2 && (w8.dim() == 5 || w8.dim() == 3) && (d.dim() == 1 || d.dim() == 3),
-              "q8_linear: x [M, K], w8 [N/8, K/32, 16, 8, 2] (5- or 6-bit: [N/8, K/32, 160 or 192]), d [N] or "
-              "[N/8, K/G, 8] (G 16 or 32)");
+              "q8_linear: x [M, K], w8 [N/8, K/32, 16, 8, 2] (5- or 6-bit: [N/8, K/32, 160, 192 or 208]), d [N] or "
+              "[N/8, K/G, 8] (G 16 or 32; 208 bytes a block: [N/8, K/256, 8])");
   const int64_t rows_n = x.size(0), k = x.size(1), n_tiles = w8.size(0), n_out = kTile * n_tiles;
-  const int64_t group = d.dim() == 3 && d.size(1) > 0 ? k / d.size(1) : 0;
-  const int bits = w8.dim() == 5 ? 8 : w8.size(2) == kBlockBytes<5> ? 5 : w8.size(2) == kBlockBytes<6> ? 6 : 0;
+  int64_t group = d.dim() == 3 && d.size(1) > 0 ? k / d.size(1) : 0;
+  const int64_t block_bytes = w8.dim() == 3 ? w8.size(2) : 0;
+  const bool sub = block_bytes == Low<6, true>::bytes;  // Q6_K's scales: d [N/8, K/256, 8], groups of 16
+  const int bits = w8.dim() == 5                         ? 8
+                   : block_bytes == Low<5, false>::bytes ? 5
+                   : block_bytes == Low<6, false>::bytes || sub ? 6 : 0;
+  if (sub) group = 16;
   TORCH_CHECK(bits == 8 || (bits && group),
-              "q8_linear: a 5- or 6-bit weight has 160 or 192 bytes a tile's block and a scale per group of 16 or 32");
+              "q8_linear: a 5- or 6-bit weight has 160, 192 or 208 bytes a tile's block and a scale per group");
   TORCH_CHECK(k % QK == 0 && w8.size(1) == k / QK &&
-                  (d.dim() == 3 ? d.size(0) == n_tiles && (group == 16 || group == 32) && d.size(1) * group == k &&
-                                      d.size(2) == kTile
+                  (d.dim() == 3 ? d.size(0) == n_tiles && (group == 16 || group == 32) &&
+                                      d.size(1) * (sub ? 256 : group) == k && d.size(2) == kTile
                                 : d.size(0) == n_out),
               "q8_linear: x's width or the scales' count does not match the packed weight's (K a multiple of 32)");
   TORCH_CHECK(w8.scalar_type() == at::kChar && d.scalar_type() == at::kFloat && w8.is_contiguous() && d.is_contiguous(),
@@ -423,8 +444,9 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor
       for (int64_t j = 0; j < group; ++j) sum += x16[i * group + j];
       xsum[i] = sum;
     }
-    const auto tiles = group == 16 ? (bits == 6 ? low_tiles<16, 6> : low_tiles<16, 5>)
-                                   : (bits == 6 ? low_tiles<32, 6> : low_tiles<32, 5>);
+    const auto tiles = sub           ? low_tiles<16, Low<6, true>>
+                       : group == 16 ? (bits == 6 ? low_tiles<16, Low<6, false>> : low_tiles<16, Low<5, false>>)
+                                     : (bits == 6 ? low_tiles<32, Low<6, false>> : low_tiles<32, Low<5, false>>);
     tiles(w, ds, a, xsum.data(), k, rows_n, n_tiles, out, n_out);
   } else if (group == 16) {
     q8_tiles<16>(w, ds, xs, sc, k, rows_n, n_tiles, out, n_out);
