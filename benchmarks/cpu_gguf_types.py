@@ -14,8 +14,9 @@ fit and the kernels' build has vpdpbusd), so that the C++ decode step serves the
 
     python benchmarks/cpu_gguf_types.py MODEL.gguf [--threads 2] [--rounds 7] [--ab-bits]
 
---ab-bits adds the step at 1, 2, 5 and 16 rows with the 5- / 6-bit forms against every int8 linear in 8 bits,
-both loaded in one process, rounds interleaved: the ratio of the two.
+--ab-bits adds the step at 1, 2, 5 and 16 rows with the 5- / 6-bit forms (and a Q6_K head as the file holds it)
+against every int8 linear in 8 bits and the head per channel (FLAGDEPLOY_INT8_LOW_BITS=0), both loaded in one
+process, rounds interleaved: the ratio of the two.
 
 The bundled SmolLM2-135M's rows are 576 values wide, not a multiple of K-quants' 256: llama.cpp's Q4_K_M of it is
 mostly Q5_0. For the mix a larger model's Q4_K_M has (Q4_K, Q6_K among it), write a random one whose rows are
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
 import time
 from pathlib import Path
@@ -142,13 +144,16 @@ def main() -> None:
 
 def ab_bits(path: str, low, threads: int, rounds: int) -> None:
     """The decode step with the int8 linears that fit 5 or 6 bits held in those (`low`, as loaded) against the same
-    file with every int8 linear in 8 bits, in one process, rounds interleaved (the order flipping each round)."""
-    pack = native.pack_q8
-    native.pack_q8 = lambda w, bits=None: pack(w, 8)
+    file with every int8 linear in 8 bits (FLAGDEPLOY_INT8_LOW_BITS=0, the head then per channel), in one process,
+    rounds interleaved (the order flipping each round)."""
+    if not native.holds_low_bits():
+        print("--ab-bits: this build holds every int8 weight in 8 bits already (no vpdpbusd, or FLAGDEPLOY_INT8_LOW_BITS=0)")
+        return
+    os.environ["FLAGDEPLOY_INT8_LOW_BITS"] = "0"
     try:
         eight = engine(path, "auto", threads)
     finally:
-        native.pack_q8 = pack
+        del os.environ["FLAGDEPLOY_INT8_LOW_BITS"]
     for rows in (1, 2, 5, 16):
         steps = {}
         for name, eng in (("8 bits", eight), ("fewest bits", low)):

@@ -32,6 +32,8 @@ cannot be used (another CPU, no compiler, FLAGDEPLOY_NATIVE_KERNELS=0) the calle
 `available()` says which, and the log says why. The kernels in plain C++ (PORTABLE: the argmax and sampling
 kernels) are built on their own on any other CPU with a compiler (an ARM server, x86 without AVX2; on x86
 FLAGDEPLOY_CPU_ISA=portable builds only them): `portable()` says whether those are loaded.
+Per-group int8 weights of 5 or 6 bits (a GGUF's Q5_0, Q6_K) are held in as many where the build has vpdpbusd
+(`holds_low_bits`); FLAGDEPLOY_INT8_LOW_BITS=0 holds them in 8 (the same outputs, more bytes: for an A/B).
 """
 
 from __future__ import annotations
@@ -350,8 +352,9 @@ def q8_bits(w: Int8Weight) -> int:
 
 
 def holds_low_bits() -> bool:
-    """Whether pack_q8 holds per-group values of 5 or 6 bits in as many by default: this build's Isa.low_bit_weights."""
-    return ISAS.get(isa(), Isa(())).low_bit_weights
+    """Whether pack_q8 holds per-group values of 5 or 6 bits in as many by default: this build's Isa.low_bit_weights,
+    unless FLAGDEPLOY_INT8_LOW_BITS=0."""
+    return ISAS.get(isa(), Isa(())).low_bit_weights and os.environ.get("FLAGDEPLOY_INT8_LOW_BITS", "1") != "0"
 
 
 def pack_q8(w: Int8Weight, bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

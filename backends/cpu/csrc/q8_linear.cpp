@@ -32,6 +32,8 @@
 //       tile's 8 rows x inputs 4c..4c+3 (byte 4 j + i: row j, input 4c + i), stored as 4 x 32 bytes of low nibbles
 //       (byte i of the v-th: chunk 2v's byte i in its low nibble, chunk 2v + 1's in its high one), then E x 32
 //       bytes of the high bits (byte i of the e-th: chunk (8 / E) e + j's byte i's high bits at bit E j).
+//   With Q6_K's scales (native.py `_q6k_scales`: where each is exactly an int8 times a float32 per 256 inputs of its
+//   row), 6 bits and 16 more bytes a block, its two groups' int8 scales of the 8 rows, and d [N/8, K/256, 8] float32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -216,6 +218,7 @@ void tile_low(const int8_t* w8, const float* d, const Activations& a, const int3
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define Q8_LOW_PAIRS 1
+constexpr int kLowPairRows = 16;  // rows of one pass over a pair of tiles: the chunks unpacked once for them all
 // Tiles t and t + 1 (16 output rows) for rows [r0, r0 + R): tile_low on 16 lanes, each broadcast activation serving
 // both tiles (kPairRows rows on, as the 8-bit form's pairs). Per lane the same steps: the same bits.
 template <int R, int Group, class F>
@@ -232,24 +235,34 @@ void tile_low_pair(const int8_t* w8, const float* d, const Activations& a, const
     prefetch_block<F::bytes>(w1);
 #pragma GCC unroll 2
     for (int part = 0; part < parts; ++part) {
-      __m512i hi[R], lo[R];
-      for (int r = 0; r < R; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
+      // the part's chunks unpacked once for all R rows, whose dots go S rows at a time: up to 8 rows all at once;
+      // more (a pass of 16) in steps that leave the 32 zmm registers room for the R float sums and the chunks
+      constexpr int S = R <= 8 ? R : chunks == 4 ? 4 : 2;
+      __m512i u[chunks];
 #pragma GCC unroll 8
-      for (int c = part * chunks; c < (part + 1) * chunks; ++c) {
-        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(low_chunk<F::bits>(w0, c)), low_chunk<F::bits>(w1, c), 1);
-        for (int r = 0; r < R; ++r) {
-          const int64_t at = (r0 + r) * k + b * QK + 4 * c;
-          hi[r] = _mm512_dpbusd_epi32(hi[r], u, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a.hi.data() + at)));
-          lo[r] = _mm512_dpbusd_epi32(lo[r], u, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a.lo.data() + at)));
-        }
-      }
+      for (int c = 0; c < chunks; ++c)
+        u[c] = _mm512_inserti64x4(_mm512_castsi256_si512(low_chunk<F::bits>(w0, part * chunks + c)),
+                                  low_chunk<F::bits>(w1, part * chunks + c), 1);
       const __m512 dg = _mm512_insertf32x8(_mm512_castps256_ps512(group_scales<F>(w0, d, t, k, b, part, parts)),
                                            group_scales<F>(w1, d, t + 1, k, b, part, parts), 1);
-      for (int r = 0; r < R; ++r) {
-        const int32_t offset = xsum[(r0 + r) * groups + b * parts + part] * (1 << (F::bits - 1));
-        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[r], 8), lo[r]), _mm512_set1_epi32(offset));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dg, _mm512_set1_ps(a.scale[(r0 + r) * blocks + b])),
-                                 acc[r]);
+#pragma GCC unroll 16
+      for (int s0 = 0; s0 < R; s0 += S) {
+        __m512i hi[S], lo[S];
+        for (int r = 0; r < S; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int c = 0; c < chunks; ++c)
+          for (int r = 0; r < S && s0 + r < R; ++r) {
+            const int64_t at = (r0 + s0 + r) * k + b * QK + 4 * (part * chunks + c);
+            hi[r] = _mm512_dpbusd_epi32(hi[r], u[c], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a.hi.data() + at)));
+            lo[r] = _mm512_dpbusd_epi32(lo[r], u[c], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a.lo.data() + at)));
+          }
+        for (int r = 0; r < S && s0 + r < R; ++r) {
+          const int64_t row = r0 + s0 + r;
+          const int32_t offset = xsum[row * groups + b * parts + part] * (1 << (F::bits - 1));
+          const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[r], 8), lo[r]), _mm512_set1_epi32(offset));
+          acc[s0 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dg, _mm512_set1_ps(a.scale[row * blocks + b])),
+                                        acc[s0 + r]);
+        }
       }
     }
   }
@@ -268,9 +281,9 @@ void low_tiles(const int8_t* w, const float* ds, const Activations& a, const int
     const int64_t pairs = n_tiles / 2;
     dynamic_for(pairs, std::max<int64_t>(8, pairs / (8 * at::get_num_threads())), [&](int64_t p0, int64_t p1) {
       for (int64_t t = 2 * p0; t < 2 * p1; t += 2)
-        for (int64_t r0 = 0; r0 < rows_n; r0 += kLowRows)
-          with_count<kLowRows>(std::min<int64_t>(kLowRows, rows_n - r0),
-                               [&](auto rows) { tile_low_pair<rows, Group, F>(w, ds, a, xsum, k, r0, t, out, n_out); });
+        for (int64_t r0 = 0; r0 < rows_n; r0 += kLowPairRows)
+          with_count<kLowPairRows>(std::min<int64_t>(kLowPairRows, rows_n - r0),
+                                   [&](auto rows) { tile_low_pair<rows, Group, F>(w, ds, a, xsum, k, r0, t, out, n_out); });
     });
     if (n_tiles % 2 == 0) return;
     w += (n_tiles - 1) * (k / QK) * F::bytes;  // the odd tile on its own (below), as tile 0 of the rest
