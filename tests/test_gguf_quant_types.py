@@ -141,7 +141,7 @@ def test_a_q4_k_m_mix_decodes_on_the_cpp_step_close_to_dense(k_quant_model):
     kinds = {name: type(getattr(layer, name).qweight).__name__ for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
     assert kinds == {"qkv_proj": "Int8Weight", "o_proj": "Int8Weight", "gate_up_proj": "Int4Weight", "down_proj": "Int8Weight"}
     assert type(packed.model.layers[1].down_proj.qweight) is Int4Weight
-    if native.available() and native.ISAS[native.isa()].low_bit_weights:  # Q6_K in 6 bits with its own int8 scales
+    if native.available() and native.holds_low_bits():  # Q6_K in 6 bits with its own int8 scales
         assert layer.down_proj.qweight.prepared["w8"].shape[-1] == 208
     tok = packed.tokenizer
     ids = tok.encode("The capital of France is")

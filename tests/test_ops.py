@@ -468,8 +468,8 @@ def test_cpu_int8_kernel_rounds_no_worse_than_its_bf16_output_and_rows_are_indep
 def test_cpu_int8_kernel_holds_5_and_6_bit_values_in_as_many_bits_with_the_same_results(group):
     """Per-group weights whose values fit 5 bits (a GGUF's Q5_0) or 6 (Q6_K) can be held in 5 or 6 bits a value
     (what a decode step reads of them; by default where the build has vpdpbusd), and the kernel answers bit for bit
-    as from their 8-bit packing: any row count (AVX-512's tile pairs from 3 rows, passes of 4 or 8), an odd count
-    of tiles; values one past the range take the next form."""
+    as from their 8-bit packing: any row count (AVX-512's tile pairs from 3 rows in passes of 16, single tiles in
+    passes of 8, AVX2's of 4), an odd count of tiles; values one past the range take the next form."""
     native = _cpu_kernels_or_skip()
     g = torch.Generator().manual_seed(group)
     for lo, hi, bits, block_bytes in ((-16, 15, 5, 160), (-32, 31, 6, 192), (-17, 15, 6, 192), (-32, 32, 8, None)):
