@@ -38,9 +38,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from cpu_few_rows import verify_step  # this script runs from benchmarks/
-from gguf import GGUFReader
 
 from flagdeploy.backends.cpu import native
+from flagdeploy.checkpoints import gguf_reader
 from flagdeploy.checkpoints.source import resolve
 from flagdeploy.checkpoints.tiny_gguf import write_llama_gguf
 from flagdeploy.engine import EngineConfig
@@ -100,10 +100,10 @@ def main() -> None:
     if not args.model:
         ap.error("give a GGUF file (or --write-random OUT)")
 
-    tensors = GGUFReader(args.model).tensors
-    types = collections.Counter(t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2)
-    head = "output.weight" if any(t.name == "output.weight" for t in tensors) else "token_embd.weight"  # tied: one
-    file_bytes = sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2 and (t.name.startswith("blk.") or t.name == head))
+    reader = gguf_reader.open_gguf(Path(args.model))
+    linears = [t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    types = collections.Counter(t.tensor_type.name for t in linears)
+    file_bytes = sum(t.data.nbytes for t in [*linears, gguf_reader.head_tensor(reader)])  # a tied head counts once
     auto = engine(args.model, "auto", args.threads)
     kinds, held = collections.Counter(), 0
     for m in auto.model.modules():

@@ -150,10 +150,15 @@ _FLOAT = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationTy
 HEAD_AS_STORED = (GGMLQuantizationType.Q6_K,)
 
 
-def head_as_stored(reader: GGUFFile) -> bool:
-    """Whether the file's LM head (output.weight, or the token embedding it is tied to) is of HEAD_AS_STORED."""
+def head_tensor(reader: GGUFFile):
+    """The file's LM head: output.weight, or the token embedding it is tied to (None: neither)."""
     by_name = {t.name: t for t in reader.tensors}
-    head = by_name.get("output.weight", by_name.get("token_embd.weight"))
+    return by_name.get("output.weight", by_name.get("token_embd.weight"))
+
+
+def head_as_stored(reader: GGUFFile) -> bool:
+    """Whether the file's LM head is of HEAD_AS_STORED."""
+    head = head_tensor(reader)
     return head is not None and head.tensor_type in HEAD_AS_STORED
 
 
@@ -165,7 +170,8 @@ def iter_tensors(reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, keep_in
     on the backend's packed kernels rather than as a dense copy. With head_int8, a head of HEAD_AS_STORED comes as
     such an int8 bundle too, as "lm_head.weight" (also where it is the tied token embedding, which then comes dense
     as well, for the lookups). The rest, and every float tensor, is dequantised to `dtype`."""
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    head_t = head_tensor(reader)
+    tied = head_t is not None and head_t.name == "token_embd.weight"
     for t in reader.tensors:
         if t.name in _NAME_MAP:
             name = _NAME_MAP[t.name]
