@@ -706,6 +706,33 @@ def test_cpu_tune_measures_where_the_amx_path_starts(kernel_builds):
         assert torch.ops.flagdeploy_cpu.q4_amx_min_rows(5) == 0
 
 
+def test_cpu_weight_kernels_keep_their_prefetches(kernel_builds):
+    """The weight kernels ask for their weight 8 KiB ahead of the loads (a lone stream 151 -> 194 tok/s when that came,
+    csrc/q4_linear.cpp), and a compiler may drop every prefetch of a loop without a word: GCC 12 did, for a scale form
+    tried in issue 54's fourteenth pass whose prefetch address had `b % 8` in it, and 2-5 rows ran 30-50% slower with
+    the same results. So in each library built here (the CPU's own build and the AVX2 one beside it), every function
+    with a weight loop (8 or more int8 dot instructions: vpdpbusd, vpmaddubsw) still has its prefetches."""
+    import re
+    import shutil
+    import subprocess
+
+    _cpu_kernels_or_skip()
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump to read the built library with")
+    libraries = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                 if re.search(r"flagdeploy_cpu[-_][^/]*\.so$", line)}
+    assert libraries, "the kernels' libraries are loaded, so /proc/self/maps names them"
+    for lib in libraries:
+        listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", lib], capture_output=True, text=True,
+                                 check=True).stdout
+        loops = 0
+        for function in re.split(r"\n(?=[0-9a-f]+ <)", listing):
+            if len(re.findall(r"\b(vpdpbusd|vpmaddubsw)\b", function)) >= 8:
+                loops += 1
+                assert "prefetch" in function, f"{Path(lib).name}: no prefetch left in {function.splitlines()[0][:160]}"
+        assert loops, f"{Path(lib).name}: no weight loop found to check"
+
+
 def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(kernel_builds):
     """CPUs without AVX-512 get the same kernels built for AVX2 (two 8-row halves per tile, vpmaddubsw for
     vpdpbusd; portable C++ for the FP8 conversions, norms, rope and attention): built here as FLAGDEPLOY_CPU_ISA=avx2

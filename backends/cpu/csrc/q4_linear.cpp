@@ -97,6 +97,8 @@ constexpr int64_t kPairRows = 12;
 // slower than 4 KiB. Bitwise the same (a prefetch changes no value). Since the weights lie end to end on huge
 // pages (weight_arena.py), 8 KiB ahead into L2 (kPrefetchHint) beats 4 KiB into L1 in every build: the C++
 // 1-row step, interleaved, two runs, 3.67 / 3.75 -> 3.62 / 3.61 ms (AVX2 build 4.48 / 4.27 -> 4.19 / 4.05).
+// Keep every prefetch address linear in the block index: GCC 12 dropped all the prefetches of a loop whose address had
+// b % 8 in it (2-5 rows 30-50% slower); tests/test_ops.py checks that the built library still has them.
 constexpr int64_t kPrefetchBytes = 8192;
 
 // A block's dots with one activation row into its 16 outputs' float sums: the exact int32 dot (hi part * 256 + lo
