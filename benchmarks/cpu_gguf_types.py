@@ -108,11 +108,12 @@ def main() -> None:
     kinds, held = collections.Counter(), 0
     for m in auto.model.modules():
         if isinstance(m, Linear):
-            q = m.qweight
-            kinds[type(q).__name__ if q is not None else "dense"] += m.out_features * m.in_features
-            # what a decode step reads: the packed kernels' tensors (a dense linear: its weight)
-            held += sum(t.nbytes for k, t in q.prepared.items() if k in ("nib", "dm", "w8", "d")) if q is not None \
-                else m.weight.nbytes
+            if m.qweight is None:  # what a decode step reads: a dense linear's weight, else the packed kernels' tensors
+                kinds["dense"] += m.out_features * m.in_features
+                held += m.weight.nbytes
+            for q in getattr(m.qweight, "pieces", [m.qweight] if m.qweight is not None else []):
+                kinds[type(q).__name__] += q.out_features * q.in_features
+                held += sum(t.nbytes for k, t in q.prepared.items() if k in ("nib", "dm", "w8", "d"))
     total = sum(kinds.values())
     print(f"{args.model}: linears' GGUF types {dict(types)}")
     print("loaded as (share of weights): " + ", ".join(f"{k} {v / total:.0%}" for k, v in kinds.items()))

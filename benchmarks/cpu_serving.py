@@ -93,8 +93,9 @@ def weight_bytes(model) -> int:
             if q is None:
                 total += m.weight.nbytes
             else:  # what the few-row kernel reads: the prepared tensors but the bf16 copy for many rows
-                p = q.prepared if isinstance(q.prepared, dict) else {"q": q.q, "scales": q.scales}
-                total += sum(v.nbytes for k, v in p.items() if isinstance(v, torch.Tensor) and k != "dense")
+                for b in getattr(q, "pieces", [q]):
+                    p = b.prepared if isinstance(b.prepared, dict) else {"q": b.q, "scales": b.scales}
+                    total += sum(v.nbytes for k, v in p.items() if isinstance(v, torch.Tensor) and k != "dense")
     embed = getattr(model, "embed_tokens", None)
     total += sum(p.nbytes for p in model.parameters() if p is not embed)
     return total

@@ -127,8 +127,9 @@ def k_quant_model(default_model, tmp_path_factory):
 
 
 def test_a_q4_k_m_mix_decodes_on_the_cpp_step_close_to_dense(k_quant_model):
-    """Every linear packed (Q4_K-only fusions 4-bit, qkv with its Q6_K v and the wider types int8), the C++ step
-    serving greedy decoding bit for bit as the eager step, and the prompt's logits close to the dense model's."""
+    """Every linear packed (Q4_K-only fusions 4-bit, qkv as its Q4_K q, k and Q6_K v pieces, the wider types int8),
+    the C++ step serving greedy decoding bit for bit as the eager step, and the prompt's logits close to the dense
+    model's."""
     from conftest import make_engine
     from flagdeploy.backends.cpu import native
     from test_cpu_llama_step import _checking
@@ -139,7 +140,8 @@ def test_a_q4_k_m_mix_decodes_on_the_cpp_step_close_to_dense(k_quant_model):
     packed = make_engine(k_quant_model, "auto", compile=None, max_num_seqs=2, max_model_len=256)
     layer = packed.model.layers[0]
     kinds = {name: type(getattr(layer, name).qweight).__name__ for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
-    assert kinds == {"qkv_proj": "Int8Weight", "o_proj": "Int8Weight", "gate_up_proj": "Int4Weight", "down_proj": "Int8Weight"}
+    assert kinds == {"qkv_proj": "PiecewiseWeight", "o_proj": "Int8Weight", "gate_up_proj": "Int4Weight", "down_proj": "Int8Weight"}
+    assert [type(p) for p in layer.qkv_proj.qweight.pieces] == [Int4Weight, Int8Weight]
     assert type(packed.model.layers[1].down_proj.qweight) is Int4Weight
     if native.available() and native.holds_low_bits():  # Q6_K in 6 bits with its own int8 scales
         assert layer.down_proj.qweight.prepared["w8"].shape[-1] == 208
@@ -177,37 +179,56 @@ def test_ngram_speculation_on_a_q4_k_m_mix_keeps_greedy_output_exact(k_quant_mod
     assert max(rows[1:]) > 1, "no verify step ran: the test would not see a verify row differ"
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["int8 read as int8", "int8 as a dense copy"])
-def test_a_fused_linear_of_mixed_layouts_joins_as_int8_only_where_int8_is_read(packed):
-    """A Q4_K q beside a Q6_K v: one int8 weight in groups of 32 on a backend whose int8 linears read int8 (the
-    cpu), within half a step of each group's grid; elsewhere (a backend that makes a dense copy at load, as cuda
+@pytest.mark.parametrize("packed", [True, False], ids=["pieces where both kernels run", "a dense copy elsewhere"])
+def test_a_fused_linear_of_mixed_layouts_keeps_each_part_as_the_file_holds_it(packed):
+    """A Q4_K q and k beside a Q6_K v: where the backend runs both layouts natively (the cpu) the fused linear holds
+    them as two pieces, q and k joined 4-bit and v int8, exactly the parts' own values, and its output is the
+    pieces' outputs side by side with the bias after; elsewhere (a backend that makes a dense copy at load, as cuda
     does) the exact dense join, as before."""
     from dataclasses import replace
 
     from flagdeploy import ops
     from flagdeploy.models.linear import Linear
+    from flagdeploy.ops.weights import PiecewiseWeight
 
     g = torch.Generator().manual_seed(3)
-    q = Int4Weight(torch.randint(0, 16, (64, 64), generator=g, dtype=torch.uint8), torch.rand(64, 2, generator=g) * 0.01,
-                   torch.randn(64, 2, generator=g) * 0.01, 32, 64, 64)
-    v = Int8Weight.quantize(torch.randn(32, 64, generator=g) * 0.05, 16)
-    want = torch.cat([q.dequantize(), v.dequantize()])
-    cpu = ops.active_backend()
-    # no `prepare`: the joined bundle stays as finalize made it, to be read here
-    ops.use_backend(replace(cpu, prepare={}, packed_weights=cpu.packed_weights if packed else ()))
-    try:
-        lin = Linear(96, 64, torch.float32, ("q_proj", "v_proj"))
-        lin.load_part("q_proj", "weight", q)
-        lin.load_part("v_proj", "weight", v)
-        lin.finalize()
-    finally:
-        ops.use_backend(cpu)
+
+    def int4(rows):
+        return Int4Weight(torch.randint(0, 16, (rows, 64), generator=g, dtype=torch.uint8),
+                          torch.rand(rows, 2, generator=g) * 0.01, torch.randn(rows, 2, generator=g) * 0.01, 32, rows, 64)
+
+    q, k, v = int4(64), int4(32), Int8Weight.quantize(torch.randn(32, 64, generator=g) * 0.05, 16)
+    bias = {"q_proj": torch.randn(64, generator=g), "k_proj": torch.randn(32, generator=g), "v_proj": torch.randn(32, generator=g)}
+    want = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])
+    cpu, x = ops.active_backend(), torch.randn(3, 64, generator=g)
+
+    def fused(backend) -> Linear:
+        ops.use_backend(backend)
+        try:
+            lin = Linear(128, 64, torch.float32, ("q_proj", "k_proj", "v_proj"), bias=True)
+            for part, w in zip(lin.parts, (q, k, v)):
+                lin.load_part(part, "weight", w)
+                lin.load_part(part, "bias", bias[part])
+            lin.finalize()
+            return lin
+        finally:
+            ops.use_backend(cpu)
+
     if packed:
-        assert isinstance(lin.qweight, Int8Weight) and lin.qweight.group_size == 32 and lin.weight is None
-        step = want.abs().unflatten(1, (-1, 32)).amax(-1, keepdim=True) / 127
-        assert ((lin.qweight.dequantize() - want).abs().unflatten(1, (-1, 32)) <= step / 2 * (1 + 1e-5)).all()
+        canonical = fused(replace(cpu, prepare={})).qweight  # the pieces as finalize made them, before packing
+        assert isinstance(canonical, PiecewiseWeight) and [type(p) for p in canonical.pieces] == [Int4Weight, Int8Weight]
+        assert [p.out_features for p in canonical.pieces] == [96, 32]
+        assert torch.equal(canonical.dequantize(), want)  # exact: no rounding
+        lin = fused(cpu)
+        y = lin(x)
+        for p, (a, b) in zip(lin.qweight.pieces, ((0, 96), (96, 128))):  # each piece through its kernel, the bias after
+            op = ops.linear_w4a16 if isinstance(p, Int4Weight) else ops.linear_w8a16
+            assert torch.equal(y[:, a:b], op(x, p, None) + torch.cat(list(bias.values()))[a:b].to(y.dtype))
     else:
+        lin = fused(replace(cpu, packed_weights=()))
         assert lin.qweight is None and torch.equal(lin.weight, want)
+        y = lin(x)
+    torch.testing.assert_close(y.float(), x @ want.T + torch.cat(list(bias.values())), rtol=0.02, atol=0.02)
 
 
 def test_a_q6_k_head_loads_as_the_file_holds_it_where_the_kernels_hold_6_bits(default_model, tmp_path):

@@ -20,6 +20,7 @@ import os
 import torch
 
 from flagdeploy import parallel
+from flagdeploy.ops.weights import PiecewiseWeight
 
 from . import native, weight_arena
 from .ops import TUNE
@@ -61,17 +62,19 @@ def step_inputs(ids: list[int], positions: list[int], slots: list[int], tables: 
     return rows, torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
 
 
-def _linear(lin) -> list[torch.Tensor] | None:
-    """(packed weight, scales, bias or an empty tensor) of a Linear the C++ step can run, else None."""
-    p = getattr(lin.qweight, "prepared", None) if lin.qweight is not None else None
-    if p is None:
-        return None
-    bias = lin.bias if lin.bias is not None else torch.empty(0)
-    if "nib" in p:
-        return [p["nib"], p["dm"], bias]
-    if "w8" in p:
-        return [p["w8"], p["d"], bias]
-    return None
+def _pieces(lin) -> list[dict] | None:
+    """The prepared bundles of a Linear the C++ step can run (one, or a PiecewiseWeight's pieces), else None."""
+    q = lin.qweight
+    bundles = q.pieces if isinstance(q, PiecewiseWeight) else [q] if q is not None else []
+    prepared = [getattr(b, "prepared", None) for b in bundles]
+    return prepared if prepared and all(p is not None and ("nib" in p or "w8" in p) for p in prepared) else None
+
+
+def _linear(lin) -> list[torch.Tensor]:
+    """What the C++ step takes of a Linear: each piece's packed weight and scales, then its bias (or an empty
+    tensor)."""
+    out = [t for p in _pieces(lin) for t in ((p["nib"], p["dm"]) if "nib" in p else (p["w8"], p["d"]))]
+    return out + [lin.bias if lin.bias is not None else torch.empty(0)]
 
 
 def _linears(layer) -> tuple:
@@ -95,14 +98,19 @@ def _why_not(model, kv_caches) -> str | None:
         return "norms not in the residual stream's float dtype"
     if any(c.dtype != torch.bfloat16 or not c.is_contiguous() for kv in kv_caches for c in kv):
         return "the KV cache is not the packed kernels' bf16"
-    if any(_linear(m) is None for m in [model.lm_head, *(m for layer in model.layers for m in _linears(layer))]):
+    if any(_pieces(m) is None for m in _all_linears(model)):
         return "a linear is not laid out for the backend's int4 / int8 kernels"
     return None
 
 
+def _all_linears(model) -> list:
+    """The head, then each layer's linears: the order of the C++ step's piece counts."""
+    return [model.lm_head, *(m for layer in model.layers for m in _linears(layer))]
+
+
 def _tensors(model, kv_caches) -> list[torch.Tensor]:
-    """What csrc/llama_step.cpp's constructor takes: embedding, final norm, head (3), rope tables, then per
-    layer its two norms, qkv / o / gate_up / down (3 each) and its k and v caches."""
+    """What csrc/llama_step.cpp's constructor takes: embedding, final norm, head, rope tables, then per layer its
+    two norms, qkv / o / gate_up / down and its k and v caches (a linear: `_linear`)."""
     out = [model.embed_tokens.data, model.norm.data, *_linear(model.lm_head), model.rope_cos, model.rope_sin]
     for layer, (k, v) in zip(model.layers, kv_caches):
         out += [layer.input_norm.data, layer.post_norm.data]
@@ -123,7 +131,7 @@ def build(model, kv_caches: list, block_size: int) -> LlamaStep | None:
         _into_one_arena(model)
     cfg, layer = model.cfg, model.layers[0]
     max_rows = min(_packed_rows(m) for x in model.layers for m in _linears(x))
-    dims = [layer.heads, layer.kv_heads, cfg.head_dim, cfg.vocab_size]
+    dims = [layer.heads, layer.kv_heads, cfg.head_dim, cfg.vocab_size, *(len(_pieces(m)) for m in _all_linears(model))]
     step = torch.classes.flagdeploy_cpu.LlamaStep(_tensors(model, kv_caches), dims, cfg.rms_norm_eps, layer.scale)
     return LlamaStep(step, model, max_rows, _packed_rows(model.lm_head),
                      TUNE["paged_attention_decode"]["native_max_keys"], block_size)
@@ -133,10 +141,9 @@ def _into_one_arena(model) -> None:
     """The packed weights moved into one mapping in the order the step reads them: each layer's linears, then the
     head (weight_arena.py: the eager step reads the same copies)."""
     lins = [m for layer in model.layers for m in _linears(layer)] + [model.lm_head]
-    weight_arena.move([(m.qweight.prepared, key) for m in lins
-                       for key in (("nib", "dm") if "nib" in m.qweight.prepared else ("w8", "d"))])
+    weight_arena.move([(p, key) for m in lins for p in _pieces(m) for key in (("nib", "dm") if "nib" in p else ("w8", "d"))])
 
 
 def _packed_rows(lin) -> int:
-    """The most rows the eager step sends to this linear's packed kernel (`packed_max_m`)."""
-    return TUNE["linear_w4a16" if "nib" in lin.qweight.prepared else "linear_w8a16"]["packed_max_m"]
+    """The most rows the eager step sends to this linear's packed kernels (`packed_max_m`)."""
+    return min(TUNE["linear_w4a16" if "nib" in p else "linear_w8a16"]["packed_max_m"] for p in _pieces(lin))

@@ -24,7 +24,7 @@ from flagdeploy import ops
 from flagdeploy.errors import ConfigError
 from flagdeploy.models.attention import AttentionMetadata
 from flagdeploy.models.linear import Linear
-from flagdeploy.ops.weights import Int4Weight, Int8Weight
+from flagdeploy.ops.weights import Int4Weight, Int8Weight, PiecewiseWeight
 
 from .compiled_step import CompiledDecode
 from .cuda_graphs import DecodeGraphs
@@ -99,7 +99,7 @@ def _weight_only(model) -> bool:
     """Whether every linear of `model` runs a weight-only quantized kernel (4- or 8-bit weights, 16-bit
     activations): a GGUF served with `--weight-format auto`."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    return bool(linears) and all(isinstance(m.qweight, (Int4Weight, Int8Weight)) for m in linears)
+    return bool(linears) and all(isinstance(m.qweight, (Int4Weight, Int8Weight, PiecewiseWeight)) for m in linears)
 
 
 class _Runner:

@@ -3,12 +3,14 @@ possibly one rank's slice of a tensor-parallel layer."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
 from flagdeploy import ops, parallel
 from flagdeploy.parallel import Shard
-from flagdeploy.ops.weights import Fp8BlockWeight, Int4Weight, Int8Weight, W8A8Weight
+from flagdeploy.ops.weights import Fp8BlockWeight, Int4Weight, Int8Weight, PiecewiseWeight, W8A8Weight
 
 # Which op runs a weight: by the bundle's type (a W8A8 bundle also quantises the activations).
 _OP = {Int4Weight: "linear_w4a16", Int8Weight: "linear_w8a16", W8A8Weight: "linear_w8a8_dynamic",
@@ -20,8 +22,8 @@ class Linear(nn.Module):
 
     Parts arrive one by one from a loader (`load_part`); `finalize` joins them and hands quantized
     bundles to the active backend to lay out. Mixed dense/quantized parts are joined dense; quantized parts of
-    different layouts as int8 in groups of 32 where the backend's int8 linears read int8 (`packed_weights`),
-    else dense.
+    different layouts as pieces (`PiecewiseWeight`) where the backend runs every piece's layout natively
+    (`packed_weights`), else dense.
 
     Under tensor parallelism `out_features` / `in_features` are this rank's, and `shards` says which
     slice of each checkpoint part this rank keeps: rows (column-parallel: q/k/v heads, gate/up) or
@@ -38,7 +40,7 @@ class Linear(nn.Module):
         self.parts = parts
         self.part_rows = dict(part_rows or {})  # fused parts' whole checkpoint row counts, where they differ
         self.weight: torch.Tensor | None = None
-        self.qweight: Int4Weight | Int8Weight | W8A8Weight | Fp8BlockWeight | None = None
+        self.qweight: Int4Weight | Int8Weight | W8A8Weight | Fp8BlockWeight | PiecewiseWeight | None = None
         self.bias: torch.Tensor | None = None
         self.has_bias = bias
         self.shards = {p: s for p, s in (shards or {}).items() if s is not None}
@@ -68,14 +70,12 @@ class Linear(nn.Module):
                 q = ws[0] if len(ws) == 1 else type(ws[0]).cat(ws)
             except ValueError:  # parts that cannot share one layout are joined dense below
                 q = None
-        if q is None and len(ws) > 1 and all(type(w) in (Int4Weight, Int8Weight) for w in ws) \
-                and "linear_w8a16" in ops.active_backend().packed_weights:
-            # quantized parts of different layouts (a GGUF's Q4_K q and k beside its Q6_K v): one int8 weight with a
-            # scale per group of 32 (a rounding of at most half a 254th of a group's largest value), which the
-            # backend runs natively, rather than a dense copy of all of them
-            group = 32 if self.in_features % 32 == 0 else 0
-            q = Int8Weight.quantize(torch.cat([w.dequantize(torch.float32) for w in ws]), group)
-        if q is None:
+        if q is None and len(ws) > 1 and all(_OP.get(type(w)) in ops.active_backend().packed_weights for w in ws):
+            q = _pieces(ws)
+        if isinstance(q, PiecewiseWeight):
+            self._op = "pieces"
+            self.qweight = PiecewiseWeight([ops.prepare_weight(_OP[type(p)], p) for p in q.pieces])
+        elif q is None:
             dense = [w.to(self.dtype) if isinstance(w, torch.Tensor) else w.dequantize(self.dtype) for w in ws]
             self.weight = dense[0] if len(dense) == 1 else torch.cat(dense)
             short = self.out_features - self.weight.shape[0]
@@ -122,6 +122,9 @@ class Linear(nn.Module):
             return self._row_parallel(x)
         if self.qweight is None:  # a dense layer after a 16-bit one gets its input in its own dtype
             y = ops.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        elif self._op == "pieces":  # the bias after the join, as one bundle's op adds it (csrc/llama_step.cpp too)
+            y = torch.cat([getattr(ops, _OP[type(p)])(x, p, None) for p in self.qweight.pieces], dim=-1)
+            y = y + self.bias.to(y.dtype) if self.bias is not None else y
         else:
             y = getattr(ops, self._op)(x, self.qweight, self.bias)
         return parallel.all_gather(y, dim=-1, group=parallel.tp_group()) if self.gather else y
@@ -132,6 +135,18 @@ class Linear(nn.Module):
             return ops.linear_all_reduce(x.to(self.weight.dtype), self.weight, self.bias, group)
         y = ops.all_reduce(getattr(ops, self._op)(x, self.qweight, None), group)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+
+def _pieces(ws: list) -> PiecewiseWeight | None:
+    """Quantized parts as pieces: each run of parts of one layout joined (q and k), None where a run cannot be."""
+    pieces = []
+    for _, run in itertools.groupby(ws, key=lambda w: (type(w), getattr(w, "group_size", None))):
+        run = list(run)
+        try:
+            pieces.append(run[0] if len(run) == 1 else type(run[0]).cat(run))
+        except ValueError:
+            return None
+    return PiecewiseWeight(pieces)
 
 
 def column_parallel(parts: dict[str, int], in_features: int, dtype: torch.dtype, bias: bool = False,

@@ -144,6 +144,27 @@ class Int8Weight:
 
 
 @dataclass
+class PiecewiseWeight:
+    """A fused linear (qkv, gate_up) whose parts came in different quantized layouts: a GGUF Q4_K_M's Q4_K q and k
+    beside its Q6_K v. Each run of parts that share a layout is one bundle (a piece), run by its own kernel, the
+    pieces' outputs side by side in part order. Joined into one int8 weight instead, the 4-bit parts took twice their
+    bytes and every part a second rounding; each piece here is exactly as the file holds it."""
+
+    pieces: list  # Int4Weight / Int8Weight bundles, in row order
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.pieces)
+
+    @property
+    def in_features(self) -> int:
+        return self.pieces[0].in_features
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.pieces])
+
+
+@dataclass
 class W8A8Weight(Int8Weight):
     """Per-output-channel int8 weights whose linear also quantises its activations to int8, per token
     at run time (W8A8 dynamic: Ascend's `npu_dynamic_quant` + `npu_quant_matmul`). Same storage as

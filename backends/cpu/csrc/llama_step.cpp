@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "bf16.h"
@@ -47,13 +48,25 @@ at::Tensor widen(const at::Tensor& y, int64_t vocab) {
 
 namespace k = FLAGDEPLOY_OPS_NS;
 
-// a weight-only linear: (nib, dm) of the int4 kernel or (w8, d) of the int8 kernel, told apart by dtype;
-// an empty bias is none
+// a weight-only linear: pieces of (nib, dm) of the int4 kernel or (w8, d) of the int8 kernel, told apart by
+// dtype, their outputs side by side (one piece, or a fused qkv of a GGUF's Q4_K q, k beside its Q6_K v: the
+// eager Linear's PiecewiseWeight); an empty bias is none
 struct Linear {
-  at::Tensor a, b, bias;
+  std::vector<std::pair<at::Tensor, at::Tensor>> pieces;
+  at::Tensor bias;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor y = a.scalar_type() == at::kByte ? k::q4_linear(x, a, b) : k::q8_linear(x, a, b);
+    auto run = [&](const std::pair<at::Tensor, at::Tensor>& p) {
+      return p.first.scalar_type() == at::kByte ? k::q4_linear(x, p.first, p.second) : k::q8_linear(x, p.first, p.second);
+    };
+    at::Tensor y;
+    if (pieces.size() == 1) {
+      y = run(pieces[0]);
+    } else {
+      std::vector<at::Tensor> ys;
+      for (const auto& p : pieces) ys.push_back(run(p));
+      y = at::cat(ys, 1);
+    }
     return bias.numel() ? y + bias.to(y.scalar_type()) : y;
   }
 };
@@ -64,24 +77,38 @@ struct Layer {
   at::Tensor k_cache, v_cache;
 };
 
-constexpr int64_t kHead = 7;       // tensors before the layers: embed, norm, head (3), cos, sin
-constexpr int64_t kPerLayer = 16;  // per layer: 2 norms, 4 linears (3 each), 2 caches
-
 class LlamaStep : public torch::CustomClassHolder {
  public:
-  // t: kHead tensors, then kPerLayer per layer (see llama_step.py: `_tensors`); dims: heads, kv heads,
-  // head dim, vocabulary
+  // t: embedding, final norm, the head's linear, the rope tables, then per layer its two norms, qkv / o / gate_up /
+  // down and its k and v caches, a linear being two tensors a piece and its bias (see llama_step.py: `_tensors`);
+  // dims: heads, kv heads, head dim, vocabulary, then the pieces of each linear in that order
   LlamaStep(std::vector<at::Tensor> t, std::vector<int64_t> dims, double eps, double scale)
       : eps_(eps), scale_(scale) {
-    TORCH_CHECK(dims.size() == 4 && t.size() >= kHead && (t.size() - kHead) % kPerLayer == 0,
-                "LlamaStep: 7 + 16 per layer tensors and 4 sizes");
+    TORCH_CHECK(dims.size() >= 5 && (dims.size() - 5) % 4 == 0, "LlamaStep: 4 sizes, then 1 + 4 per layer piece counts");
     heads_ = dims[0], kv_heads_ = dims[1], head_dim_ = dims[2], vocab_ = dims[3];
-    embed_ = t[0], norm_ = t[1], head_ = Linear{t[2], t[3], t[4]}, cos_ = t[5], sin_ = t[6];
-    for (size_t i = kHead; i < t.size(); i += kPerLayer) {
-      const at::Tensor* l = &t[i];
-      layers_.push_back(Layer{l[0], l[1], Linear{l[2], l[3], l[4]}, Linear{l[5], l[6], l[7]},
-                              Linear{l[8], l[9], l[10]}, Linear{l[11], l[12], l[13]}, l[14], l[15]});
+    size_t at = 0, count = 4;
+    auto next = [&]() {
+      TORCH_CHECK(at < t.size(), "LlamaStep: fewer tensors than the piece counts take");
+      return t[at++];
+    };
+    auto linear = [&]() {
+      Linear l;
+      for (int64_t i = 0, n = dims[count++]; i < n; ++i) {
+        at::Tensor a = next();
+        l.pieces.emplace_back(a, next());
+      }
+      l.bias = next();
+      return l;
+    };
+    embed_ = next(), norm_ = next(), head_ = linear(), cos_ = next(), sin_ = next();
+    while (count < dims.size()) {
+      Layer l;
+      l.input_norm = next(), l.post_norm = next();
+      l.qkv = linear(), l.o = linear(), l.gate_up = linear(), l.down = linear();
+      l.k_cache = next(), l.v_cache = next();
+      layers_.push_back(std::move(l));
     }
+    TORCH_CHECK(at == t.size(), "LlamaStep: more tensors than the piece counts take");
   }
 
   // ids, positions, slots, context lengths as the rows of `rows` [4, n]; tables [n, W] (int64):
