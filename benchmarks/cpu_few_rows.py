@@ -6,10 +6,11 @@ model's own packed weights through the few-row kernel). Prints ms per step and t
 (issue 54: a 5-row step <= 1.5x one row). Rounds alternate over the row counts, so a host whose speed
 drifts favours none; the figure is the median of the rounds.
 
-    python benchmarks/cpu_few_rows.py [--context 256] [--rounds 15] [--threads N] [--eager]
+    python benchmarks/cpu_few_rows.py [--context 256] [--rounds 15] [--threads N] [--eager] [--model SRC]
 
 `--eager` also times the eager (Python) step on the same inputs: the path verify steps took before the C++
-step served them. FLAGDEPLOY_CPU_ISA=avx2 measures the AVX2 kernels on an AVX-512 CPU (the header says so).
+step served them. `--model` times another model (any source `serve --model` takes: a GGUF of the same shape with
+random weights, on a host without the default model). FLAGDEPLOY_CPU_ISA=avx2 measures the AVX2 kernels on an AVX-512 CPU (the header says so).
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ def verify_step(rows: int, context: int, block_size: int, vocab: int) -> PagedSt
                      verify=rows > 1)
 
 
-def default_model(threads: int | None):
-    """(runner, model) of the default model's engine as serve builds it on the CPU, on `threads` torch threads."""
+def default_model(threads: int | None, model: str | None = None):
+    """(runner, model) of the engine serve builds on the CPU for `model` (a model source; None: the embedded default
+    model), on `threads` torch threads."""
     if threads:
         torch.set_num_threads(threads)
-    src = resolve(None)
+    src = resolve(model)
     engine = build_llm_engine(src.path, src.format, EngineConfig(), chip="cpu", progress=False)
     return engine.runner, engine.runner.model
 
@@ -64,8 +66,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--eager", action="store_true", help="also time the eager step (no C++ step)")
+    ap.add_argument("--model", default=None, help="model source (default: the embedded SmolLM2-135M-Instruct GGUF)")
     args = ap.parse_args()
-    runner, model = default_model(args.threads)
+    runner, model = default_model(args.threads, args.model)
     packed = packed_linears(model)
     steps = {r: verify_step(r, args.context, runner.block_size, model.cfg.vocab_size) for r in ROWS}
     xs = {r: {p["nib"].shape[1] * 32: torch.randn(r, p["nib"].shape[1] * 32).bfloat16() for p in packed} for r in ROWS}
@@ -98,7 +101,7 @@ def main() -> None:
             for k, fn in kinds.items():
                 times[(k, r)].append(fn(r))
     print(f"CPU: {cpu_name()}, ISA class {native.isa_class()}, {torch.get_num_threads()} thread(s), "
-          f"torch {torch.__version__}; the default model, {len(packed)} 4-bit linears, C++ step: "
+          f"torch {torch.__version__}; {args.model or 'the default model'}, {len(packed)} 4-bit linears, C++ step: "
           f"{'yes' if native_step is not None else 'no'}; context {args.context}, median of {args.rounds} rounds")
     print(f"{'rows':>5} " + " ".join(f"{k + ' ms':>14} {'x 1 row':>8}" for k in kinds))
     for r in ROWS:

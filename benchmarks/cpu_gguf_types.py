@@ -24,12 +24,21 @@ whole super-blocks and have llama.cpp requantize it (random weights: its answers
 
     python benchmarks/cpu_gguf_types.py --write-random /tmp/llama-1024.gguf [--hidden 1024 --layers 16 --ffn 2816]
     python benchmarks/cpu_vs_llama_server.py --model /tmp/llama-1024.gguf --quantize Q4_K_M
+
+On a host without the default model (a GPU host's CPU, cut off from the network), a file of its shape and types
+(Q4_1 linears, a Q8_0 embedding) with random weights runs its kernels, bytes and steps; `--tokenizer` takes any GGUF
+that carries the tokenizer:
+
+    python benchmarks/cpu_gguf_types.py --write-random /tmp/smol.gguf --type Q4_1 --hidden 576 --layers 30 \
+        --ffn 1536 --heads 9 --kv-heads 3 [--tokenizer T.gguf]
+    python benchmarks/cpu_vs_llama_server.py --model /tmp/smol.gguf; python benchmarks/cpu_few_rows.py --model /tmp/smol.gguf
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import statistics
 import time
@@ -37,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from cpu_few_rows import verify_step  # this script runs from benchmarks/
+from cpu_few_rows import verify_step
+from gguf import GGMLQuantizationType  # this script runs from benchmarks/
 
 from flagdeploy.backends.cpu import native
 from flagdeploy.checkpoints import gguf_reader
@@ -50,6 +60,19 @@ from flagdeploy.models.linear import Linear
 PROMPTS = ("Write two sentences about the ocean.", "What is the capital of France?",
            "def fib(n):\n    # return the n-th Fibonacci number\n",
            "Translate to French: The weather is nice today and we are going to the beach.")
+
+
+def random_weight(rng: np.random.Generator, kind: str, name: str, rows: int, cols: int):
+    """A random weight for write_llama_gguf: float16 values, or raw blocks of the bundled file's types (Q4_1 linears:
+    fp16 d, fp16 m and 16 bytes of nibbles per 32; a Q8_0 embedding: fp16 d and 32 int8), values within about +-0.05."""
+    if kind == "F16":
+        return (rng.standard_normal((rows, cols), np.float32) * 0.02).astype(np.float16)
+    embedding = name == "token_embd.weight"
+    blocks = rng.integers(0, 256, (rows, cols // 32, 34 if embedding else 20), dtype=np.uint8)
+    blocks[..., 0:2] = np.full((rows, cols // 32, 1), 0.02 / 127 if embedding else 0.05 / 15, np.float16).view(np.uint8)
+    if not embedding:
+        blocks[..., 2:4] = np.full((rows, cols // 32, 1), -0.025, np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1), GGMLQuantizationType.Q8_0 if embedding else GGMLQuantizationType.Q4_1
 
 
 def engine(path: str, weight_format: str, threads: int):
@@ -80,8 +103,12 @@ def main() -> None:
     ap.add_argument("model", nargs="?")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--write-random", type=Path, metavar="OUT", help="write a random F16 llama GGUF with the bundled "
-                    "model's tokenizer to OUT and exit")
+    ap.add_argument("--write-random", type=Path, metavar="OUT", help="write a random llama GGUF with the bundled "
+                    "model's tokenizer (or --tokenizer's) to OUT and exit")
+    ap.add_argument("--type", choices=("F16", "Q4_1"), default="F16", help="--write-random's linears: F16 (to requantize "
+                    "with llama-quantize), or Q4_1 with a Q8_0 embedding, the bundled file's types, written directly")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="a GGUF whose tokenizer --write-random copies (default: "
+                    "the bundled model's)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--ffn", type=int, default=2816)
@@ -92,8 +119,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.write_random:
         rng = np.random.default_rng(0)
-        write_llama_gguf(args.write_random, resolve(None).path,
-                         lambda name, rows, cols: (rng.standard_normal((rows, cols), np.float32) * 0.02).astype(np.float16),
+        write_llama_gguf(args.write_random, args.tokenizer or resolve(None).path, functools.partial(random_weight, rng, args.type),
                          hidden=args.hidden, layers=args.layers, ffn=args.ffn, heads=args.heads, kv_heads=args.kv_heads)
         print(args.write_random)
         return
