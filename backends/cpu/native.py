@@ -78,8 +78,10 @@ class Isa:
     # CPU has the feature: an older compiler may not know it)
     turns_off: tuple[tuple[str, str], ...] = ()
     # whether per-group int8 weights whose values fit 5 or 6 bits are held in as many (pack_q8): where vpdpbusd takes
-    # their bytes (measured on AVX-512; on AVX2, whose vpmaddubsw + vpmaddwd take two instructions a product, a
-    # default-model step of 5 or 16 rows was 1.27x slower than from 8 bits)
+    # their bytes. Measured (benchmarks/cpu_low_bits.py, a 16-core Xeon): AVX-512 and AVX-VNNI builds alike, 1-2 rows
+    # 0.60-0.88x the 8-bit form's time, 5-16 rows 0.94-1.28x (a lone stream's bytes against a few rows' unpacking, as
+    # on the AVX-512 EPYC's model steps); AVX2, whose vpmaddubsw + vpmaddwd take two instructions a product, 1.36-1.80x
+    # from 5 rows (a default-model step of 5 or 16 rows 1.27x on the EPYC): it keeps 8 bits
     low_bit_weights: bool = False
 
     def compiler_flags(self) -> tuple[str, ...]:
@@ -95,7 +97,8 @@ class Isa:
 # no row count on all 16 (tune.yaml's amx_min_rows); the AVX-512 build turns them off on such a CPU.
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
 ISAS = {"avx512": Isa(_AVX512, turns_off=(("amx_tile", "-mno-amx-tile"),), low_bit_weights=True),
-        "avxvnni": Isa(("avx2", "fma", "f16c", "avx_vnni"), ("-mno-avx512f", "-mavxvnni"), hides=("avx512", "amx")),
+        "avxvnni": Isa(("avx2", "fma", "f16c", "avx_vnni"), ("-mno-avx512f", "-mavxvnni"), hides=("avx512", "amx"),
+                       low_bit_weights=True),
         "avx2": Isa(("avx2", "fma", "f16c"), ("-mno-avx512f",), hides=("avx512", "amx", "avx_vnni"),
                     turns_off=(("avx_vnni", "-mno-avxvnni"),)),
         "amx": Isa(("amx_tile", "amx_int8", *_AVX512), ("-mamx-tile", "-mamx-int8"), low_bit_weights=True)}
