@@ -10,7 +10,8 @@ drifts favours none; the figure is the median of the rounds.
 
 `--eager` also times the eager (Python) step on the same inputs: the path verify steps took before the C++
 step served them. `--model` times another model (any source `serve --model` takes: a GGUF of the same shape with
-random weights, on a host without the default model). FLAGDEPLOY_CPU_ISA=avx2 measures the AVX2 kernels on an AVX-512 CPU (the header says so).
+random weights, on a host without the default model: `cpu_gguf_types.py --write-random`). FLAGDEPLOY_CPU_ISA=avx2
+measures the AVX2 kernels on an AVX-512 CPU (the header says so).
 """
 
 from __future__ import annotations

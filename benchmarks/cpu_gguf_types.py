@@ -46,8 +46,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from cpu_few_rows import verify_step
-from gguf import GGMLQuantizationType  # this script runs from benchmarks/
+from cpu_few_rows import verify_step  # this script runs from benchmarks/
+from gguf import GGMLQuantizationType
 
 from flagdeploy.backends.cpu import native
 from flagdeploy.checkpoints import gguf_reader
