@@ -137,7 +137,7 @@ def main() -> None:
             if m.qweight is None:  # what a decode step reads: a dense linear's weight, else the packed kernels' tensors
                 kinds["dense"] += m.out_features * m.in_features
                 held += m.weight.nbytes
-            for q in getattr(m.qweight, "pieces", [m.qweight] if m.qweight is not None else []):
+            for q in m.bundles():
                 kinds[type(q).__name__] += q.out_features * q.in_features
                 held += sum(t.nbytes for k, t in q.prepared.items() if k in ("nib", "dm", "w8", "d"))
     total = sum(kinds.values())

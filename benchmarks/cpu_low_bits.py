@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 import torch
-from cpu_vs_llama_server import cpu_name  # this script runs from benchmarks/
+from cpu_kernel_rows import builds as kernel_rows_builds  # this script runs from benchmarks/
+from cpu_vs_llama_server import cpu_name
 
 from flagdeploy.backends.cpu import native
 from flagdeploy.ops.weights import Int8Weight
@@ -49,15 +50,11 @@ def q5_like(n: int, k: int, g: torch.Generator) -> Int8Weight:
 
 
 def builds(tmp: Path) -> dict[str, object]:
-    """Op namespaces by ISA class: this CPU's own build, and the smaller classes it can also run built beside it."""
-    if not native.available():
-        raise SystemExit(f"the cpu backend's kernels are not built here: {native.unsupported() or 'no C++ compiler'}")
-    out = {native.isa_class(): torch.ops.flagdeploy_cpu}
-    flags = native.cpu_flags()
-    if native.isa() in ("avx512", "amx") and "avx_vnni" in flags:
+    """cpu_kernel_rows.py's builds (this CPU's own, AVX2 beside it), and an AVX-VNNI one beside an AVX-512 build on a
+    CPU that has AVX-VNNI too."""
+    out = kernel_rows_builds(tmp)
+    if native.isa() in ("avx512", "amx") and "avx_vnni" in native.cpu_flags():
         out["AVX2+VNNI (built beside it)"] = native.build_beside("avxvnni", tmp / "avxvnni")
-    if native.isa() != "avx2":
-        out["AVX2 (built beside it)"] = native.build_beside("avx2", tmp / "avx2")
     return out
 
 

@@ -89,13 +89,11 @@ def weight_bytes(model) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, Linear):
-            q = m.qweight
-            if q is None:
+            if m.qweight is None:
                 total += m.weight.nbytes
-            else:  # what the few-row kernel reads: the prepared tensors but the bf16 copy for many rows
-                for b in getattr(q, "pieces", [q]):
-                    p = b.prepared if isinstance(b.prepared, dict) else {"q": b.q, "scales": b.scales}
-                    total += sum(v.nbytes for k, v in p.items() if isinstance(v, torch.Tensor) and k != "dense")
+            for b in m.bundles():  # what the few-row kernels read: the prepared tensors but the bf16 copy for many rows
+                p = b.prepared if isinstance(b.prepared, dict) else {"q": b.q, "scales": b.scales}
+                total += sum(v.nbytes for k, v in p.items() if isinstance(v, torch.Tensor) and k != "dense")
     embed = getattr(model, "embed_tokens", None)
     total += sum(p.nbytes for p in model.parameters() if p is not embed)
     return total

@@ -20,7 +20,6 @@ import os
 import torch
 
 from flagdeploy import parallel
-from flagdeploy.ops.weights import PiecewiseWeight
 
 from . import native, weight_arena
 from .ops import TUNE
@@ -64,17 +63,19 @@ def step_inputs(ids: list[int], positions: list[int], slots: list[int], tables: 
 
 def _pieces(lin) -> list[dict] | None:
     """The prepared bundles of a Linear the C++ step can run (one, or a PiecewiseWeight's pieces), else None."""
-    q = lin.qweight
-    bundles = q.pieces if isinstance(q, PiecewiseWeight) else [q] if q is not None else []
-    prepared = [getattr(b, "prepared", None) for b in bundles]
+    prepared = [getattr(b, "prepared", None) for b in lin.bundles()]
     return prepared if prepared and all(p is not None and ("nib" in p or "w8" in p) for p in prepared) else None
+
+
+def _packed_keys(p: dict) -> tuple[str, str]:
+    """A prepared bundle's packed weight and scales: the int4 kernel's (nib, dm) or the int8 kernel's (w8, d)."""
+    return ("nib", "dm") if "nib" in p else ("w8", "d")
 
 
 def _linear(lin) -> list[torch.Tensor]:
     """What the C++ step takes of a Linear: each piece's packed weight and scales, then its bias (or an empty
     tensor)."""
-    out = [t for p in _pieces(lin) for t in ((p["nib"], p["dm"]) if "nib" in p else (p["w8"], p["d"]))]
-    return out + [lin.bias if lin.bias is not None else torch.empty(0)]
+    return [p[key] for p in _pieces(lin) for key in _packed_keys(p)] + [lin.bias if lin.bias is not None else torch.empty(0)]
 
 
 def _linears(layer) -> tuple:
@@ -141,7 +142,7 @@ def _into_one_arena(model) -> None:
     """The packed weights moved into one mapping in the order the step reads them: each layer's linears, then the
     head (weight_arena.py: the eager step reads the same copies)."""
     lins = [m for layer in model.layers for m in _linears(layer)] + [model.lm_head]
-    weight_arena.move([(p, key) for m in lins for p in _pieces(m) for key in (("nib", "dm") if "nib" in p else ("w8", "d"))])
+    weight_arena.move([(p, key) for m in lins for p in _pieces(m) for key in _packed_keys(p)])
 
 
 def _packed_rows(lin) -> int:

@@ -90,6 +90,12 @@ class Linear(nn.Module):
         if got != shape:
             raise ValueError(f"fused weight {'+'.join(self.parts)} has shape {got}, the config implies {shape}")
 
+    def bundles(self) -> list:
+        """The quantized bundles this linear runs: none (a dense weight), its one, or a PiecewiseWeight's pieces."""
+        if self.qweight is None:
+            return []
+        return list(self.qweight.pieces) if isinstance(self.qweight, PiecewiseWeight) else [self.qweight]
+
     def part_shape(self, part: str) -> tuple[int, int] | None:
         """A checkpoint part's [out, in] (the whole tensor, not this rank's slice), where it is known
         (one part, or fused parts whose row counts were given)."""
