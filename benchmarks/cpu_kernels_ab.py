@@ -61,7 +61,7 @@ def main() -> None:
         ops["ref"].q4_amx_min_rows(ops["new"].q4_amx_min_rows(0))
     layer, cfg = model.layers[0], model.cfg
     tensors = llama_step._tensors(model, runner.kv_caches)
-    dims = [layer.heads, layer.kv_heads, cfg.head_dim, cfg.vocab_size]
+    dims = llama_step.dims(model)  # the pieces' format: refs from e01ad61 on
     steps = {k: getattr(torch.classes, ns).LlamaStep(tensors, dims, cfg.rms_norm_eps, layer.scale)
              for k, ns in (("ref", "flagdeploy_cpu_ref"), ("new", "flagdeploy_cpu"))}
     packed = packed_linears(model)

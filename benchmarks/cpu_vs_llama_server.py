@@ -77,6 +77,9 @@ from typing import Self
 
 import httpx
 
+from flagdeploy.cpu_threads import cores, sleep_idle_openmp, threads_for_server, user_environ
+
+sleep_idle_openmp()  # before torch loads, as serve does: the in-process rows run the server's engine settings
 from cpu_serving import PROMPTS  # the in-process benchmark's prompts (this script runs from benchmarks/)
 
 from flagdeploy.backends.cpu.native import isa_class
@@ -100,14 +103,6 @@ COMPARE_PROMPTS = 4  # greedy answers compared between the servers (EOS honoured
 
 def log(msg: str) -> None:
     print(f"[cpu_vs_llama_server] {msg}", file=sys.stderr, flush=True)
-
-
-def cores() -> int:
-    """CPUs this process may run on (what a user's `-t` / `-j` would be)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
@@ -300,7 +295,7 @@ class Server:
         out = self.logfile.open("w")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**user_environ(), "PYTHONUNBUFFERED": "1"})
         out.close()
         with httpx.Client(timeout=2) as c:
             while time.perf_counter() - t0 < READY_TIMEOUT:
@@ -417,7 +412,16 @@ def llama_server_argv(binary: Path, gguf: Path, port: int, args: argparse.Namesp
 
 def flagdeploy_argv(port: int, args: argparse.Namespace) -> list[str]:
     model = ["--model", args.model] if args.model else []  # else its default: the same bundled GGUF
-    return [sys.executable, "-m", "flagdeploy", "serve", "--port", str(port), *model, *args.serve_arg]
+    # --chip cpu: on a host with a GPU, serve's default backend is the GPU's, which is not what this compares
+    return [sys.executable, "-m", "flagdeploy", "serve", "--port", str(port), "--chip", "cpu", *model, *args.serve_arg]
+
+
+def check_on_cpu(server: Server) -> None:
+    """Stop where serve holds its weights anywhere but on the CPU (a --serve-arg naming another --chip): a server
+    on a GPU host's accelerator once passed for its CPU here (docs/performance.md, issue 54's sixteenth pass)."""
+    held = re.search(r"weights held on (\w+)", server.logfile.read_text(errors="replace"))
+    if held is None or held.group(1) != "cpu":
+        server.fail(f"holds its weights on {held.group(1) if held else 'an unknown device'}, not the CPU")
 
 
 async def first_request(ep: Endpoint, args: argparse.Namespace) -> float:
@@ -465,7 +469,8 @@ def in_process(args: argparse.Namespace) -> dict[str, float]:
     from flagdeploy.engine.replica import build_llm_engine
 
     src = resolve(args.model)
-    log("in-process: building the engine with serve's defaults")
+    threads = threads_for_server("cpu")
+    log(f"in-process: building the engine with serve's defaults ({threads or 'OMP_NUM_THREADS'} kernel threads)")
     engine = build_llm_engine(src.path, src.format, EngineConfig(), chip="cpu", progress=False)
     if engine.runner.compiling is not None:  # a model the C++ step does not serve compiles in the background
         engine.runner.compiling.join()
@@ -576,7 +581,7 @@ def main() -> None:
     if args.isa and any(os.environ.get(k) != v for k, v in ISA_ENV[args.isa].items()):
         # torch reads its caps when it starts: this process (the in-process rows) and the server it starts both
         # run under them, so start again with them set
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ISA_ENV[args.isa]})
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**user_environ(), **ISA_ENV[args.isa]})
     args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     args.max_tokens = args.max_tokens if args.max_tokens is not None else (32 if args.quick else 128)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds the with-blocks: servers are stopped
@@ -611,6 +616,7 @@ def main() -> None:
         port = free_port()
         ours = up.enter_context(Server("flagdeploy serve", flagdeploy_argv(port, args), "/ready", port, Path(logdir)))
         eps[ours.name], rows[ours.name] = bring_up(ours, args)
+        check_on_cpu(ours)
         log("measuring, the two servers' rounds interleaved")
         for name, measured in asyncio.run(measure(eps, args)).items():
             rows[name].update(measured)

@@ -33,7 +33,7 @@ from flagdeploy.net import free_port
 
 SHORT = ["Tell me a fact about {}.", "Write one sentence about {}.", "What colour is {}?", "Describe {} briefly."]
 TOPICS = ["the sea", "a lighthouse", "Paris", "bread", "a cat", "the moon", "rain", "a violin"]
-FLAGS = ["--max-model-len", "4096", "--kv-cache-memory", "1GiB", "--max-num-batched-tokens", "256",
+FLAGS = ["--chip", "cpu", "--max-model-len", "4096", "--kv-cache-memory", "1GiB", "--max-num-batched-tokens", "256",
          "--max-num-seqs", "16", "--served-model-name", "m"]
 
 

@@ -205,12 +205,14 @@ def builtin_app(options: ServeOptions, load: Callable[[], "AsyncEngine"], names:
 def engine_loader(options: ServeOptions, src: "ModelSource", *, progress: bool = False, nodes=None,
                   config: "EngineConfig | None" = None) -> Callable[[], "AsyncEngine"]:
     """What builds the builtin engine for `options` (engine/replica.py), to run on the app's loading thread."""
+    from flagdeploy.cpu_threads import threads_for_server
     from flagdeploy.engine import AsyncEngine
     from flagdeploy.engine.replica import build_llm_engine
 
     config = config or options.engine_config()
 
     def load() -> AsyncEngine:
+        threads_for_server(options.chip)
         return AsyncEngine(build_llm_engine(src.path, src.format, config, chip=options.chip, progress=progress,
                                             nodes=nodes))
 

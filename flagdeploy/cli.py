@@ -268,13 +268,17 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
     endpoint instead (docs/gateway.md)."""
     from click.core import ParameterSource
 
+    from flagdeploy.cpu_threads import sleep_idle_openmp
+
+    _setup_logging(log_level)
+    if engine == "builtin" and not upstreams and not config_file:  # before the imports below load torch
+        sleep_idle_openmp()
     from flagdeploy import serving
     from flagdeploy.assemble import ServeOptions
     from flagdeploy.engine.kv_transfer import KvTransferConfig
     from flagdeploy.engine.speculative import SpeculativeConfig
     from flagdeploy.media_policy import MediaPolicy
 
-    _setup_logging(log_level)
     given = frozenset(name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE)
     setup = serving.ServeSetup(
         host=host, port=port, log_level=log_level, engine=engine, upstreams=upstreams,

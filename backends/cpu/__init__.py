@@ -12,6 +12,7 @@ backend = Backend(
     narrow_weight_dtypes=("bfloat16",) if ops.ONEDNN_BF16 else (),  # where oneDNN has bf16 matmuls (AMX, AVX512-BF16)
     compile_config=ops.TUNE["compile"],  # inductor settings for the compiled decode step
     decode_step=llama_step.build,  # the llama family's decode step in C++ (csrc/llama_step.cpp)
+    server_threads=ops.server_threads,  # cores left to the server's own threads (tune.yaml's `serve`)
     collective="gloo",
     detect=lambda: True,
     overrides={

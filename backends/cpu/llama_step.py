@@ -121,6 +121,12 @@ def _tensors(model, kv_caches) -> list[torch.Tensor]:
     return out
 
 
+def dims(model) -> list[int]:
+    """What csrc/llama_step.cpp's constructor takes beside the tensors: 4 sizes, then each linear's piece count."""
+    cfg, layer = model.cfg, model.layers[0]
+    return [layer.heads, layer.kv_heads, cfg.head_dim, cfg.vocab_size, *(len(_pieces(m)) for m in _all_linears(model))]
+
+
 def build(model, kv_caches: list, block_size: int) -> LlamaStep | None:
     """The C++ decode step of `model` over its runner's caches, or None (logged) where it would not compute
     what the eager step computes."""
@@ -132,8 +138,7 @@ def build(model, kv_caches: list, block_size: int) -> LlamaStep | None:
         _into_one_arena(model)
     cfg, layer = model.cfg, model.layers[0]
     max_rows = min(_packed_rows(m) for x in model.layers for m in _linears(x))
-    dims = [layer.heads, layer.kv_heads, cfg.head_dim, cfg.vocab_size, *(len(_pieces(m)) for m in _all_linears(model))]
-    step = torch.classes.flagdeploy_cpu.LlamaStep(_tensors(model, kv_caches), dims, cfg.rms_norm_eps, layer.scale)
+    step = torch.classes.flagdeploy_cpu.LlamaStep(_tensors(model, kv_caches), dims(model), cfg.rms_norm_eps, layer.scale)
     return LlamaStep(step, model, max_rows, _packed_rows(model.lm_head),
                      TUNE["paged_attention_decode"]["native_max_keys"], block_size)
 

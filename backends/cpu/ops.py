@@ -22,7 +22,10 @@ from flagdeploy.ops.fused import (  # noqa: F401  (torch's fused kernels, shared
 )
 
 
-def tune_table(flags: frozenset[str], path: Path = Path(__file__).with_name("tune.yaml")) -> dict:
+TUNE_FILE = Path(__file__).with_name("tune.yaml")
+
+
+def tune_table(flags: frozenset[str], path: Path = TUNE_FILE) -> dict:
     """The first of tune.yaml's `machines` whose `cpu_flags` this CPU has. The crossovers move with the
     instruction set, not only with the core count: without AVX-512 BF16 a bf16 matmul is emulated (~6x
     slower than float32 on a 2-core AVX2 EPYC), so the few-row packed kernels win up to far more rows and
@@ -35,8 +38,15 @@ def tune_table(flags: frozenset[str], path: Path = Path(__file__).with_name("tun
 
 
 TUNE = tune_table(native.cpu_flags())
+SERVE = yaml.safe_load(TUNE_FILE.read_text())["serve"]
 if "amx_min_rows" in TUNE["linear_w4a16"]:
     native.use_amx_from(TUNE["linear_w4a16"]["amx_min_rows"])
+
+
+def server_threads(cores: int) -> int:
+    """The kernels' threads in a server process on `cores` cores: one core in every `reserve_one_core_in` left to
+    the server's event loop and the engine's Python (tune.yaml's `serve`, with what it was measured on)."""
+    return max(1, cores - cores // SERVE["reserve_one_core_in"])
 
 
 def rms_norm(x, weight, eps):

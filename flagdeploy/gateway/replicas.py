@@ -22,6 +22,7 @@ import os
 import signal
 from typing import Any, Callable, Mapping
 
+from flagdeploy.cpu_threads import cores as cpu_cores
 from flagdeploy.errors import FlagdeployError
 from flagdeploy.lifetime import on_parent_exit
 
@@ -56,7 +57,7 @@ def replica_env(backend: Any, replica: int, replicas: int, per_replica: int, *,
     """(environment, warnings) for replica `replica` of `replicas`, each of `per_replica` devices:
     its slice of the devices through the backend's visibility variable, and its share of the cores."""
     environ = os.environ if environ is None else environ
-    cores = cores or _cores()
+    cores = cores or cpu_cores()
     env = {"OMP_NUM_THREADS": str(max(1, cores // replicas))}
     warnings: list[str] = []
     var = getattr(backend, "visible_devices_env", None)
@@ -103,13 +104,6 @@ def _device_count(backend: Any) -> int | None:
         return int(getattr(torch, backend.device_type).device_count())
     except Exception:  # noqa: BLE001 - unknown: launch, and let the replica say what is missing
         return None
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # what this process may use (taskset, cgroups' cpusets)
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 # ---- /metrics: the replicas' own metrics through the gateway -------------------------------------

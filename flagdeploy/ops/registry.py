@@ -96,6 +96,10 @@ class Backend:
     # where it cannot compute what the eager step computes. The runner prefers it to the eager step, and a
     # model it serves is not compiled by default (cpu: backends/cpu/llama_step.py).
     decode_step: Callable | None = None
+    # Threads its kernels get in a server process, from the cores the process may use, where OMP_NUM_THREADS does
+    # not say (flagdeploy/cpu_threads.py): a pool that spins on every core stalls whenever the server's own
+    # threads take one of them. None: torch's default (a device's kernels do not run on the host's cores).
+    server_threads: Callable[[int], int] | None = None
     priority: int = 0  # higher wins when several backends detect their chip
     description: str = ""
     # The environment variable that restricts which devices a process sees (CUDA_VISIBLE_DEVICES, ...):

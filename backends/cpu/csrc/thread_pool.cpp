@@ -1,10 +1,18 @@
 // thread_pool.h's loop: the protocol between the caller and the workers.
 //
 // A loop is published by bumping `gen_` to an odd value (open); the caller works, then bumps it to even
-// (closed) and waits until no worker is inside. A worker enters by counting itself in `active_` and then
+// (closed) and waits until no worker is inside. A worker enters by raising its own `inside_` flag and then
 // checking that the loop it saw is still open (both sequentially consistent: either the caller's wait sees
-// the worker, or the worker sees the loop closed and leaves without touching it). So the loop's description
+// the flag, or the worker sees the loop closed and leaves without touching it). So the loop's description
 // (parts, body) is only read while its caller is still waiting, and a late worker costs the caller nothing.
+//
+// What a loop costs besides its units grows with the threads, and a decode step has ~300 loops: on 16 cores
+// the default model's 120 linears took ~20 us a call whatever their bytes (docs/performance.md, issue 54's
+// sixteenth pass). So the end of a loop touches shared lines with plain loads where it can: a locked
+// read-modify-write is a full barrier, and a thread's sweep over the others' parts, or the workers leaving
+// through one shared counter, made one cross-core round trip after another, where loads of many lines
+// overlap. A part is claimed only while a load of its cursor shows units left (the cursor only grows, so a
+// part seen done is done); each worker's flag is a line of its own, which only it writes.
 
 #include "thread_pool.h"
 
@@ -59,8 +67,9 @@ class Pool {
       uint32_t open;
       ~Close() {
         pool->gen_.store(open + 1, std::memory_order_seq_cst);
-        for (int spins = 0; pool->active_.load(std::memory_order_seq_cst) != 0; ++spins)
-          spins < 4096 ? relax() : std::this_thread::yield();
+        for (int w = 1; w <= pool->started_; ++w)
+          for (int spins = 0; pool->inside_[w].on.load(std::memory_order_seq_cst); ++spins)
+            spins < 4096 ? relax() : std::this_thread::yield();
         pool->busy_.clear(std::memory_order_release);
       }
     } close{this, open};
@@ -74,8 +83,11 @@ class Pool {
   void work(int me) {
     for (int j = 0; j < threads_; ++j) {
       Part& p = parts_[(me + j) % threads_];
-      for (int64_t b; (b = p.next.fetch_add(chunk_, std::memory_order_relaxed)) < p.end;)
+      while (p.next.load(std::memory_order_relaxed) < p.end) {
+        const int64_t b = p.next.fetch_add(chunk_, std::memory_order_relaxed);
+        if (b >= p.end) break;
         body_(b, std::min(p.end, b + chunk_), context_);
+      }
     }
   }
 
@@ -92,9 +104,9 @@ class Pool {
     for (;;) {
       const uint32_t g = next_open(seen);
       seen = g;
-      active_.fetch_add(1, std::memory_order_seq_cst);
+      inside_[me].on.store(true, std::memory_order_seq_cst);
       if (gen_.load(std::memory_order_seq_cst) == g && me < threads_) work(me);
-      active_.fetch_sub(1, std::memory_order_seq_cst);
+      inside_[me].on.store(false, std::memory_order_release);
     }
   }
 
@@ -121,8 +133,11 @@ class Pool {
     }
   }
 
+  struct alignas(64) Flag {
+    std::atomic<bool> on{false};
+  };
   std::atomic<uint32_t> gen_{0};  // odd: a loop is open
-  std::atomic<int> active_{0};    // workers inside the open loop
+  Flag inside_[kMaxThreads];      // worker w inside a loop (w >= 1: the caller is 0)
   std::atomic<int> sleepers_{0};  // workers asleep on gen_
   std::atomic_flag busy_ = ATOMIC_FLAG_INIT;
   int started_ = 0;  // workers running (written by the caller holding busy_)
