@@ -134,12 +134,11 @@ def main() -> None:
     kinds, held = collections.Counter(), 0
     for m in auto.model.modules():
         if isinstance(m, Linear):
-            if m.qweight is None:  # what a decode step reads: a dense linear's weight, else the packed kernels' tensors
+            if m.qweight is None:
                 kinds["dense"] += m.out_features * m.in_features
-                held += m.weight.nbytes
             for q in m.bundles():
                 kinds[type(q).__name__] += q.out_features * q.in_features
-                held += sum(t.nbytes for k, t in q.prepared.items() if k in ("nib", "dm", "w8", "d"))
+            held += linear_bytes(m)
     total = sum(kinds.values())
     print(f"{args.model}: linears' GGUF types {dict(types)}")
     print("loaded as (share of weights): " + ", ".join(f"{k} {v / total:.0%}" for k, v in kinds.items()))

@@ -86,16 +86,19 @@ def weight_bytes(model) -> int:
     (one row of it per token)."""
     from flagdeploy.models.linear import Linear
 
-    total = 0
-    for m in model.modules():
-        if isinstance(m, Linear):
-            if m.qweight is None:
-                total += m.weight.nbytes
-            for b in m.bundles():  # what the few-row kernels read: the prepared tensors but the bf16 copy for many rows
-                p = b.prepared if isinstance(b.prepared, dict) else {"q": b.q, "scales": b.scales}
-                total += sum(v.nbytes for k, v in p.items() if isinstance(v, torch.Tensor) and k != "dense")
+    total = sum(linear_bytes(m) for m in model.modules() if isinstance(m, Linear))
     embed = getattr(model, "embed_tokens", None)
     total += sum(p.nbytes for p in model.parameters() if p is not embed)
+    return total
+
+
+def linear_bytes(m) -> int:
+    """Bytes one decode row reads of Linear `m`: a dense weight, or its bundles' tensors as the few-row kernels
+    hold them (without the bf16 copy kept for many rows)."""
+    total = m.weight.nbytes if m.qweight is None else 0
+    for b in m.bundles():
+        p = b.prepared if isinstance(b.prepared, dict) else {"q": b.q, "scales": b.scales}
+        total += sum(v.nbytes for k, v in p.items() if isinstance(v, torch.Tensor) and k != "dense")
     return total
 
 
