@@ -393,7 +393,8 @@ def test_cpu_int4_kernel_rounds_no_worse_than_its_bf16_output(n, k):
     visible rounding is the bf16 output's: against float64 its error is that rounding's, where one int8
     part would add ~4x bf16's noise (and torch's own kernel, bf16 throughout, adds ~1.4x). Every row count the
     kernel passes over a tile differently (AVX-512: one pass of up to 8 rows, equal passes beyond, tiles in pairs
-    from 12; AVX2: passes of 2 over the tile, from 8 rows the passes within each block, 17 as 9 + 8), K with an odd number of 32-blocks; and a row's result is bitwise the same alone."""
+    from 12; AVX2: passes of 2 over the tile, from 8 rows the passes within each block, 17 as 9 + 8), K with an
+    odd number of 32-blocks; and a row's result is bitwise the same alone."""
     native = _cpu_kernels_or_skip()
     g = torch.Generator().manual_seed(n + k)
     w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),

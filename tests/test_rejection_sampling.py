@@ -213,8 +213,9 @@ def test_cpu_sampling_kernels_keep_and_draw_what_the_reference_does(sampling_ker
     keep the same tokens with the same probabilities, float rounding apart: where top_p ends deep in the tail
     (0.999 here, ~20k tokens kept) the float32 running sum of the reference crosses it some tokens of ~1e-7 each
     before the float64 one of the kernel does: as much probability as that sum's rounding, at most half an ulp
-    below 1 (2**-24) an add, and torch's vector width sets its order (1.3-1.7e-5 on an AVX2 EPYC). Rows with different settings in one call are each what they are
-    alone, and the kernel draws the reference's tokens at the same uniforms. The portable build does the same."""
+    below 1 (2**-24) an add, and torch's vector width sets its order (1.3-1.7e-5 on an AVX2 EPYC). Rows with
+    different settings in one call are each what they are alone, and the kernel draws the reference's tokens at
+    the same uniforms. The portable build does the same."""
     from flagdeploy.engine.sampler import row_settings
     from flagdeploy.ops import reference
 
