@@ -145,6 +145,7 @@ def test_compiled_decode_runs_packed_4bit_weights_like_the_eager_step(llama_dir,
     from flagdeploy.backends.cpu import ops as cpu_ops
 
     monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "packed_max_m", 4)  # so that 8 rows take the dense copy
+    monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "dense_copy", True)
     path, _ = llama_dir
     model, tokenizer = load_model(path, "safetensors", torch.float32, "cpu", progress=False)
     for m in model.modules():

@@ -116,6 +116,7 @@ def test_biases_an_int8_head_and_the_eager_steps_row_limit(qwen2_dir, monkeypatc
     from flagdeploy.backends.cpu import ops as cpu_ops
 
     monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "packed_max_m", 4)
+    monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "dense_copy", True)
     monkeypatch.setitem(cpu_ops.TUNE["paged_attention_decode"], "native_max_keys", 32)
     model, tokenizer = load_model(qwen2_dir, "safetensors", torch.float32, "cpu", progress=False)
     assert model.layers[0].qkv_proj.bias is not None

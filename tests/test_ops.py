@@ -583,8 +583,9 @@ def test_cpu_dense_copy_in_either_dtype_computes_the_reference(dtype, monkeypatc
     from flagdeploy.backends.cpu import ops as cpu_ops
 
     monkeypatch.setitem(cpu_ops.TUNE["weight_only_dense"], "dtype", dtype)
-    monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "packed_max_m", 0)
-    monkeypatch.setitem(cpu_ops.TUNE["linear_w8a16"], "packed_max_m", 0)
+    for op in ("linear_w4a16", "linear_w8a16"):
+        monkeypatch.setitem(cpu_ops.TUNE[op], "packed_max_m", 0)
+        monkeypatch.setitem(cpu_ops.TUNE[op], "dense_copy", True)
     be = ops.get_backend("cpu")
     g = torch.Generator().manual_seed(3)
     w4 = Int4Weight(torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8),

@@ -235,18 +235,23 @@ def test_serve_prints_the_plan_and_runs_a_profile(tmp_path, default_model):
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert "plan: smollm2-135m-instruct: 0.13B params" in err and "KiB/token" in err
-    # the weights as held, after loading: Q4 blocks, the dense copy for prompts (bf16 or fp32 by the CPU's tune
-    # table), the int8 head; not "0.50 GiB (fp32)"
+    # the weights as held, after loading: Q4 blocks, the dense copy for prompts where the CPU's tune table keeps
+    # one (bf16 or fp32 by its dtype), the int8 head; not "0.50 GiB (fp32)"
     plan_line = next(line for line in err.splitlines() if "plan: " in line)
     held = next(line for line in err.splitlines() if "weights held on cpu: " in line)
     assert "fp32" not in plan_line and "q4 blocks" in held and "int8" in held
-    assert f"{_dense_copy_name()} copy (many-row steps)" in held
+    copy = _dense_copy_name()
+    assert (f"{copy} copy (many-row steps)" in held) if copy else "copy" not in held
 
 
-def _dense_copy_name() -> str:
-    """What the held-weights line calls the cpu backend's dense copy on this CPU (its tune table's dtype)."""
+def _dense_copy_name() -> str | None:
+    """What the held-weights line calls the cpu backend's dense copy on this CPU (its tune table's dtype); None
+    where the table keeps none beside the backend's own kernels (`dense_copy: false`)."""
+    from flagdeploy.backends.cpu import native
     from flagdeploy.backends.cpu import ops as cpu_ops
 
+    if native.available() and not cpu_ops.TUNE["linear_w4a16"]["dense_copy"]:
+        return None
     return {"bfloat16": "bf16", "float32": "fp32"}[cpu_ops.TUNE["weight_only_dense"]["dtype"]]
 
 
@@ -324,8 +329,8 @@ def test_a_context_that_does_not_fit_says_the_largest_concurrency_and_the_shorte
 
 def test_serve_reports_the_weights_the_backend_holds(default_model):
     """The default model as the cpu backend holds it (weight format auto): its GGUF's Q4_1 blocks (20 bytes
-    per 32 weights, however the backend packs them), a dense copy of every quantized linear for prompt steps
-    (bf16, or fp32 where the CPU has no bf16 matmuls), the head re-stored as int8 with a scale per row (float32
+    per 32 weights, however the backend packs them), where the tune table keeps one a dense copy of every quantized
+    linear for prompt steps (bf16 on a CPU with bf16 matmuls), the head re-stored as int8 with a scale per row (float32
     for the backend's own int8 kernel, bf16 for torch's; and its dense copy), the fp32 embedding and norms.
     The line adds up to those bytes, not to the checkpoint's dequantised 0.50 GiB."""
     from conftest import make_engine
@@ -341,10 +346,13 @@ def test_serve_reports_the_weights_the_backend_holds(default_model):
     assert held["q4 blocks"] == linear * 20 // 32
     own_int8 = "w8" in engine.model.lm_head.qweight.prepared
     assert held["int8"] == v * h + v * (4 if own_int8 else 2)
-    copy, copy_bytes = f"{_dense_copy_name()} copy", {"bf16": 2, "fp32": 4}[_dense_copy_name()]
-    assert held[copy] == pytest.approx((linear + v * h) * copy_bytes, rel=0.01)  # oneDNN's layout may pad
+    copies = {}
+    if _dense_copy_name():  # where the tune table keeps a dense copy (oneDNN's layout may pad it)
+        copies[f"{_dense_copy_name()} copy"] = (linear + v * h) * {"bf16": 2, "fp32": 4}[_dense_copy_name()]
+    for copy, size in copies.items():
+        assert held[copy] == pytest.approx(size, rel=0.01)
     assert held["fp32"] == (v * h + (2 * layers + 1) * h) * 4
-    assert set(held) == {"q4 blocks", "int8", copy, "fp32"}
+    assert set(held) == {"q4 blocks", "int8", "fp32", *copies}
     line = held_line(held, "cpu")
     assert line.startswith(f"weights held on cpu: {sum(held.values()) / GIB:.2f} GiB = ") and "q4 blocks 0.06" in line
 

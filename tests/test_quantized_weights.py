@@ -33,21 +33,27 @@ def test_q4_blocks_are_read_without_loss(default_model):
     torch.testing.assert_close(q, dense["model.layers.0.self_attn.q_proj.weight"], atol=1e-6, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def engines(default_model, llm_engine):
-    return llm_engine, make_engine(default_model, "auto")
-
-
-@pytest.mark.parametrize("prompt_through", ["dense copy", "few-row kernel"])
-def test_packed_model_stays_close_to_dense(engines, prompt_through, monkeypatch):
-    """A prompt's rows normally go through the dense copy of the 4-bit weights; forced through the few-row
-    kernel (decode's: the cpu backend's int4 x int8 one where it builds), the model stays as close."""
+@pytest.fixture(scope="module", params=["dense copy", "packed only"])
+def engines(request, default_model, llm_engine):
+    """The dense float32 engine, and the packed one with its prompts through a dense copy of the 4-bit weights
+    (tune.yaml's `dense_copy: true`, the AVX-512 BF16 table's) or through the packed kernels alone (`false`: the
+    table of any other CPU). The choice is made when the weights are prepared; the table goes back afterwards."""
     from flagdeploy.backends.cpu import ops as cpu_ops
 
-    if prompt_through == "few-row kernel":
-        monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "packed_max_m", 4096)
+    with pytest.MonkeyPatch.context() as mp:
+        for op in ("linear_w4a16", "linear_w8a16"):
+            mp.setitem(cpu_ops.TUNE[op], "dense_copy", request.param == "dense copy")
+        packed = make_engine(default_model, "auto")
+    own = [b for m in packed.model.modules() if getattr(m, "qweight", None) is not None
+           for b in [m.qweight.prepared] if "nib" in b or "w8" in b]  # the backend's own kernels' bundles
+    assert own and all(("dense" in b) == (request.param == "dense copy") for b in own)
+    return llm_engine, packed
+
+
+def test_packed_model_stays_close_to_dense(engines):
+    """Whichever kernel a prompt's rows take (the dense copy, or the few-row kernel of decode: the cpu backend's
+    int4 x int8 one where it builds), the packed model stays close to the dense one."""
     dense, packed = engines
-    assert any(lin.qweight is not None for lin in packed.model.modules() if hasattr(lin, "qweight"))
     tok = dense.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write two sentences about the ocean."}]))
     from test_llama_vs_transformers import _prefill_logits
@@ -69,7 +75,8 @@ def test_packed_model_answers(engines):
 
 def test_packed_prompt_computes_the_same_after_a_prefix_cache_hit(engines):
     """A cached prompt leaves only its last few tokens to compute, few enough rows for the packed int4
-    kernel; prompt tokens take the dense copy whatever their number, so the logprobs do not move."""
+    kernel; prompt tokens take the dense copy whatever their number, or (no dense copy kept) the packed kernel
+    whatever their number, so the logprobs do not move."""
     _, packed = engines
     tok = packed.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe, please."}]))

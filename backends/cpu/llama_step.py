@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
 
@@ -151,5 +152,7 @@ def _into_one_arena(model) -> None:
 
 
 def _packed_rows(lin) -> int:
-    """The most rows the eager step sends to this linear's packed kernels (`packed_max_m`)."""
-    return min(TUNE["linear_w4a16" if "nib" in p else "linear_w8a16"]["packed_max_m"] for p in _pieces(lin))
+    """The most rows the eager step sends to this linear's packed kernels: `packed_max_m`, or every count where the
+    pieces keep no dense copy (tune.yaml's `dense_copy`)."""
+    return min(TUNE["linear_w4a16" if "nib" in p else "linear_w8a16"]["packed_max_m"] if "dense" in p else sys.maxsize
+               for p in _pieces(lin))

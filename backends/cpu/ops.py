@@ -225,12 +225,19 @@ def _dense_mm(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return y.to(torch.bfloat16)
 
 
+def _copy_beside_own_kernel(op: str, w) -> dict:
+    """The dense copy kept beside the backend's own packed kernel's layout, unless the tune table says that
+    kernel takes every step, prompts too (`dense_copy: false`: on AVX2 it beat the float32 copy at every row count,
+    and the copy was 8x a 4-bit weight's bytes). Beside torch's kernels a copy is always kept."""
+    return {"dense": _dense_copy(w)} if TUNE[op]["dense_copy"] else {}
+
+
 def prepare_w4a16(w: Int4Weight):
     """The packed layout of the kernel that multiplies few rows (the backend's own int4 x int8 kernel where
-    it builds, else torch's int4 GEMV) and a dense copy for more rows."""
+    it builds, else torch's int4 GEMV) and, where the tune table keeps one, a dense copy for more rows."""
     if native.available() and native.fits(w):
         nib, dm = native.pack_q4(w)
-        return _keyed(stripped(w, nib=nib, dm=dm, dense=_dense_copy(w)))
+        return _keyed(stripped(w, nib=nib, dm=dm, **_copy_beside_own_kernel("linear_w4a16", w)))
     if w.in_features % w.group_size or w.out_features % 16:
         return w  # neither packed kernel's tiling fits: stay canonical, run the reference
     packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
@@ -251,7 +258,9 @@ def _w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     """Decode rows up to `packed_max_m` take the packed kernel; prompt tokens always the dense copy, so that
     a prompt computes the same however much of it a prefix-cache hit skipped (the two kernels round
     differently: a cached prompt's first token drifted 0.16 in logprob when its last few tokens took the
-    packed one)."""
+    packed one). A bundle without a dense copy takes the packed kernel for every row, which holds the same."""
+    if "dense" not in w.prepared:
+        return packed_w4a16(x, w)
     m = TUNE["linear_w4a16"]["packed_max_m"]
     if x.shape[0] <= m and not in_prefill_step():
         return packed_w4a16(x, w)
@@ -273,7 +282,7 @@ def prepare_w8a16(w: Int8Weight):
     Other group sizes, or groups without the kernel: the dense copy only."""
     if native.available() and native.fits_q8(w):
         w8, d = native.pack_q8(w)
-        return _keyed(stripped(w, w8=w8, d=d, dense=_dense_copy(w)))
+        return _keyed(stripped(w, w8=w8, d=d, **_copy_beside_own_kernel("linear_w8a16", w)))
     if w.group_size:
         return _keyed(stripped(w, dense=_dense_copy(w)))
     return _keyed(stripped(w, q=w.q, scales=w.scales.to(torch.bfloat16), dense=_dense_copy(w)))
@@ -290,6 +299,8 @@ def packed_w8a16(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
 
 def _w8a16(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     p = w.prepared
+    if "dense" not in p:  # the backend's own kernel takes every row (see _w4a16)
+        return packed_w8a16(x, w)
     m = TUNE["linear_w8a16"]["packed_max_m"]
     packed = "w8" in p or "q" in p
     if packed and x.shape[0] <= m:

@@ -1,7 +1,7 @@
 """`flagdeploy ops tune --chip cpu`: measure this CPU and return the shape buckets of tune.yaml.
 
-Each tunable is a crossover: which dtype the dense copy of a weight-only linear is in, and up to some row
-count the packed GEMV kernel beats that copy; up to some tokens x experts the dense all-experts MoE beats
+Each tunable is a crossover: which dtype the dense copy of a weight-only linear is in, whether one is worth
+keeping beside the backend's own packed kernels at all, and up to some row count the packed GEMV kernel beats it; up to some tokens x experts the dense all-experts MoE beats
 the per-expert loop; up to some cache slots read, torch's fused SDPA beats the backend's two batched
 matmuls for decode attention; from some output width (and up to some input width) a column-major dense
 weight beats the row-major one; and whether a compiled step should freeze its weights for oneDNN's
@@ -24,6 +24,7 @@ from flagdeploy.ops.weights import Int4Weight, Int8Weight
 from . import native, ops
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+PROMPT_ROWS = (128, 512)  # where a dense copy could still pay (`_dense_copy_wins`)
 LINEAR_SHAPES = ((960, 576), (3072, 576), (576, 1536))
 WIDTHS = (16, 32, 64, 128, 256, 512, 1024, 4096)  # weight widths tried for the dense weights' layout
 
@@ -75,6 +76,23 @@ def _linear_crossover(op: str, dense_dtype: str) -> int:
     return last
 
 
+def _dense_copy_wins(op: str, dense_dtype: str) -> bool:
+    """Whether a dense copy in `dense_dtype` is worth keeping beside the backend's own packed kernel: it multiplies a
+    prompt's 128 or 512 rows faster, over one layer's shapes. Where that kernel does not build, torch's keeps one."""
+    if not native.available():
+        return True
+    make, prepare, packed = _LINEARS[op]
+    g = torch.Generator().manual_seed(0)
+    with _dense_copies(dense_dtype):
+        ws = [prepare(make(torch.randn(n, k, generator=g) * 0.02)) for n, k in LINEAR_SHAPES]
+    for m in PROMPT_ROWS:
+        xs = [torch.randn(m, k).to(torch.bfloat16) for _, k in LINEAR_SHAPES]
+        if _best(lambda: [ops._dense_mm(x, w.prepared["dense"]) for x, w in zip(xs, ws)]) < \
+                _best(lambda: [packed(x, w) for x, w in zip(xs, ws)]):
+            return True
+    return False
+
+
 def _amx_min_rows(kernels=None) -> int | None:
     """The least row count from which q4_linear's AMX path beats its VNNI path by 5% at each count tried up to
     the packed kernel's 16 (None: from none), over one layer's shapes. Both paths give the same bits, so only
@@ -99,13 +117,18 @@ def _amx_min_rows(kernels=None) -> int | None:
 
 @contextlib.contextmanager
 def _dense_copies(dtype: str):
-    """`prepare_*` makes its dense copies in `dtype` meanwhile."""
-    table = ops.TUNE["weight_only_dense"]
-    before, table["dtype"] = table["dtype"], dtype
+    """`prepare_*` makes dense copies, in `dtype`, meanwhile."""
+    tables = (ops.TUNE["weight_only_dense"], ops.TUNE["linear_w4a16"], ops.TUNE["linear_w8a16"])
+    before = [dict(t) for t in tables]
+    tables[0]["dtype"] = dtype
+    for t in tables[1:]:
+        t["dense_copy"] = True
     try:
         yield
     finally:
-        table["dtype"] = before
+        for t, b in zip(tables, before):
+            t.clear()
+            t.update(b)
 
 
 def _column_major_wins(n: int, k: int, g: torch.Generator, rows=(1, 4, 8), dtype=torch.float32) -> bool:
@@ -225,10 +248,12 @@ def measure() -> dict:
     return {"linear": _layout_crossovers(),
             "weight_only_dense": {"dtype": dense},
             "linear_w4a16": {"packed_max_m": _linear_crossover("linear_w4a16", dense),
+                             "dense_copy": _dense_copy_wins("linear_w4a16", dense),
                              # where the kernels were built with the AMX path (FLAGDEPLOY_CPU_ISA=amx)
                              **({"amx_min_rows": _amx_min_rows()}
                                 if native.available() and torch.ops.flagdeploy_cpu.q4_amx_min_rows(0) else {})},
-            "linear_w8a16": {"packed_max_m": _linear_crossover("linear_w8a16", dense)},
+            "linear_w8a16": {"packed_max_m": _linear_crossover("linear_w8a16", dense),
+                             "dense_copy": _dense_copy_wins("linear_w8a16", dense)},
             "moe_experts": {"dense_max_token_experts": _moe_crossover(), "column_major_gate_up": _column_major_gate_up()},
             # float32 caches stay on SDPA by choice, not measurement: the dense float32 mode is batch-invariant
             "paged_attention_decode": {"native_max_keys": _native_attention_max_keys(),
