@@ -600,6 +600,37 @@ def test_cpu_dense_copy_in_either_dtype_computes_the_reference(dtype, monkeypatc
         torch.testing.assert_close(got.double(), OPS[op].reference(x.double(), w), atol=tol.atol, rtol=tol.rtol)
 
 
+def test_cpu_without_a_dense_copy_every_row_takes_the_packed_kernel(monkeypatch):
+    """Where the tune table keeps no dense copy beside the backend's own kernels (`dense_copy: false`, a CPU without
+    bf16 matmuls), none is made, and a prompt's many rows take the packed kernel: each row as it computes alone, bit
+    for bit, so a prompt computes the same however much of it a prefix-cache hit skipped. `ops tune`'s measurement
+    makes copies meanwhile and puts the table back."""
+    from flagdeploy.backends.cpu import native, tune
+    from flagdeploy.backends.cpu import ops as cpu_ops
+
+    if not native.available():
+        pytest.skip("the cpu backend's own kernels are not built here")
+    for op in ("linear_w4a16", "linear_w8a16"):
+        monkeypatch.setitem(cpu_ops.TUNE[op], "dense_copy", False)
+        monkeypatch.setitem(cpu_ops.TUNE[op], "packed_max_m", 4)
+    be = ops.get_backend("cpu")
+    g = torch.Generator().manual_seed(5)
+    w4 = Int4Weight(torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8),
+                    torch.rand(48, 2, generator=g) * 0.02 + 1e-3, torch.randn(48, 2, generator=g) * 0.02, 32, 48, 64)
+    w8 = Int8Weight.quantize(torch.randn(48, 64, generator=g) * 0.02)
+    x = torch.randn(70, 64, generator=g).to(torch.bfloat16)
+    for op, w in (("linear_w4a16", w4), ("linear_w8a16", w8)):
+        prepared = be.prepare[op](w)
+        assert "dense" not in prepared.prepared
+        with ops.prefill_step():
+            got = be.overrides[op](x, prepared)
+        alone = torch.cat([be.overrides[op](row[None], prepared) for row in x])
+        assert torch.equal(got, alone), op
+        with tune._dense_copies("float32"):
+            assert "dense" in be.prepare[op](w).prepared
+        assert (cpu_ops.TUNE[op]["packed_max_m"], cpu_ops.TUNE[op]["dense_copy"]) == (4, False)
+
+
 def test_cpu_tune_table_is_chosen_by_the_cpus_flags(tmp_path):
     """tune.yaml holds one table per kind of CPU; the first whose flags this CPU has applies, the shipped
     file ends with one for any CPU, and every table has the same keys (the backend reads them all)."""
