@@ -588,6 +588,11 @@ def ops_tune(chip, output) -> None:
 
     import yaml
 
+    from flagdeploy.cpu_threads import sleep_idle_openmp
+
+    # before torch loads, as serve does: on many cores OpenMP's threads left spinning after a dense matmul slowed the
+    # packed kernel measured next up to 14x (a 16-core Xeon), and serve runs them asleep
+    sleep_idle_openmp()
     from flagdeploy import ops as fops
 
     try:
