@@ -1,10 +1,10 @@
 """`flagdeploy ops tune --chip cpu`: measure this CPU and return the shape buckets of tune.yaml.
 
 Each tunable is a crossover: which dtype the dense copy of a weight-only linear is in, whether one is worth
-keeping beside the backend's own packed kernels at all, and up to some row count the packed GEMV kernel beats it; up to some tokens x experts the dense all-experts MoE beats
-the per-expert loop; up to some cache slots read, torch's fused SDPA beats the backend's two batched
-matmuls for decode attention; from some output width (and up to some input width) a column-major dense
-weight beats the row-major one; and whether a compiled step should freeze its weights for oneDNN's
+keeping beside the backend's own packed kernels at all, and up to some row count the packed GEMV kernel beats it;
+up to some tokens x experts the dense all-experts MoE beats the per-expert loop; up to some cache slots read,
+torch's fused SDPA beats the backend's two batched matmuls for decode attention; from some output width (and up to
+some input width) a column-major dense weight beats the row-major one; and whether a compiled step should freeze its weights for oneDNN's
 laid-out matmuls (and autotune them). They are measured at SmolLM2-135M's linear shapes and a small MoE's,
 and returned as data for `ops tune` to write, as one table of tune.yaml's `machines`.
 """
