@@ -36,8 +36,8 @@ def test_q4_blocks_are_read_without_loss(default_model):
 @pytest.fixture(scope="module", params=["dense copy", "packed only"])
 def engines(request, default_model, llm_engine):
     """The dense float32 engine, and the packed one with its prompts through a dense copy of the 4-bit weights
-    (tune.yaml's `dense_copy: true`, the AVX-512 BF16 table's) or through the packed kernels alone (`false`: the
-    table of any other CPU). The choice is made when the weights are prepared; the table goes back afterwards."""
+    (tune.yaml's `dense_copy: true`, the AVX-512 tables') or through the packed kernels alone (`false`: the AVX2
+    table). The choice is made when the weights are prepared; the table goes back afterwards."""
     from flagdeploy.backends.cpu import ops as cpu_ops
 
     with pytest.MonkeyPatch.context() as mp:
