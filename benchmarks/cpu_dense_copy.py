@@ -13,7 +13,6 @@ AVX2 CPU gets, on an AVX-512 one (the header says which).
 from __future__ import annotations
 
 import argparse
-import time
 
 from flagdeploy.cpu_threads import sleep_idle_openmp
 
@@ -24,20 +23,11 @@ import torch  # noqa: E402
 from cpu_vs_llama_server import cpu_name  # noqa: E402 (this script runs from benchmarks/)
 
 from flagdeploy.backends.cpu import native, ops, tune  # noqa: E402
+from flagdeploy.ops.check import fastest  # noqa: E402
 from flagdeploy.ops.weights import Int8Weight  # noqa: E402
 
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: (out, in)
 HEAD = (49152, 576)
-
-
-def best(fn, rounds: int) -> float:
-    fn()
-    took = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        took = min(took, time.perf_counter() - t)
-    return took * 1000
 
 
 def main() -> None:
@@ -70,7 +60,7 @@ def main() -> None:
         took = {name: float("inf") for name in forms}
         for r in range(args.rounds):  # the forms alternate, each round in another order
             for name in (list(forms) if r % 2 == 0 else list(reversed(forms))):
-                took[name] = min(took[name], best(forms[name], 1))
+                took[name] = min(took[name], fastest(forms[name], repeats=1) * 1000)
         print(f"{m:6d} {took['layer packed']:22.2f} {took['layer dense']:9.2f} "
               f"{took['layer dense'] / took['layer packed']:12.2f}x {took['head packed']:20.2f} "
               f"{took['head dense']:9.2f} {took['head dense'] / took['head packed']:12.2f}x")

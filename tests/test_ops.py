@@ -575,6 +575,15 @@ def test_cpu_argmax_and_swiglu_kernels_answer_as_torch():
     assert native.gates(gate_up) and native.argmaxes(logits)
 
 
+def _weight_only_pair(seed: int, rows: int) -> tuple[Int4Weight, Int8Weight, torch.Tensor]:
+    """A small int4 weight (groups of 32) and an int8 one, both 48 x 64, and `rows` bf16 activations."""
+    g = torch.Generator().manual_seed(seed)
+    w4 = Int4Weight(torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8),
+                    torch.rand(48, 2, generator=g) * 0.02 + 1e-3, torch.randn(48, 2, generator=g) * 0.02, 32, 48, 64)
+    w8 = Int8Weight.quantize(torch.randn(48, 64, generator=g) * 0.02)
+    return w4, w8, torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_dense_copy_in_either_dtype_computes_the_reference(dtype, monkeypatch):
     """Past `packed_max_m` rows and for prompt rows a weight-only linear multiplies its dense copy, in the
@@ -587,11 +596,7 @@ def test_cpu_dense_copy_in_either_dtype_computes_the_reference(dtype, monkeypatc
         monkeypatch.setitem(cpu_ops.TUNE[op], "packed_max_m", 0)
         monkeypatch.setitem(cpu_ops.TUNE[op], "dense_copy", True)
     be = ops.get_backend("cpu")
-    g = torch.Generator().manual_seed(3)
-    w4 = Int4Weight(torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8),
-                    torch.rand(48, 2, generator=g) * 0.02 + 1e-3, torch.randn(48, 2, generator=g) * 0.02, 32, 48, 64)
-    w8 = Int8Weight.quantize(torch.randn(48, 64, generator=g) * 0.02)
-    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    w4, w8, x = _weight_only_pair(3, 5)
     for op, w in (("linear_w4a16", w4), ("linear_w8a16", w8)):
         prepared = be.prepare[op](w)
         got = be.overrides[op](x, prepared)
@@ -614,11 +619,7 @@ def test_cpu_without_a_dense_copy_every_row_takes_the_packed_kernel(monkeypatch)
         monkeypatch.setitem(cpu_ops.TUNE[op], "dense_copy", False)
         monkeypatch.setitem(cpu_ops.TUNE[op], "packed_max_m", 4)
     be = ops.get_backend("cpu")
-    g = torch.Generator().manual_seed(5)
-    w4 = Int4Weight(torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8),
-                    torch.rand(48, 2, generator=g) * 0.02 + 1e-3, torch.randn(48, 2, generator=g) * 0.02, 32, 48, 64)
-    w8 = Int8Weight.quantize(torch.randn(48, 64, generator=g) * 0.02)
-    x = torch.randn(70, 64, generator=g).to(torch.bfloat16)
+    w4, w8, x = _weight_only_pair(5, 70)
     for op, w in (("linear_w4a16", w4), ("linear_w8a16", w8)):
         prepared = be.prepare[op](w)
         assert "dense" not in prepared.prepared

@@ -346,9 +346,9 @@ def test_serve_reports_the_weights_the_backend_holds(default_model):
     assert held["q4 blocks"] == linear * 20 // 32
     own_int8 = "w8" in engine.model.lm_head.qweight.prepared
     assert held["int8"] == v * h + v * (4 if own_int8 else 2)
-    copies = {}
-    if _dense_copy_name():  # where the tune table keeps a dense copy (oneDNN's layout may pad it)
-        copies[f"{_dense_copy_name()} copy"] = (linear + v * h) * {"bf16": 2, "fp32": 4}[_dense_copy_name()]
+    name, copies = _dense_copy_name(), {}
+    if name:  # where the tune table keeps a dense copy (oneDNN's layout may pad it)
+        copies[f"{name} copy"] = (linear + v * h) * {"bf16": 2, "fp32": 4}[name]
     for copy, size in copies.items():
         assert held[copy] == pytest.approx(size, rel=0.01)
     assert held["fp32"] == (v * h + (2 * layers + 1) * h) * 4

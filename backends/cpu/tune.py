@@ -4,9 +4,9 @@ Each tunable is a crossover: which dtype the dense copy of a weight-only linear 
 keeping beside the backend's own packed kernels at all, and up to some row count the packed GEMV kernel beats it;
 up to some tokens x experts the dense all-experts MoE beats the per-expert loop; up to some cache slots read,
 torch's fused SDPA beats the backend's two batched matmuls for decode attention; from some output width (and up to
-some input width) a column-major dense weight beats the row-major one; and whether a compiled step should freeze its weights for oneDNN's
-laid-out matmuls (and autotune them). They are measured at SmolLM2-135M's linear shapes and a small MoE's,
-and returned as data for `ops tune` to write, as one table of tune.yaml's `machines`.
+some input width) a column-major dense weight beats the row-major one; and whether a compiled step should freeze its
+weights for oneDNN's laid-out matmuls (and autotune them). They are measured at SmolLM2-135M's linear shapes and a
+small MoE's, and returned as data for `ops tune` to write, as one table of tune.yaml's `machines`.
 """
 
 from __future__ import annotations
@@ -59,38 +59,31 @@ def _dense_dtype() -> str:
     return "bfloat16" if took[torch.bfloat16] < took[torch.float32] else "float32"
 
 
-def _linear_crossover(op: str, dense_dtype: str) -> int:
-    """The largest row count up to which the packed kernel is still faster than the dense copy in
-    `dense_dtype`, over one layer's shapes."""
+def _packed_and_dense(op: str, dense_dtype: str, rows: tuple[int, ...]):
+    """(rows, packed kernel's seconds, dense copy's seconds in `dense_dtype`) for each count of `rows` in turn, over
+    one layer's shapes."""
     make, prepare, packed = _LINEARS[op]
     g = torch.Generator().manual_seed(0)
     with _dense_copies(dense_dtype):
         ws = [prepare(make(torch.randn(n, k, generator=g) * 0.02)) for n, k in LINEAR_SHAPES]
-    last = 0
-    for m in ROWS:
+    for m in rows:
         xs = [torch.randn(m, k).to(torch.bfloat16) for _, k in LINEAR_SHAPES]
         t_packed = _best(lambda: [packed(x, w) for x, w in zip(xs, ws)])
-        t_dense = _best(lambda: [ops._dense_mm(x, w.prepared["dense"]) for x, w in zip(xs, ws)])
-        if t_packed <= t_dense:
-            last = m
-    return last
+        yield m, t_packed, _best(lambda: [ops._dense_mm(x, w.prepared["dense"]) for x, w in zip(xs, ws)])
+
+
+def _linear_crossover(op: str, dense_dtype: str) -> int:
+    """The largest row count up to which the packed kernel is still faster than the dense copy in
+    `dense_dtype`, over one layer's shapes."""
+    return max((m for m, t_packed, t_dense in _packed_and_dense(op, dense_dtype, ROWS) if t_packed <= t_dense),
+               default=0)
 
 
 def _dense_copy_wins(op: str, dense_dtype: str) -> bool:
     """Whether a dense copy in `dense_dtype` is worth keeping beside the backend's own packed kernel: it multiplies a
     prompt's 128 or 512 rows faster, over one layer's shapes. Where that kernel does not build, torch's keeps one."""
-    if not native.available():
-        return True
-    make, prepare, packed = _LINEARS[op]
-    g = torch.Generator().manual_seed(0)
-    with _dense_copies(dense_dtype):
-        ws = [prepare(make(torch.randn(n, k, generator=g) * 0.02)) for n, k in LINEAR_SHAPES]
-    for m in PROMPT_ROWS:
-        xs = [torch.randn(m, k).to(torch.bfloat16) for _, k in LINEAR_SHAPES]
-        if _best(lambda: [ops._dense_mm(x, w.prepared["dense"]) for x, w in zip(xs, ws)]) < \
-                _best(lambda: [packed(x, w) for x, w in zip(xs, ws)]):
-            return True
-    return False
+    return not native.available() or any(t_dense < t_packed for _, t_packed, t_dense
+                                         in _packed_and_dense(op, dense_dtype, PROMPT_ROWS))
 
 
 def _amx_min_rows(kernels=None) -> int | None:
