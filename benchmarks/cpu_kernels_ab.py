@@ -72,13 +72,21 @@ def main() -> None:
     for r in args.rows:
         st = verify_step(r, 256, runner.block_size, cfg.vocab_size)
         inputs[r] = {
-            "step": (*llama_step.step_inputs(st.ids, st.positions, st.slots, st.tables, st.ctx_lens), True),
+            "step": llama_step.step_inputs(st.ids, st.positions, st.slots, st.tables, st.ctx_lens),
             "x": {p["nib"].shape[1] * 32: torch.randn(r, p["nib"].shape[1] * 32, generator=g).bfloat16() for p in packed},
             "q": torch.randn(r, layer.heads, cfg.head_dim, generator=g).bfloat16(),
             "attn": (table.expand(r, -1).contiguous(), torch.arange(257 - r, 257)),
         }
+    every_row = torch.empty(0, dtype=torch.int64)  # the rows whose logits step returns: all (from 497f4ee on)
+    calls = {}
+    for k, step in steps.items():  # a ref before 497f4ee: step(rows, tables, head)
+        try:
+            step.step(*inputs[args.rows[0]]["step"], True, every_row)
+            calls[k] = lambda st, step=step: step.step(*st, True, every_row)
+        except RuntimeError:
+            calls[k] = lambda st, step=step: step.step(*st, True)
     kinds = {
-        "step": lambda k, r: steps[k].step(*inputs[r]["step"]),
+        "step": lambda k, r: calls[k](inputs[r]["step"]),
         "120 4-bit linears": lambda k, r: [ops[k].q4_linear(inputs[r]["x"][p["nib"].shape[1] * 32], p["nib"], p["dm"])
                                            for p in packed],
         "attention x 30": lambda k, r: [ops[k].paged_decode_attention(inputs[r]["q"], kc, vc, *inputs[r]["attn"], 0.125)

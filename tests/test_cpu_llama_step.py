@@ -34,11 +34,12 @@ def _checking(runner) -> list[int]:
     served, step = [], runner.native
     run = step.run
 
-    def both(ids, positions, slots, tables, ctx, verify=False):
-        got = run(ids, positions, slots, tables, ctx, verify=verify)
-        # the same k/v rewritten to the same slots; a verify step in the eager step's verify mode
+    def both(ids, positions, slots, tables, ctx, verify=False, logits_rows=None):
+        got = run(ids, positions, slots, tables, ctx, verify=verify, logits_rows=logits_rows)
+        # the same k/v rewritten to the same slots; a verify step (or a prompt's rows) in the eager step's verify mode
         with torch.inference_mode(), ops.verify_step() if verify else contextlib.nullcontext():
             eager = runner._decode(DecodeInputs.build(ids, positions, slots, tables, ctx, None, "cpu"))
+        eager = eager if logits_rows is None else eager[logits_rows]
         assert torch.equal(got, eager), f"{len(ids)} rows: the C++ step's logits differ from the eager step's"
         served.append(len(ids))
         return got
@@ -60,7 +61,9 @@ def test_the_default_model_decodes_bit_for_bit_as_the_eager_step_and_compiles_no
     batched = engine.generate(prompts + [prompts[0]], greedy)  # the repeat hits the prefix cache
     alone = engine.generate([prompts[1]], greedy)
     assert batched[1] == alone[0] and batched[0] == batched[3]
-    assert 1 in served and max(served) == 4 and len(served) >= 20
+    assert 1 in served and 4 in served and len(served) >= 20
+    # the prompts ran there too, as rows (the AVX2 table keeps no dense copy: backends/cpu/tune.yaml prompt_max_keys)
+    assert served[0] == sum(map(len, prompts)) + len(prompts[0]) or runner.native.prompt_max_keys == 0
 
 
 def test_speculative_verify_steps_run_in_the_cpp_step_and_keep_greedy_output_exact(default_model):
@@ -141,3 +144,48 @@ def test_biases_an_int8_head_and_the_eager_steps_row_limit(qwen2_dir, monkeypatc
 def test_a_dense_model_keeps_the_eager_step(llm_engine):
     """float32 weights (`--weight-format dense`, transformers' numbers) never take the C++ step."""
     assert llm_engine.runner.native is None
+
+
+@pytest.fixture
+def prompt_rows(monkeypatch):
+    """The AVX2 table's choices whatever this CPU is: no dense copies beside the packed kernels, and prompts of
+    up to 1024 tokens as decode rows (tune.yaml `prompt_max_keys`)."""
+    from flagdeploy.backends.cpu import ops as cpu_ops
+
+    for op in ("linear_w4a16", "linear_w8a16"):
+        monkeypatch.setitem(cpu_ops.TUNE[op], "dense_copy", False)
+    monkeypatch.setitem(cpu_ops.TUNE["paged_attention_decode"], "prompt_max_keys", 1024)
+
+
+def test_a_prompt_runs_as_rows_and_computes_the_same_whole_chunked_or_cached(default_model, prompt_rows):
+    """A prompt's tokens as decode rows in the C++ step, each row bit for bit the eager step's: its first tokens'
+    logprobs the same when the prompt arrives whole, in chunks of 16 (a step's token budget shared with others
+    decides where a chunk ends) and after a prefix-cache hit leaves its last few tokens; a prompt longer than
+    `prompt_max_keys` is an eager prefill, as before."""
+    tok_ids = None
+    got = []
+    for budget in (256, 16):
+        engine = make_engine(default_model, "auto", max_num_batched_tokens=budget, max_num_seqs=4)
+        assert engine.runner.native.prompt_max_keys == 1024
+        served = _checking(engine.runner)
+        tok = engine.tokenizer
+        tok_ids = tok_ids or tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}]))
+        params = SamplingParams(max_tokens=3, temperature=0, logprobs=0, ignore_eos=True)
+        for rid in ("cold", "cached"):
+            engine.add_request(rid, tok_ids, params)
+            lps = []
+            while rid in engine.requests:
+                lps += [lp.logprob for out in engine.step() if out.request_id == rid for lp in out.logprobs or []]
+            got.append(lps)
+        n, bs = len(tok_ids), engine.runner.block_size
+        cold = [min(budget, n - i) for i in range(0, n, budget)]
+        assert [m for m in served if m > 1] == cold + [n - (n - 1) // bs * bs]  # then the cached prompt's tail
+    assert len(got[0]) == 3 and all(g == got[0] for g in got), got
+    # prompt logprobs (`echo`, one scoring pass) take the same rows: the first token's logprob exactly as generated
+    first = engine.generate([tok_ids], SamplingParams(max_tokens=1, temperature=0))[0]
+    scored = engine._prompt_logprobs(tok_ids + first, 0)[-1]
+    assert scored.logprob == got[0][0]
+    engine.runner.native.prompt_max_keys = len(tok_ids) - 1  # now too long: the eager prefill's step
+    served.clear()
+    engine.generate([[7] + tok_ids[1:]], SamplingParams(max_tokens=2, temperature=0))
+    assert served == [1]

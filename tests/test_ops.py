@@ -320,6 +320,27 @@ def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtyp
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_cpu_native_decode_attention_prompt_rows_are_each_as_alone(dtype, build, kernel_builds):
+    """A prompt's rows as decode rows (backends/cpu/llama_step.py `takes_prompt`): one sequence at lengths 1 to 70,
+    read together, each key scored only for the rows that read it and each row's values summed over its own keys:
+    every row bitwise what it computes alone, and the reference's values."""
+    kernels = _build(kernel_builds, build)
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(8, 16, 3, 64, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(70, 9, 64, generator=g).to(dtype)
+    tables = torch.tensor([[3, 1, 6, 2, 7]]).expand(70, -1).contiguous()
+    lens = torch.arange(1, 71)
+    batched = kernels.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    want = OPS["paged_attention_decode"].reference(q.double(), k.double(), v.double(), tables, lens, 0.125)
+    torch.testing.assert_close(batched.double(), want, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    for r in range(70):
+        w = -(-(r + 1) // 16)
+        alone = kernels.paged_decode_attention(q[r:r + 1], k, v, tables[r:r + 1, :w], lens[r:r + 1], 0.125)
+        assert torch.equal(alone, batched[r:r + 1]), r
+
+
 @pytest.mark.parametrize("group", [8, 16, 32])
 @pytest.mark.parametrize("rows", [1, 9], ids=lambda m: f"m{m}")
 def test_cpu_groupwise_w8a16_matches_reference(rows, group):

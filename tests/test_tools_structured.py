@@ -205,8 +205,9 @@ def test_echo_logprobs_score_the_prompt_like_decoding(client):
     n_prompt = scored.usage.prompt_tokens
     assert len(lp.tokens) == n_prompt + 1
     assert lp.tokens[n_prompt - 1] == token
-    # The packed 4-bit CPU kernels take different paths for one row and for several (int8 activations
-    # in the batched one), so the two agree to a few 1e-3, not bit for bit.
+    # Where the prompt is computed as decode rows (the CPU's AVX2 table: backends/cpu/tune.yaml prompt_max_keys), so
+    # is the scoring pass, and the two agree bit for bit; where a prefill computes it, the scoring pass's prefill
+    # has one more row, and the two agree to a few 1e-3.
     assert math.isclose(lp.token_logprobs[n_prompt - 1], logprob, abs_tol=1e-2)
     assert all(v <= 0 for v in lp.token_logprobs[1:])
 

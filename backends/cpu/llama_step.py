@@ -9,7 +9,8 @@ It is built only where the eager step would run exactly those kernels: one proce
 every linear and the head laid out for the backend's int4 or int8 kernel, a 16-bit KV cache those kernels
 feed, and float norms of the residual stream's dtype. A step is served by it when its rows are few enough for
 the packed kernels (`packed_max_m`) and its block tables short enough for the native attention kernel
-(`native_max_keys`), the eager step's own thresholds; other steps run eagerly.
+(`native_max_keys`), the eager step's own thresholds; other steps run eagerly. Where no linear keeps a dense copy,
+a prompt of up to `prompt_max_keys` tokens is such a step too, its tokens decode rows (`takes_prompt`).
 """
 
 from __future__ import annotations
@@ -29,28 +30,46 @@ log = logging.getLogger(__name__)
 
 
 class LlamaStep:
-    def __init__(self, step, model, max_rows: int, head_rows: int, max_keys: int, block_size: int):
+    def __init__(self, step, model, max_rows: int, head_rows: int, max_keys: int, block_size: int,
+                 prompt_max_keys: int = 0):
         """max_rows / head_rows: the most rows the layers' / the head's packed kernels take; max_keys: the
-        most cache slots a row's table may span for the native attention kernel."""
+        most cache slots a row's table may span for the native attention kernel; prompt_max_keys: see
+        `takes_prompt`."""
         self._step, self.max_rows, self.max_keys, self.block_size = step, max_rows, max_keys, block_size
         self._head, self._head_rows, self._vocab = model.lm_head, head_rows, model.cfg.vocab_size
+        self.prompt_max_keys = prompt_max_keys
 
     def serves(self, rows: int, width: int) -> bool:
         """Whether a decode step of `rows` rows (sequences, or a verify step's tokens) with block tables `width`
         wide runs here."""
         return rows <= self.max_rows and width * self.block_size <= self.max_keys
 
+    def takes_prompt(self, tokens: int) -> bool:
+        """Whether the prompt tokens of a sequence of `tokens` tokens run as decode rows (each over its own keys
+        in the cache, as a verify step's rows do) rather than as a prefill. Where every linear and the head keep
+        no dense copy, a prompt's rows take the packed kernels anyway, and attention is the last thing telling
+        them from decode rows: as rows, a prompt computes the same whether it arrives whole, in chunks or after
+        a prefix-cache hit, and a short prompt or a cached prompt's last few tokens run here instead of as an
+        eager prefill of ~300 kernel calls from Python (a 134-token prompt of which 128 were cached: 30 ms to
+        its first token, against 5 ms a decode row). Up to `prompt_max_keys` tokens (tune.yaml): past them the
+        native kernel's rows, each over its own keys, cost more than torch's fused causal attention."""
+        return tokens <= self.prompt_max_keys
+
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            ctx: list[int], verify: bool = False) -> torch.Tensor:
-        """Logits [n, vocab] (float32) of n decoding rows, their new k/v written to the caches. A speculative
-        verify step's rows (a sequence's last token and its drafts, each with its own context length) keep the
-        head's packed kernel at any row count, as the eager step's verify mode does: the kernel is row-invariant,
-        so each row's logits are a plain decode row's, bit for bit."""
+            ctx: list[int], verify: bool = False, logits_rows: list[int] | None = None) -> torch.Tensor:
+        """Logits [len(logits_rows), vocab] (float32; None: every row) of n decoding rows, their new k/v written
+        to the caches. A speculative verify step's rows (a sequence's last token and its drafts, each with its own
+        context length) keep the head's packed kernel at any row count, as the eager step's verify mode does: the
+        kernel is row-invariant, so each row's logits are a plain decode row's, bit for bit."""
         rows, padded = step_inputs(ids, positions, slots, tables, ctx)
-        if len(ids) <= self._head_rows or verify:
-            return self._step.step(rows, padded, True)
+        out = torch.tensor([] if logits_rows is None else logits_rows, dtype=torch.int64)
+        if logits_rows == []:  # a prompt's chunk short of its end: its k/v only
+            self._step.step(rows, padded, False, out)
+            return torch.empty(0, self._vocab)
+        if (len(ids) if logits_rows is None else len(logits_rows)) <= self._head_rows or verify:
+            return self._step.step(rows, padded, True, out)
         # the head's dense copy, as the eager step calls it
-        return self._head(self._step.step(rows, padded, False))[..., : self._vocab].float()
+        return self._head(self._step.step(rows, padded, False, out))[..., : self._vocab].float()
 
 
 def step_inputs(ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
@@ -140,8 +159,11 @@ def build(model, kv_caches: list, block_size: int) -> LlamaStep | None:
     cfg, layer = model.cfg, model.layers[0]
     max_rows = min(_packed_rows(m) for x in model.layers for m in _linears(x))
     step = torch.classes.flagdeploy_cpu.LlamaStep(_tensors(model, kv_caches), dims(model), cfg.rms_norm_eps, layer.scale)
-    return LlamaStep(step, model, max_rows, _packed_rows(model.lm_head),
-                     TUNE["paged_attention_decode"]["native_max_keys"], block_size)
+    head_rows = _packed_rows(model.lm_head)
+    attention = TUNE["paged_attention_decode"]
+    no_copies = max_rows == head_rows == sys.maxsize  # prompt rows take the packed kernels too (takes_prompt)
+    return LlamaStep(step, model, max_rows, head_rows, attention["native_max_keys"], block_size,
+                     min(attention.get("prompt_max_keys", 0), attention["native_max_keys"]) if no_copies else 0)
 
 
 def _into_one_arena(model) -> None:

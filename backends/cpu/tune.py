@@ -250,7 +250,9 @@ def measure() -> dict:
             "moe_experts": {"dense_max_token_experts": _moe_crossover(), "column_major_gate_up": _column_major_gate_up()},
             # float32 caches stay on SDPA by choice, not measurement: the dense float32 mode is batch-invariant
             "paged_attention_decode": {"native_max_keys": _native_attention_max_keys(),
-                                       "sdpa_max_keys": _attention_crossover(), "matmul_dtypes": ["bfloat16", "float16"]},
+                                       "sdpa_max_keys": _attention_crossover(), "matmul_dtypes": ["bfloat16", "float16"],
+                                       # measured with a model (benchmarks/cpu_prompt_rows.py), not here: kept
+                                       "prompt_max_keys": ops.TUNE["paged_attention_decode"].get("prompt_max_keys", 0)},
             "compile": _compile_settings(torch.backends.mkldnn.is_available() and _freezing_wins())}
 
 

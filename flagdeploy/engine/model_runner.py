@@ -159,12 +159,30 @@ class PagedRunner(_Runner):
         self.native = native(model, self.kv_caches, block_size) if native is not None and not graphs else None
         self.encoder = _encoder_cache(model, device)
 
-    def _decode(self, d: DecodeInputs) -> torch.Tensor:
-        """The pure-decode step on `DecodeInputs` (what the CUDA graphs capture and torch.compile traces)."""
+    def _decode(self, d: DecodeInputs, kv_caches: list | None = None) -> torch.Tensor:
+        """The pure-decode step on `DecodeInputs` (what the CUDA graphs capture and torch.compile traces), over the
+        runner's caches or `kv_caches`."""
         meta = AttentionMetadata(positions=d.positions, slot_mapping=d.slots, num_prefill_tokens=0, cu_seqlens_q=None,
                                  cu_seqlens_k=None, prefill_kv_slots=None, block_tables=d.tables, context_lens=d.ctx,
                                  logits_indices=d.rows)
-        return self.model.forward_step(d.ids, meta, self.kv_caches)
+        return self.model.forward_step(d.ids, meta, self.kv_caches if kv_caches is None else kv_caches)
+
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one sequence (prompt logprobs), outside the engine's caches. Where the
+        backend's decode step takes a prompt of this length as rows (`plan`), the scoring pass does too, over a
+        scratch cache laid out as the engine's: each position's logits are then, bit for bit, what the engine
+        computes for that prefix's last row, so a prompt logprob equals the logprob its token got when generated."""
+        n = len(ids)
+        if self.native is None or not self.native.takes_prompt(n):
+            return super().score(ids)
+        bs, blocks = self.block_size, -(-n // self.block_size)
+        caches = [[_zeroed(s, self.model.kv_cache_dtype, self.device) for s in self.model.kv_cache_shape(blocks + 1, bs)]
+                  for _ in range(self.model.cfg.num_layers)]  # block 0 the padding block, as in the engine's
+        table = list(range(1, blocks + 1))
+        rows = DecodeInputs.build(ids, list(range(n)), [self._slot(table, p) for p in range(n)], [table] * n,
+                                  list(range(1, n + 1)), None, self.device)
+        with torch.inference_mode(), ops.verify_step():
+            return self._decode(rows, caches)
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
@@ -201,10 +219,14 @@ class PagedRunner(_Runner):
         A sequence with drafts (speculative verify) becomes 1 + k decode rows over its block table, row j at
         position p + j with context length p + j + 1: every layer writes all rows' k/v into the cache before
         attention reads it, so each row sees exactly the keys a plain decode of that token would, and is
-        computed by the same code (no prefill path). All its rows are logits rows."""
+        computed by the same code (no prefill path). All its rows are logits rows. So are the prompt tokens of a
+        sequence the backend's own decode step takes as rows (`takes_prompt`: they then compute what decode rows
+        compute, whatever part of the prompt the prefix cache held), its last prompt row the logits row."""
         drafts = batch.drafts or [[] for _ in batch.seqs]
-        # Prefill chunks (more than one new token) first, then decode rows.
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1 or bool(drafts[i]))
+        rows = [bool(d) or (n > 1 and not s.media and self.native is not None and self.native.takes_prompt(s.num_tokens))
+                for s, n, d in zip(batch.seqs, batch.num_new_tokens, drafts)]
+        # Prefill chunks (more than one new token, not taken as rows) first, then decode rows.
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1 or rows[i])
         step = PagedStep([], [], [], 0, [0], [0], [], [], [], [])
         need_cache_read = False
         sampled: list[int] = []
@@ -218,13 +240,17 @@ class PagedRunner(_Runner):
             step.ids.extend([seq.token_ids[start], *drafts[i]] if drafts[i] else seq.token_ids[start:end])
             step.positions.extend(range(start, end))
             step.slots.extend(self._slot(seq.block_table, p) for p in range(start, end))
-            if drafts[i]:
+            if rows[i]:
                 for p in range(start, end):
                     step.tables.append(list(seq.block_table))
                     step.ctx_lens.append(p + 1)
-                step.logits_rows.extend(range(len(step.ids) - n, len(step.ids)))
-                step.verify = True
-                sampled.append(i)
+                step.verify = True  # rows of one sequence, each as a decode row computes it
+                if drafts[i]:
+                    step.logits_rows.extend(range(len(step.ids) - n, len(step.ids)))
+                    sampled.append(i)
+                elif end == seq.num_tokens:
+                    step.logits_rows.append(len(step.ids) - 1)
+                    sampled.append(i)
                 continue
             if n > 1:
                 step.num_prefill += n
@@ -256,9 +282,8 @@ class PagedRunner(_Runner):
                                                [0] * n)
                     return take_rows(logits, step.logits_rows)
                 if self.native is not None and self.native.serves(n, max(len(t) for t in step.tables)):
-                    logits = self.native.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens,
-                                             verify=step.verify)
-                    return take_rows(logits, step.logits_rows)
+                    return self.native.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens,
+                                           verify=step.verify, logits_rows=step.logits_rows)
                 if self.graphs is not None and n <= self.graphs.max_batch:
                     with torch.inference_mode():
                         logits = self.graphs.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens)
@@ -277,8 +302,9 @@ class PagedRunner(_Runner):
             context_lens=t(step.ctx_lens, torch.int32) if step.tables else None,
             logits_indices=t(step.logits_rows),
         )
-        mode = ops.prefill_step() if step.num_prefill else ops.verify_step() if step.verify else contextlib.nullcontext()
-        with mode:
+        # a prefill beside several rows of one sequence (verify or prompt rows): both marks, each for its rows
+        with ops.prefill_step() if step.num_prefill else contextlib.nullcontext(), \
+                ops.verify_step() if step.verify else contextlib.nullcontext():
             return self.model(t(step.ids), meta, self.kv_caches, embeds=step.embeds)
 
 

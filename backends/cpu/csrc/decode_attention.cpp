@@ -10,9 +10,10 @@
 // Per (row, query head): scores s_t = scale * q . k_t in float32 (fixed_sum.h's order: the same on every
 // build), a float32 softmax (its sum in fixed_sum's order too), and out = sum_t p_t v_t accumulated in float32
 // in key order. Rows that read the same keys (a speculative verify step's rows: one sequence at consecutive
-// lengths; a lone row) go through attend_rows: one pass over the keys and one over the values for all their
-// query heads, each key and value widened once for all of them, the heads' and rows' chains side by side. The
-// same arithmetic per (row, query head), so the same bits either way.
+// lengths; a lone row; a prompt's rows, lengths 1 to n) go through attend_rows: one pass over the keys and one over
+// the values for all their query heads, each key and value widened once for all of them, the heads' and rows'
+// chains side by side, each key scored only for the rows that read it. The same arithmetic per (row, query head),
+// so the same bits either way.
 //   q [R, H, D] float32 or bf16; k_cache, v_cache [blocks, block_size, KH, D] float32 or bf16 (the same);
 //   block_tables [R, W] int64 (row r's keys are positions 0..context_lens[r]-1 through its table);
 //   out [R, H, D] in q's dtype.
@@ -270,6 +271,7 @@ void weighted_values_of(const Unit* u, float* probs, const T* v_cache, const int
 struct Scratch {
   std::vector<float> keys, scores, probs;
   std::vector<Unit> units;
+  std::vector<int64_t> live;  // the units a run of keys is scored for
 };
 
 // Key head kh of rows that read the same keys through `table` (rows [0, rows) of q, lens, out: a verify step's
@@ -282,7 +284,7 @@ void attend_rows(const float* q, const T* k_cache, const T* v_cache, const int64
                  int64_t rows, int64_t heads, int64_t kv_heads, int64_t kh, int64_t block_size, float scale,
                  Scratch& sc, float* out) {
   const int64_t group = heads / kv_heads, stride = kv_heads * D, count = rows * group;
-  const int64_t longest = *std::max_element(lens, lens + rows), shortest = *std::min_element(lens, lens + rows);
+  const int64_t longest = *std::max_element(lens, lens + rows);
   sc.keys.resize(kWidth * D);
   sc.scores.resize(count * longest);
   sc.units.resize(count);
@@ -291,21 +293,27 @@ void attend_rows(const float* q, const T* k_cache, const T* v_cache, const int64
     const int64_t at = (i / group * heads + kh * group + i % group) * D;
     u[i] = {q + at, out + at, sc.scores.data() + i * longest, lens[i / group]};
   }
-  // the scores straight from the cache for one batch of queries, else from the keys widened once for all batches
-  const bool widen = count > kQueries;
   for (int64_t t0 = 0, b = 0; t0 < longest; t0 += block_size, ++b) {
     const T* keys = k_cache + (table[b] * block_size * kv_heads + kh) * D;
     for (int64_t j = 0, end = std::min(block_size, longest - t0); j < end; j += kWidth) {
       const int64_t run = std::min<int64_t>(kWidth, end - j);
-      // every unit's scores of the run (past a unit's own keys too: not read, and in blocks its table has)
+      // the scores of the units that read the run's first key (those of the run's keys past a unit's own: not read).
+      // A prompt's rows read 1 to n keys: scoring every unit for every key did twice the work.
+      std::vector<int64_t>& live = sc.live;
+      live.clear();
+      for (int64_t i = 0; i < count; ++i)
+        if (u[i].n > t0 + j) live.push_back(i);
+      const int64_t m = live.size();
+      // straight from the cache for one batch of queries, else from the keys widened once for all batches
+      const bool widen = m > kQueries;
       if (widen)
         for (int64_t t = 0; t < run; ++t)
           for (int64_t i = 0; i < D; i += kWidth) vstore(sc.keys.data() + t * D + i, vload(keys + (j + t) * stride + i));
-      for (int64_t i = 0, left = (count + kQueries - 1) / kQueries; i < count; --left) {  // batches of equal sizes
-        const int64_t batch = (count - i) / left;
+      for (int64_t i = 0, left = (m + kQueries - 1) / kQueries; i < m; --left) {  // batches of equal sizes
+        const int64_t batch = (m - i) / left;
         const float* qs[kQueries];
         float* outs[kQueries];
-        for (int64_t k = 0; k < batch; ++k) qs[k] = u[i + k].q, outs[k] = u[i + k].p + t0 + j;
+        for (int64_t k = 0; k < batch; ++k) qs[k] = u[live[i + k]].q, outs[k] = u[live[i + k]].p + t0 + j;
         with_count<kQueries>(batch, [&](auto n) {
           if (widen)
             dots_n<float, D, n>(qs, sc.keys.data(), D, run, outs);
@@ -320,7 +328,10 @@ void attend_rows(const float* q, const T* k_cache, const T* v_cache, const int64
   sc.probs.resize(kSums * longest);
   for (int64_t i = 0; i < count; i += kSums)
     with_count<kSums>(std::min<int64_t>(kSums, count - i), [&](auto n) {
-      weighted_values_of<n, T, D>(u + i, sc.probs.data(), v_cache + kh * D, table, block_size, stride, longest, shortest);
+      // over the batch's own keys (consecutive units: a prompt's rows of similar lengths), not the longest row's
+      int64_t most = 0, least = longest;
+      for (int64_t k = i; k < i + n; ++k) most = std::max(most, u[k].n), least = std::min(least, u[k].n);
+      weighted_values_of<n, T, D>(u + i, sc.probs.data(), v_cache + kh * D, table, block_size, stride, most, least);
     });
 }
 #endif

@@ -111,10 +111,12 @@ class LlamaStep : public torch::CustomClassHolder {
     TORCH_CHECK(at == t.size(), "LlamaStep: more tensors than the piece counts take");
   }
 
-  // ids, positions, slots, context lengths as the rows of `rows` [4, n]; tables [n, W] (int64):
-  // logits [n, vocab] in float32, or with head false the final norm's output (for the caller's head: more
-  // rows than its packed kernel takes go to its dense copy, which the eager step calls from Python)
-  at::Tensor step(const at::Tensor& rows, const at::Tensor& tables, bool head) const {
+  // ids, positions, slots, context lengths as the rows of `rows` [4, n]; tables [n, W] (int64); `out` the rows
+  // whose logits are wanted (int64; empty: all of them, as a decode step's), e.g. a prompt's last row alone:
+  // logits [len(out), vocab] in float32, or with head false the final norm's output of those rows (for the
+  // caller's head: more rows than its packed kernel takes go to its dense copy, which the eager step calls from
+  // Python)
+  at::Tensor step(const at::Tensor& rows, const at::Tensor& tables, bool head, const at::Tensor& out) const {
     const int64_t n = rows.size(1);
     const at::Tensor ids = rows[0], positions = rows[1], slots = rows[2], ctx = rows[3];
     const int64_t q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
@@ -136,6 +138,9 @@ class LlamaStep : public torch::CustomClassHolder {
       at::Tensor a = k::paged_decode_attention(q, l.k_cache, l.v_cache, tables, ctx, scale_);
       std::tie(h, residual) = k::add_rms_norm(l.o(a.flatten(1)), residual, l.post_norm, eps_);
       x = l.down(k::swiglu(l.gate_up(h)));
+    }
+    if (out.numel() > 0 && out.numel() < n) {  // the head and the final norm for those rows only
+      x = x.index_select(0, out), residual = residual.index_select(0, out);
     }
     h = std::get<0>(k::add_rms_norm(x, residual, norm_, eps_));
     return head ? widen(head_(h), vocab_) : h;
