@@ -246,7 +246,9 @@ def test_the_builder_copies_everything_setup_packages():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     dirs = set(runpy.run_path(str(ROOT / "setup.py"))["ROOTS"].values())
     tree = img._data()["builder"]["tree"]
-    assert set(tree) == dirs | {"pyproject.toml", "setup.py", project["project"]["readme"]}
+    backend = project["build-system"]  # the in-tree backend pyproject.toml names (backend-path)
+    recipe = {f"{backend['build-backend']}.py"} if backend.get("backend-path") == ["."] else set()
+    assert set(tree) == dirs | recipe | {"pyproject.toml", "setup.py", project["project"]["readme"]}
 
 
 def test_the_builder_stage_builds_a_wheel_from_what_it_copies(tmp_path):

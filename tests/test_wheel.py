@@ -90,3 +90,100 @@ def test_sdist_can_rebuild_the_wheel(dist):
     needed = {"setup.py", "pyproject.toml", "README.md", *_tree_files()}
     missing = sorted(needed - names)
     assert not missing, f"the sdist lacks {missing[:10]}"
+
+
+def _backend(src: Path, monkeypatch):
+    """build_backend.py as a build frontend runs it: imported from the tree, the tree as working directory."""
+    monkeypatch.chdir(src)
+    monkeypatch.syspath_prepend(str(src))
+    monkeypatch.delitem(sys.modules, "build_backend", raising=False)
+    import build_backend
+
+    return build_backend
+
+
+def _record_ok(wheel: zipfile.ZipFile) -> None:
+    import base64
+    import hashlib
+
+    record = next(n for n in wheel.namelist() if n.endswith(".dist-info/RECORD"))
+    rows = [line.split(",") for line in wheel.read(record).decode().splitlines()]
+    assert {r[0] for r in rows} == set(wheel.namelist())
+    for name, digest, size in rows:
+        if name != record:
+            data = wheel.read(name)
+            want = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            assert (digest, int(size)) == (f"sha256={want}", len(data)), name
+
+
+def test_own_wheel_writer_makes_setuptools_wheel(dist, tmp_path, monkeypatch):
+    """Where setuptools cannot make wheels (< 70.1 without `wheel`: a build without isolation on the setuptools
+    `python3 -m venv` seeds), build_backend.py writes the wheel itself: the same files and metadata."""
+    src = tmp_path / "src"
+    for f in _tracked():
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(TOP / f, src / f)
+    backend = _backend(src, monkeypatch)
+    monkeypatch.setattr(backend, "setuptools_makes_wheels", lambda: False)
+    assert backend.get_requires_for_build_wheel() == []  # setuptools < 70.1 would ask for `wheel`
+    name = backend.build_wheel(str(tmp_path / "out"))
+    ours, theirs = zipfile.ZipFile(tmp_path / "out" / name), zipfile.ZipFile(_one(dist, "flagdeploy-*.whl"))
+    assert name == Path(theirs.filename).name
+    _record_ok(ours)
+    assert set(ours.namelist()) == set(theirs.namelist())
+    info = next(n for n in ours.namelist() if n.endswith(".dist-info/METADATA")).rsplit("/", 1)[0]
+
+    def fields(wheel, key):
+        head = wheel.read(f"{info}/METADATA").decode().split("\n\n", 1)[0]
+        return sorted(line for line in head.splitlines() if line.startswith(key + ":"))
+
+    for key in ("Name", "Version", "Requires-Python", "Requires-Dist", "Provides-Extra"):
+        assert fields(ours, key) == fields(theirs, key), key
+    assert any('extra == "test"' in r for r in fields(ours, "Requires-Dist"))
+    for f in ("entry_points.txt",):
+        assert ours.read(f"{info}/{f}") == theirs.read(f"{info}/{f}")
+    for n in ours.namelist():
+        if not n.startswith(info):
+            assert ours.read(n) == theirs.read(n), n
+    # the metadata hook writes the same .dist-info pip compares the wheel's against
+    meta = backend.prepare_metadata_for_build_wheel(str(tmp_path / "meta"))
+    assert meta == info
+    assert (tmp_path / "meta" / meta / "METADATA").read_bytes() == ours.read(f"{info}/METADATA")
+
+
+def test_pip_without_build_isolation_on_an_old_setuptools(tmp_path):
+    """`pip wheel --no-build-isolation .` and `pip install -e . --no-build-isolation` in a venv as `python3 -m
+    venv` makes it on Python 3.11 (setuptools 65, no `wheel`): the case setuptools alone fails with "invalid
+    command 'bdist_wheel'"."""
+    venv = tmp_path / "venv"
+    r = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True, check=False)
+    if r.returncode:
+        pytest.skip(f"no venv with pip here: {r.stderr[-300:]}")
+    py = str(venv / "bin" / "python")
+    probe = ("import importlib.util, sys\ntry:\n from setuptools.command.bdist_wheel import bdist_wheel\n"
+             "except ImportError:\n sys.exit(0 if importlib.util.find_spec('wheel') is None else 1)\nsys.exit(1)")
+    if subprocess.run([py, "-c", probe], check=False).returncode:
+        pytest.skip("this Python's venv seeds a setuptools that makes wheels (or none): not the case under test")
+    src = tmp_path / "src"
+    for f in _tracked():
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(TOP / f, src / f)
+    pip = [py, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    r = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w"), str(src)],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    wheel = zipfile.ZipFile(_one(tmp_path / "w", "flagdeploy-*.whl"))
+    _record_ok(wheel)
+    assert "flagdeploy/backends/cpu/tune.yaml" in wheel.namelist()
+    r = subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", "-e", str(src)],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    # an editable install reads the checkout: each import root from its folder, the entry points declared
+    show = ("import importlib.util as u, importlib.metadata as m\n"
+            "for n in ('flagdeploy', 'flagdeploy.backends.cpu', 'flagdeploy.quantize', 'flagdeploy.profiles'):\n"
+            " print(u.find_spec(n).origin)\n"
+            "print(sorted(e.name for e in m.entry_points(group='flagdeploy.backends')))")
+    out = subprocess.run([py, "-c", show], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:4] == [str(src / p / "__init__.py") for p in ("flagdeploy", "backends/cpu", "quantize", "profiles")]
+    assert out[4] == str(["ascend", "cpu", "cuda", "generic"])
+    assert (venv / "bin" / "flagdeploy").exists()
