@@ -35,18 +35,22 @@ def _tree_files() -> list[str]:
     return _tracked(*ROOTS)
 
 
+def _copy_of_tree(src: Path) -> Path:
+    """What git tracks, copied to `src`: a checkout's own build/ and *.egg-info (left by earlier builds and editable
+    installs) would be read back into new archives and hide a missing file."""
+    for f in _tracked():
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(TOP / f, src / f)
+    return src
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
     given = os.environ.get("FLAGDEPLOY_DIST")
     if given:
         return Path(given)
     pytest.importorskip("build", reason="the `build` package (in the test extra) builds the sdist and wheel")
-    # Built from a copy of what git tracks: a checkout's own build/ and *.egg-info (left by earlier builds and
-    # editable installs) are read back into new archives and would hide a missing file.
-    src = tmp_path_factory.mktemp("src")
-    for f in _tracked():
-        (src / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(TOP / f, src / f)
+    src = _copy_of_tree(tmp_path_factory.mktemp("src"))
     dist = tmp_path_factory.mktemp("dist")
     r = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "-o", str(dist), str(src)],
                        capture_output=True, text=True, check=False)
@@ -119,10 +123,7 @@ def _record_ok(wheel: zipfile.ZipFile) -> None:
 def test_own_wheel_writer_makes_setuptools_wheel(dist, tmp_path, monkeypatch):
     """Where setuptools cannot make wheels (< 70.1 without `wheel`: a build without isolation on the setuptools
     `python3 -m venv` seeds), build_backend.py writes the wheel itself: the same files and metadata."""
-    src = tmp_path / "src"
-    for f in _tracked():
-        (src / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(TOP / f, src / f)
+    src = _copy_of_tree(tmp_path / "src")
     backend = _backend(src, monkeypatch)
     monkeypatch.setattr(backend, "setuptools_makes_wheels", lambda: False)
     assert backend.get_requires_for_build_wheel() == []  # setuptools < 70.1 would ask for `wheel`
@@ -140,8 +141,7 @@ def test_own_wheel_writer_makes_setuptools_wheel(dist, tmp_path, monkeypatch):
     for key in ("Name", "Version", "Requires-Python", "Requires-Dist", "Provides-Extra"):
         assert fields(ours, key) == fields(theirs, key), key
     assert any('extra == "test"' in r for r in fields(ours, "Requires-Dist"))
-    for f in ("entry_points.txt",):
-        assert ours.read(f"{info}/{f}") == theirs.read(f"{info}/{f}")
+    assert ours.read(f"{info}/entry_points.txt") == theirs.read(f"{info}/entry_points.txt")
     for n in ours.namelist():
         if not n.startswith(info):
             assert ours.read(n) == theirs.read(n), n
@@ -164,10 +164,7 @@ def test_pip_without_build_isolation_on_an_old_setuptools(tmp_path):
              "except ImportError:\n sys.exit(0 if importlib.util.find_spec('wheel') is None else 1)\nsys.exit(1)")
     if subprocess.run([py, "-c", probe], check=False).returncode:
         pytest.skip("this Python's venv seeds a setuptools that makes wheels (or none): not the case under test")
-    src = tmp_path / "src"
-    for f in _tracked():
-        (src / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(TOP / f, src / f)
+    src = _copy_of_tree(tmp_path / "src")
     pip = [py, "-m", "pip", "--disable-pip-version-check", "--no-input"]
     r = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w"), str(src)],
                        capture_output=True, text=True, check=False)
