@@ -77,9 +77,9 @@ def main() -> None:
             "q": torch.randn(r, layer.heads, cfg.head_dim, generator=g).bfloat16(),
             "attn": (table.expand(r, -1).contiguous(), torch.arange(257 - r, 257)),
         }
-    every_row = torch.empty(0, dtype=torch.int64)  # the rows whose logits step returns: all (from 497f4ee on)
+    every_row = torch.empty(0, dtype=torch.int64)  # the rows whose logits step returns: all (from 8a74ff4 on)
     calls = {}
-    for k, step in steps.items():  # a ref before 497f4ee: step(rows, tables, head)
+    for k, step in steps.items():  # a ref before 8a74ff4: step(rows, tables, head)
         try:
             step.step(*inputs[args.rows[0]]["step"], True, every_row)
             calls[k] = lambda st, step=step: step.step(*st, True, every_row)

@@ -148,8 +148,8 @@ def test_a_dense_model_keeps_the_eager_step(llm_engine):
 
 @pytest.fixture
 def prompt_rows(monkeypatch):
-    """The AVX2 table's choices whatever this CPU is: no dense copies beside the packed kernels, and prompts of
-    up to 1024 tokens as decode rows (tune.yaml `prompt_max_keys`)."""
+    """The AVX2 table's choices whatever this CPU is: no dense copies beside the packed kernels, and prompts as
+    decode rows up to a `prompt_max_keys` (tune.yaml; 1024 here, far past the test's prompts)."""
     from flagdeploy.backends.cpu import ops as cpu_ops
 
     for op in ("linear_w4a16", "linear_w8a16"):

@@ -142,10 +142,7 @@ class PagedRunner(_Runner):
         self.block_size = block_size
         self.device = device
         extra = 1 if graphs or compile else 0
-        self.kv_caches = [
-            [_zeroed(s, model.kv_cache_dtype, device) for s in model.kv_cache_shape(num_blocks + extra, block_size)]
-            for _ in range(model.cfg.num_layers)
-        ]
+        self.kv_caches = _paged_caches(model, num_blocks + extra, block_size, device)
         self.graphs = None
         if graphs:
             self.graphs = DecodeGraphs(self._decode, device, graphs["max_batch"],
@@ -176,8 +173,7 @@ class PagedRunner(_Runner):
         if self.native is None or not self.native.takes_prompt(n):
             return super().score(ids)
         bs, blocks = self.block_size, -(-n // self.block_size)
-        caches = [[_zeroed(s, self.model.kv_cache_dtype, self.device) for s in self.model.kv_cache_shape(blocks + 1, bs)]
-                  for _ in range(self.model.cfg.num_layers)]  # block 0 the padding block, as in the engine's
+        caches = _paged_caches(self.model, blocks + 1, bs, self.device)  # block 0 the padding block, as the engine's
         table = list(range(1, blocks + 1))
         rows = DecodeInputs.build(ids, list(range(n)), [self._slot(table, p) for p in range(n)], [table] * n,
                                   list(range(1, n + 1)), None, self.device)
@@ -550,6 +546,12 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Te
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def _paged_caches(model, num_blocks: int, block_size: int, device: str) -> list[list[torch.Tensor]]:
+    """Each layer's zeroed cache pools of `num_blocks` blocks (the engine's, or a scoring pass's scratch)."""
+    return [[_zeroed(s, model.kv_cache_dtype, device) for s in model.kv_cache_shape(num_blocks, block_size)]
+            for _ in range(model.cfg.num_layers)]
 
 
 def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
