@@ -56,6 +56,7 @@ SERVE_FLAGS = {
     "tp": "--tp",
     "ep": "--ep",
     "compile": "--compile",  # a switch: True → --compile, False → --no-compile
+    "num_scheduler_steps": "--num-scheduler-steps",
     "speculative_config": "--speculative-config",  # JSON (engine/speculative.py)
     "kv_transfer_config": "--kv-transfer-config",  # vLLM's JSON (engine/kv_transfer.py)
 }
@@ -81,6 +82,7 @@ class ServeOptions:
     tp: int = 1
     ep: int = 1
     compile: bool | None = None  # None: in the background (serve's default)
+    num_scheduler_steps: int | None = None  # None: the backend's (tune.yaml's `serve` on the CPU)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kv_transfer: KvTransferConfig | None = None  # prefill-decode disaggregation: this instance's role
     # the server
@@ -105,7 +107,8 @@ class ServeOptions:
                             max_num_batched_tokens=self.max_num_batched_tokens, block_size=self.block_size,
                             kv_cache_memory=self.kv_cache_memory, weight_format=self.weight_format,
                             load_format=self.load_format, tp=self.tp, ep=self.ep, compile=self.compile,
-                            speculative=self.speculative, kv_transfer=self.kv_transfer)
+                            num_scheduler_steps=self.num_scheduler_steps, speculative=self.speculative,
+                            kv_transfer=self.kv_transfer)
 
     @classmethod
     def from_args(cls, args: dict[str, Any], **given: Any) -> "ServeOptions":

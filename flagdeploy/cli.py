@@ -222,6 +222,10 @@ def main() -> None:
                    "(/metrics decode_step_compiled 0) and --compile is ignored with a warning. With ngram the "
                    "compiled step serves the plain decode steps (a paged model's verify steps too). --compile: "
                    "before the server is ready; --no-compile: never (also FLAGDEPLOY_COMPILE=0).")
+@click.option("--num-scheduler-steps", default=None, type=click.IntRange(1, 64),
+              help="Decode steps per engine step where the backend runs several in one call (the CPU's C++ step; "
+                   "default: the backend's, backends/cpu/tune.yaml `serve` there, else 1): the same tokens as one "
+                   "step at a time, the engine's Python paid once a call; tokens stream that many at a time.")
 @click.option("--speculative", default=None, type=click.Choice(["off", "ngram", "mtp"]),
               help="Speculative decoding in the builtin engine (default off). ngram: prompt-lookup drafts, verified in "
                    "one step, exact for greedy requests; pays for a few streams whose answers repeat their input "
@@ -259,8 +263,8 @@ def main() -> None:
 def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
           memory_utilization, weight_format, load_format, served_names, default_temperature, api_key, reasoning_parser,
           max_waiting, max_tokens_policy, tool_call_parser, request_timeout, profile_file, tp, ep, dp, compile_,
-          speculative, num_speculative_tokens, speculative_config, kv_transfer_config, log_level, engine, upstreams,
-          prefill_upstreams, config_file, startup_timeout, limit_mm_per_prompt, allowed_media_domains, nnodes, node_rank, master_addr, master_port,
+          num_scheduler_steps, speculative, num_speculative_tokens, speculative_config, kv_transfer_config, log_level,
+          engine, upstreams, prefill_upstreams, config_file, startup_timeout, limit_mm_per_prompt, allowed_media_domains, nnodes, node_rank, master_addr, master_port,
           node_timeout) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
@@ -290,7 +294,7 @@ def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_bat
             model=model, chip=chip.value if chip else None, served_names=served_names, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization, weight_format=weight_format,
-            load_format=load_format, tp=tp, ep=ep, compile=compile_,
+            load_format=load_format, tp=tp, ep=ep, compile=compile_, num_scheduler_steps=num_scheduler_steps,
             speculative=SpeculativeConfig.parse(speculative, num_speculative_tokens, speculative_config),
             kv_transfer=None if kv_transfer_config is None else KvTransferConfig.parse(kv_transfer_config),
             api_key=api_key, default_temperature=default_temperature, reasoning_parser=reasoning_parser,

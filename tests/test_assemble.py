@@ -14,13 +14,14 @@ from flagdeploy.gateway.launch import builtin_launch_plan
 
 ARGS = {"max_model_len": 512, "kv_cache_memory": "64MiB", "max_num_seqs": 2, "tool_call_parser": "hermes",
         "reasoning_parser": "think", "request_timeout": 30, "max_tokens_policy": "clamp", "max_waiting": -1,
-        "speculative_config": '{"method":"ngram","num_speculative_tokens":2}', "compile": False}
+        "speculative_config": '{"method":"ngram","num_speculative_tokens":2}', "compile": False, "num_scheduler_steps": 8}
 
 
 def test_args_are_typed_once():
     options = ServeOptions.from_args(ARGS, model="m")
     assert options.kv_cache_memory == 64 << 20 and options.max_num_seqs == 2 and options.request_timeout == 30.0
     assert options.speculative.method == "ngram" and options.speculative.num_speculative_tokens == 2
+    assert options.engine_config().num_scheduler_steps == 8 and ServeOptions().engine_config().num_scheduler_steps is None
     assert options.engine_config().kv_cache_memory == 64 << 20 and options.engine_config().speculative.enabled
     assert ServeOptions.from_args({}).engine_config().max_model_len == ServeOptions().max_model_len
 

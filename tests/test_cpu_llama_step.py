@@ -51,7 +51,7 @@ def _checking(runner) -> list[int]:
 def test_the_default_model_decodes_bit_for_bit_as_the_eager_step_and_compiles_nothing(default_model):
     """The embedded Q4_1 GGUF as serve loads it: batched, lone, with prefix-cache hits; and serve's default
     (compile=None) starts no background compile for a model the C++ step serves."""
-    engine = make_engine(default_model, "auto", compile=None, max_num_seqs=4, max_model_len=256)
+    engine = make_engine(default_model, "auto", compile=None, max_num_seqs=4, max_model_len=256, num_scheduler_steps=1)
     runner = engine.runner
     assert runner.native is not None and runner.compiling is None and runner.compiled is None
     served = _checking(runner)
@@ -83,6 +83,76 @@ def test_speculative_verify_steps_run_in_the_cpp_step_and_keep_greedy_output_exa
     assert on.generate([ids], greedy) == off.generate([ids], greedy)
     assert 5 in served, f"the C++ step served no verify step of 1 + 4 rows (one sequence): {served}"
     assert on.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def _counting_calls(runner) -> list[list[int]]:
+    """The step counts of each multi-step call the C++ step serves."""
+    calls, run_steps = [], runner.native.run_steps
+
+    def counted(ids, positions, ctx, counts, *rest):
+        calls.append(list(counts))
+        return run_steps(ids, positions, ctx, counts, *rest)
+
+    runner.native.run_steps = counted
+    return calls
+
+
+def test_several_steps_in_one_call_give_the_tokens_of_one_step_at_a_time(default_model):
+    """--num-scheduler-steps: a call of the C++ step decodes several steps, each row's token chosen inside it as the
+    sampler chooses it; greedy, seeded sampled (EOS honoured), stop strings that end a sequence inside a call and
+    max_tokens that are no multiple of the steps all give the tokens of one step at a time."""
+    one = make_engine(default_model, "auto", compile=None, max_num_seqs=4, max_model_len=256, num_scheduler_steps=1)
+    many = make_engine(default_model, "auto", compile=None, max_num_seqs=4, max_model_len=256, num_scheduler_steps=4)
+    assert one.multi_step == 1 and many.multi_step == 4
+    calls = _counting_calls(many.runner)
+    tok = one.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))
+               for t in ("Write a haiku about the sea.", "What is 2 + 2?", "Name a colour.", "def fib(n):")]
+    cases = [[SamplingParams(max_tokens=13 + i, temperature=0, ignore_eos=True) for i in range(4)],
+             [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=40, seed=s) for s in range(4)],
+             SamplingParams(max_tokens=24, temperature=0, stop=[" the", "4"])]
+    for params in cases:
+        assert many.generate(prompts, params) == one.generate(prompts, params)
+    assert calls and max(max(c) for c in calls) == 4
+    assert any(len(set(c)) > 1 for c in calls), "no call with sequences of different step counts"
+
+
+def test_multi_step_yields_to_arrivals_and_to_a_full_cache(default_model):
+    """A request that arrives while others decode is admitted before the next call (that step runs one token a
+    sequence); a cache too small for every sequence's next four slots grants what it can, and preempts; a batch the
+    runner does not take as several steps runs as one, its placeholders' slots given back: the tokens stay those of
+    one step at a time, and no block is lost."""
+    one = make_engine(default_model, "auto", compile=None, max_num_seqs=4, max_model_len=128, num_scheduler_steps=1)
+    tok = one.tokenizer
+    prompts = [tok.encode(t) for t in ("The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def f(x):")]
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = one.generate(prompts, greedy)
+    block = one.runner.bytes_per_block(one.runner.model, one.config.block_size)
+    # 8 blocks of 16: fewer than four sequences of ~46 tokens take; a budget of 3 tokens a step: fewer than the
+    # sequences, so a step leaves one out (its placeholders must not outlive the step)
+    for memory, refused, budget in ((512 << 20, False, 256), (8 * block, False, 256), (512 << 20, True, 256),
+                                    (512 << 20, False, 3)):
+        many = make_engine(default_model, "auto", compile=None, max_num_seqs=4, max_model_len=128,
+                           num_scheduler_steps=4, kv_cache_memory=memory, max_num_batched_tokens=budget)
+        if refused:
+            many.runner.takes_steps = lambda batch: False
+        calls = _counting_calls(many.runner)
+        got = {i: [] for i in range(len(prompts))}
+        many.add_request("r0", prompts[0], greedy)
+        pending, steps = list(range(1, len(prompts))), 0
+        while many.has_work() or pending:
+            if pending and steps % 3 == 2:  # the others arrive one by one, each while earlier ones decode
+                i = pending.pop(0)
+                many.add_request(f"r{i}", prompts[i], greedy)
+            for out in many.step():
+                got[int(out.request_id[1:])].extend(out.token_ids)
+            steps += 1
+        case = f"cache of {memory} bytes, refused: {refused}, budget {budget}"
+        assert [got[i] for i in range(len(prompts))] == want, case
+        assert bool(calls) != refused or budget < 4, case
+        assert many.blocks.num_free == many.blocks.num_blocks, case
+        assert many.spec_num_drafts == 0, f"{case}: placeholders verified as drafts"
+        assert many.scheduler.num_preemptions > 0 or memory > 8 * block, case
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +198,7 @@ def test_biases_an_int8_head_and_the_eager_steps_row_limit(qwen2_dir, monkeypatc
             m.qweight, m._op, m.weight = ops.prepare_weight("linear_w4a16", _int4(m.weight)), "linear_w4a16", None
     model.lm_head.quantize_int8()
     model.prepare(64)
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_model_len=64, max_num_seqs=8, block_size=4))
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_model_len=64, max_num_seqs=8, block_size=4, num_scheduler_steps=1))
     step = engine.runner.native
     assert step is not None and step.max_rows == 4
     assert step.serves(4, 8) and not step.serves(5, 1) and not step.serves(1, 9)

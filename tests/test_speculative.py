@@ -207,3 +207,26 @@ def test_logits_rows_are_taken_as_torch_indexes_them_and_a_run_is_a_view(dtype):
         assert got.dtype == dtype and torch.equal(got, logits[torch.tensor(rows, dtype=torch.long)]), rows
         if rows and rows == list(range(rows[0], rows[0] + len(rows))):
             assert got.data_ptr() == logits[rows[0]].data_ptr(), rows
+
+
+def test_drafts_last_one_step_even_for_a_sequence_the_budget_left_out():
+    """Drafts (and multi-step placeholders) are granted for one step: a running sequence that the step's token budget
+    did not reach drops them too, so a later step never verifies drafts proposed for an earlier one."""
+    from flagdeploy.engine.block_manager import BlockManager
+    from flagdeploy.engine.scheduler import Scheduler
+    from flagdeploy.engine.sequence import Sequence
+
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=4, max_num_batched_tokens=2, max_draft_rows=8)
+    seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8), 8) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    while any(s.num_computed < s.num_tokens for s in seqs):  # the prompts, two tokens a step
+        batch = sched.schedule()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed += n
+    for seq in seqs:  # decoding: one token each to compute, drafts for all three
+        seq.token_ids.append(7)
+        seq.draft_ids = [7, 7]
+    batch = sched.schedule()
+    assert len(batch.seqs) == 2 and batch.drafts is None  # the budget took two rows, none left for drafts
+    assert all(seq.draft_ids == [] for seq in seqs)

@@ -24,20 +24,21 @@ import torch
 from flagdeploy import parallel
 
 from . import native, weight_arena
-from .ops import TUNE
+from .ops import SERVE, TUNE
 
 log = logging.getLogger(__name__)
 
 
 class LlamaStep:
     def __init__(self, step, model, max_rows: int, head_rows: int, max_keys: int, block_size: int,
-                 prompt_max_keys: int = 0):
+                 prompt_max_keys: int = 0, default_steps: int = 1):
         """max_rows / head_rows: the most rows the layers' / the head's packed kernels take; max_keys: the
         most cache slots a row's table may span for the native attention kernel; prompt_max_keys: see
-        `takes_prompt`."""
+        `takes_prompt`; default_steps: the engine's decode steps per call of `run_steps` where
+        --num-scheduler-steps is not given (tune.yaml's `serve`)."""
         self._step, self.max_rows, self.max_keys, self.block_size = step, max_rows, max_keys, block_size
         self._head, self._head_rows, self._vocab = model.lm_head, head_rows, model.cfg.vocab_size
-        self.prompt_max_keys = prompt_max_keys
+        self.prompt_max_keys, self.default_steps = prompt_max_keys, default_steps
 
     def serves(self, rows: int, width: int) -> bool:
         """Whether a decode step of `rows` rows (sequences, or a verify step's tokens) with block tables `width`
@@ -71,14 +72,39 @@ class LlamaStep:
         # the head's dense copy, as the eager step calls it
         return self._head(self._step.step(rows, padded, False, out))[..., : self._vocab].float()
 
+    def serves_steps(self, rows: int, width: int) -> bool:
+        """Whether `run_steps` takes `rows` sequences with tables `width` wide: each of its steps is a decode step of
+        at most that many rows, with every row's logits from the head's packed kernel, as `run` gives them."""
+        return self.serves(rows, width) and rows <= self._head_rows
+
+    def run_steps(self, ids: list[int], positions: list[int], ctx: list[int], counts: list[int],
+                  slots: list[list[int]], tables: list[list[int]], settings: tuple[torch.Tensor, ...],
+                  sampled: list[bool], uniforms: list[list[float]]) -> list[list[int]]:
+        """Each row's next `counts[i]` tokens, decoding from `ids[i]` at `positions[i]` (context length `ctx[i]`) into
+        `slots[i]`: one C++ call for several steps (csrc/llama_step.cpp `steps`). `settings`: the rows' temperature,
+        top_k, top_p and min_p (sampler.row_settings); `uniforms[s]`: the sampled rows' uniforms at step s, in row
+        order among the rows still stepping."""
+        n, most = len(ids), max(counts)
+        first = torch.tensor([ids, positions, ctx, counts], dtype=torch.int64)
+        u = torch.zeros(most, n, dtype=torch.float64)
+        for s, values in enumerate(uniforms):
+            rows = [i for i in range(n) if sampled[i] and counts[i] > s]
+            u[s, rows] = torch.tensor(values, dtype=torch.float64)
+        tokens = self._step.steps(first, _padded(slots), _padded(tables), *settings, torch.tensor(sampled), u)
+        return [row[:c] for row, c in zip(tokens.tolist(), counts)]
+
 
 def step_inputs(ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
                 ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """What csrc/llama_step.cpp's `step` takes for these rows: ids, positions, slots and context lengths as the
     rows of one int64 tensor [4, n], and the block tables padded with block 0 to the widest [n, W]."""
-    width = max(len(t) for t in tables)
-    rows = torch.tensor([ids, positions, slots, ctx], dtype=torch.int64)
-    return rows, torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    return torch.tensor([ids, positions, slots, ctx], dtype=torch.int64), _padded(tables)
+
+
+def _padded(rows: list[list[int]]) -> torch.Tensor:
+    """Lists of int64 (block tables, a row's slots) as one tensor, padded with 0 to the longest."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
 
 
 def _pieces(lin) -> list[dict] | None:
@@ -163,7 +189,8 @@ def build(model, kv_caches: list, block_size: int) -> LlamaStep | None:
     attention = TUNE["paged_attention_decode"]
     no_copies = max_rows == head_rows == sys.maxsize  # prompt rows take the packed kernels too (takes_prompt)
     return LlamaStep(step, model, max_rows, head_rows, attention["native_max_keys"], block_size,
-                     min(attention.get("prompt_max_keys", 0), attention["native_max_keys"]) if no_copies else 0)
+                     min(attention.get("prompt_max_keys", 0), attention["native_max_keys"]) if no_copies else 0,
+                     SERVE.get("num_scheduler_steps", 1))
 
 
 def _into_one_arena(model) -> None:

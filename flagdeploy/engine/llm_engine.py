@@ -21,9 +21,9 @@ from .model_runner import build_runner, take_rows
 from .mtp import MtpProposer
 from .multimodal import MediaItem
 from .rejection import rejection_sample
-from .sampler import adjust_logits, probs_for, sample
+from .sampler import adjust_logits, probs_for, row_settings, sample, uniform
 from .request import RequestOutput, SamplingParams, TokenLogprob
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .speculative import NgramProposer, Proposer, SpeculativeConfig
 
@@ -60,6 +60,10 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks of this replica (flagdeploy.parallel)
     ep: int = 1  # expert-parallel ranks of this replica
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off unless asked (--speculative)
+    # decode steps per engine step where the runner can take several in one call (vLLM's --num-scheduler-steps):
+    # each sequence's tokens the same as one step at a time, the Python between steps paid once per call.
+    # None: the runner's default (the cpu backend's C++ step: tune.yaml's `serve`; otherwise 1)
+    num_scheduler_steps: int | None = None
     kv_transfer: KvTransferConfig | None = None  # prefill-decode disaggregation (--kv-transfer-config)
 
 
@@ -98,8 +102,10 @@ def _token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
 
 
 class LLMEngine:
-    # speculation off unless __init__ turns it on (engines built on this class without its __init__: edge)
+    # speculation and multi-step off unless __init__ turns them on (engines built on this class without its __init__:
+    # edge)
     proposer = None
+    multi_step = 1
     step_seconds = 0.0  # wall time inside `step` so far: tokens / this is the engine's own rate under load
     media_processor = None  # images and video → pixels and placeholder text (a model with an encoder; replica.py)
     spec_num_drafts = spec_num_draft_tokens = spec_num_accepted_tokens = 0
@@ -126,11 +132,15 @@ class LLMEngine:
         # A sequence-state model cannot resume from shared blocks: its recurrent state is not in them.
         self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching=not stateful)
         self.spec = spec
+        # multi-step takes its cache slots as drafts do (placeholders, `_plan_steps`); never beside speculation
+        steps = config.num_scheduler_steps or getattr(self.runner, "default_steps", 1)
+        self.multi_step = steps if self.proposer is None else 1
+        draft_rows = (spec.max_batch_rows if self.proposer is not None
+                      else config.max_num_seqs * self.multi_step if self.multi_step > 1 else 0)
         # a sequence-state model's verify rows run apart from prompt chunks (SequenceStateRunner): no drafts
         # in a step that has one
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_draft_rows=spec.max_batch_rows if self.proposer is not None else 0,
-                                   drafts_beside_prefill=not stateful)
+                                   max_draft_rows=draft_rows, drafts_beside_prefill=not stateful)
         # speculation counters (vLLM's spec_decode_* metrics)
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
@@ -296,9 +306,26 @@ class LLMEngine:
         pending, self._pending = self._pending, []
         if self.proposer is not None:
             self._propose()
+        stepping = self._plan_steps()
         batch = self.scheduler.schedule()
         if batch.empty:
             return pending
+        if stepping and batch.drafts is not None:
+            if self._steps_fit(batch):
+                outputs = self._run_steps(batch)
+            else:
+                self._unplan_steps(batch)
+                outputs = self._sample_step(batch)
+        else:
+            outputs = self._sample_step(batch)
+        for req, out in self._handoffs:  # after `_observe`: an MTP proposer's state of the last chunk travels too
+            out.kv_transfer_params = self._send(req)
+            self._finish(req)
+        self._handoffs = []
+        return pending + outputs
+
+    def _sample_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """One step: the batch's logits, then each sampled sequence's token (or a speculating one's accepted ones)."""
         scheduled_at = time.perf_counter()
         logits, rows = self.runner.run(batch)
         drafts = batch.drafts
@@ -348,11 +375,7 @@ class LLMEngine:
             outputs.append(self._advance(req, tok))
         if self.proposer is not None and self.proposer.needs_hidden:
             self._observe(batch.seqs)
-        for req, out in self._handoffs:  # after `_observe`: an MTP proposer's state of the last chunk travels too
-            out.kv_transfer_params = self._send(req)
-            self._finish(req)
-        self._handoffs = []
-        return pending + outputs
+        return outputs
 
     def _observe(self, seqs: list[Sequence]) -> None:
         """Hand a model-based proposer the target's final hidden states of the positions this step made
@@ -363,6 +386,68 @@ class LLMEngine:
                 continue  # finished this step (released)
             start, rows = hidden[seq.seq_id]
             self.proposer.observe(seq, start, rows[: seq.num_computed - start])
+
+    # ---- multi-step --------------------------------------------------------------------------------
+
+    def _plan_steps(self) -> bool:
+        """Whether this engine step runs several decode steps in one call of the runner (--num-scheduler-steps):
+        only while no request waits to be admitted (it would wait the whole call), every running sequence is
+        decoding and chooses its token from the logits alone (no logprobs, grammar, penalties or logit_bias: each
+        step's choice is made inside the runner's call), and one sequence at least has more than one token left.
+        Each running sequence then carries placeholders for the slots of its next steps, which the scheduler
+        grants as it grants drafts (what it cannot grant, a sequence does not step)."""
+        running = self.scheduler.running
+        if self.multi_step <= 1 or not hasattr(self.runner, "takes_steps") or self.scheduler.waiting or not running:
+            return False
+        for seq in running:
+            p = seq.params
+            if (seq.num_computed + 1 != seq.num_tokens or p.logprobs is not None or p.grammar is not None
+                    or p.adjusts_logits):
+                return False
+        counts = [min(self.multi_step, seq.max_tokens - seq.num_output_tokens) for seq in running]
+        if max(counts) <= 1:
+            return False
+        for seq, n in zip(running, counts):
+            seq.draft_ids = [0] * (n - 1)
+        return True
+
+    def _steps_fit(self, batch: ScheduledBatch) -> bool:
+        """Whether the scheduled batch is what `_plan_steps` planned: decoding sequences only (a preempted one
+        may have come back as a prompt), within what the runner's multi-step call takes."""
+        for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
+            if n != 1 + len(d) or seq.num_computed + 1 != seq.num_tokens:
+                return False
+        return self.runner.takes_steps(batch)
+
+    def _unplan_steps(self, batch: ScheduledBatch) -> None:
+        """A batch that cannot run as several steps runs as one: its placeholders' slots go back."""
+        for i, (seq, d) in enumerate(zip(batch.seqs, batch.drafts)):
+            if d:
+                batch.num_new_tokens[i] -= len(d)
+                self.blocks.trim(seq, seq.num_tokens)
+        batch.drafts = None
+
+    def _run_steps(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """The runner's several steps; each sequence's tokens join it as a speculating sequence's accepted ones do.
+        A sampled sequence's uniforms are drawn here from its generator, step by step in row order, as `sample`
+        draws them one step at a time."""
+        scheduled_at = time.perf_counter()
+        seqs = batch.seqs
+        counts = [1 + len(d) for d in batch.drafts]
+        sampled = [not seq.params.greedy for seq in seqs]
+        uniforms = [[uniform(seq.generator) for seq, n, draws in zip(seqs, counts, sampled) if draws and n > s]
+                    for s in range(max(counts))]
+        settings = row_settings([seq.params for seq in seqs], torch.device("cpu"))
+        tokens = self.runner.run_steps(batch, settings, sampled, uniforms)
+        self.num_steps += 1
+        outputs = []
+        for seq, new in zip(seqs, tokens):
+            if seq.scheduled_at is None:
+                seq.scheduled_at = scheduled_at
+            seq.num_computed += 1  # the last real token's k/v; `_emit` counts the rest
+            self.blocks.register_full_blocks(seq)
+            outputs.append(self._emit(self.requests[seq.request_id], new))
+        return outputs
 
     # ---- speculation -----------------------------------------------------------------------------
 
@@ -421,11 +506,17 @@ class LLMEngine:
         self.spec_num_accepted_tokens += a
         for pos in range(a):
             self.spec_accepted_per_pos[pos] += 1
-        out = None
-        for j, tok in enumerate(targets[: a + 1]):
+        return self._emit(req, targets[: a + 1])
+
+    def _emit(self, req: _Request, tokens: list[int]) -> RequestOutput:
+        """Several new tokens of one sequence, each through `_advance` (EOS, stops, max_tokens) until the first
+        finish, as one output; all but the last had their k/v computed this step (accepted drafts, or a multi-step
+        call's inputs). The blocks taken beyond the kept tokens are given back."""
+        seq, out = req.seq, None
+        for j, tok in enumerate(tokens):
             seq.token_ids.append(tok)
             self.num_generated_tokens += 1
-            if j < a:  # its k/v were computed as a draft row this step
+            if j < len(tokens) - 1:
                 seq.num_computed += 1
                 self.blocks.register_full_blocks(seq)
             nxt = self._advance(req, tok)

@@ -266,6 +266,35 @@ class PagedRunner(_Runner):
             step.embeds = step_embeds(self.encoder, media)
         return step, sampled
 
+    @property
+    def default_steps(self) -> int:
+        """Decode steps per engine step where --num-scheduler-steps is not given: the backend's own decode step's
+        (1 where it has no multi-step form)."""
+        return getattr(self.native, "default_steps", 1)
+
+    def takes_steps(self, batch: ScheduledBatch) -> bool:
+        """Whether `run_steps` runs this batch: the backend's own decode step has a multi-step form and takes its
+        sequences and block tables (each step one decode row a sequence)."""
+        steps = getattr(self.native, "serves_steps", None)
+        return steps is not None and steps(len(batch.seqs), max(len(seq.block_table) for seq in batch.seqs))
+
+    def run_steps(self, batch: ScheduledBatch, settings: tuple[torch.Tensor, ...], sampled: list[bool],
+                  uniforms: list[list[float]]) -> list[list[int]]:
+        """Several decode steps in one call (multi-step scheduling): each decoding sequence of `batch` takes
+        1 + len(its drafts) steps from its last token, the drafts only placeholders for the cache slots the scheduler
+        granted; returns each sequence's new tokens, chosen as the sampler chooses them (`settings`, `sampled`: the
+        rows' sampling, `uniforms[s]`: the sampled rows' uniforms at step s)."""
+        ids, positions, ctx, counts, slots, tables = [], [], [], [], [], []
+        for seq, drafts in zip(batch.seqs, batch.drafts or [[] for _ in batch.seqs]):
+            p = seq.num_computed
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            ctx.append(p + 1)
+            counts.append(1 + len(drafts))
+            slots.append([self._slot(seq.block_table, q) for q in range(p, p + 1 + len(drafts))])
+            tables.append(list(seq.block_table))
+        return self.native.run_steps(ids, positions, ctx, counts, slots, tables, settings, sampled, uniforms)
+
     def execute(self, step: PagedStep) -> torch.Tensor:
         """Logits of the step's `logits_rows`."""
         if not step.num_prefill and step.embeds is None:

@@ -35,7 +35,7 @@ def row_settings(params: list[SamplingParams], device: torch.device) -> tuple[to
             f32([p.top_p for p in params]), f32([p.min_p for p in params]))
 
 
-def _uniform(generator: torch.Generator | None) -> float:
+def uniform(generator: torch.Generator | None) -> float:
     """One draw's uniform from the sequence's generator (None: torch's default CPU generator)."""
     return float(torch.rand((), generator=generator, dtype=torch.float64))
 
@@ -75,7 +75,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int | None:
     of the row's cumulative distribution at one uniform of the generator (the op `draw`), where
     torch.multinomial draws an exponential variate per vocabulary entry for one sample (~1 ms a token for a 49k
     vocabulary on one core)."""
-    u = torch.tensor([_uniform(generator)], dtype=torch.float64, device=probs.device)
+    u = torch.tensor([uniform(generator)], dtype=torch.float64, device=probs.device)
     token = int(ops.draw(probs.reshape(1, -1), u)[0])
     return token if token >= 0 else None
 
@@ -89,7 +89,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], skip: frozenset[int] | se
     rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy and i not in skip]
     if rows:
         probs = ops.sample_probs(take_rows(logits, rows), *row_settings([seqs[i].params for i in rows], logits.device))
-        u = torch.tensor([_uniform(seqs[i].generator) for i in rows], dtype=torch.float64, device=probs.device)
+        u = torch.tensor([uniform(seqs[i].generator) for i in rows], dtype=torch.float64, device=probs.device)
         for i, token in zip(rows, ops.draw(probs, u).tolist()):
             if token >= 0:  # nothing to draw from (a row masked to nothing): keep the argmax, fail no one
                 out[i] = token

@@ -111,8 +111,7 @@ class Scheduler:
     def _grant_drafts(self, seqs: list[Sequence], counts: list[int], budget: int) -> list[list[int]] | None:
         """Extend decoding sequences by their drafts while budget, decode rows and free blocks last."""
         if not self.drafts_beside_prefill and any(n > 1 or seq.num_computed == 0 for seq, n in zip(seqs, counts)):
-            for seq in seqs:
-                seq.draft_ids = []
+            self._drop_drafts()
             return None
         rows = sum(1 for n in counts if n == 1)
         bs = self.blocks.block_size
@@ -133,9 +132,14 @@ class Scheduler:
             budget -= k
             rows += k
             granted = True
-        for seq in seqs:
-            seq.draft_ids = []
+        self._drop_drafts()
         return drafts if granted else None
+
+    def _drop_drafts(self) -> None:
+        """Drafts (or multi-step placeholders) are for one step: a running sequence the budget left out of this
+        one must not carry them into a later one."""
+        for seq in self.running:
+            seq.draft_ids = []
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -20,6 +20,10 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& q, const at::
                                                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                                                  at::Tensor v_cache, const at::Tensor& slots);
 at::Tensor swiglu(const at::Tensor& gate_up);
+at::Tensor argmax_rows(const at::Tensor& x);
+at::Tensor sample_probs(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                        const at::Tensor& top_p, const at::Tensor& min_p);
+at::Tensor draw(const at::Tensor& probs, const at::Tensor& u);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
 

@@ -146,6 +146,67 @@ class LlamaStep : public torch::CustomClassHolder {
     return head ? widen(head_(h), vocab_) : h;
   }
 
+  // Several decode steps of the same sequences in one call (vLLM's multi-step scheduling, --num-scheduler-steps):
+  // each row's token is chosen here, as the engine's sampler chooses it (the argmax, or for a sampled row
+  // `sample_probs` and `draw` at its next uniform, the argmax where nothing can be drawn), and is the row's input in
+  // the next step. Each step is `step` over the rows still stepping, so every token is what that many single steps
+  // would give, bit for bit; between them no Python runs and the pool's threads stay awake.
+  // first [4, n]: the rows' first input ids, positions, context lengths and step counts (>= 1); slots [n, S] (a row's
+  // cache slot at each of its steps); tables [n, W]; per row temperature (float32), top_k (int64), top_p, min_p
+  // (float32) and sampled (bool); u [S, n] float64: a sampled row's uniform at each step. -> tokens [n, S] int64,
+  // -1 past a row's count.
+  at::Tensor steps(const at::Tensor& first, const at::Tensor& slots, const at::Tensor& tables,
+                   const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+                   const at::Tensor& min_p, const at::Tensor& sampled, const at::Tensor& u) const {
+    const int64_t n = first.size(1), count = slots.size(1);
+    TORCH_CHECK(first.dim() == 2 && first.size(0) == 4 && slots.size(0) == n && tables.size(0) == n &&
+                    u.dim() == 2 && u.size(0) == count && u.size(1) == n && sampled.size(0) == n,
+                "LlamaStep.steps: first [4, n], slots [n, S], tables [n, W], u [S, n], settings [n]");
+    const auto f = first.accessor<int64_t, 2>();
+    const auto sl = slots.accessor<int64_t, 2>();
+    const auto pu = u.accessor<double, 2>();
+    const auto draws = sampled.accessor<bool, 1>();
+    const at::TensorOptions longs = first.options();
+    at::Tensor tokens = at::full({n, count}, -1, longs);
+    auto out = tokens.accessor<int64_t, 2>();
+    std::vector<int64_t> ids(n);
+    for (int64_t i = 0; i < n; ++i) ids[i] = f[0][i];
+    const at::Tensor none = at::empty({0}, longs);
+    for (int64_t s = 0; s < count; ++s) {
+      std::vector<int64_t> live;  // rows still stepping
+      for (int64_t i = 0; i < n; ++i)
+        if (f[3][i] > s) live.push_back(i);
+      if (live.empty()) break;
+      const int64_t a = static_cast<int64_t>(live.size());
+      at::Tensor rows = at::empty({4, a}, longs);
+      auto r = rows.accessor<int64_t, 2>();
+      for (int64_t j = 0; j < a; ++j) {
+        const int64_t i = live[j];
+        r[0][j] = ids[i], r[1][j] = f[1][i] + s, r[2][j] = sl[i][s], r[3][j] = f[2][i] + s;
+      }
+      const at::Tensor index = at::tensor(live, longs);
+      const at::Tensor logits = step(rows, a == n ? tables : tables.index_select(0, index), true, none);
+      const at::Tensor best = k::argmax_rows(logits);
+      std::vector<int64_t> chosen(best.data_ptr<int64_t>(), best.data_ptr<int64_t>() + a), pick;
+      for (int64_t j = 0; j < a; ++j)
+        if (draws[live[j]]) pick.push_back(j);
+      if (!pick.empty()) {  // the sampled rows together, as the engine's `sample` takes them
+        const int64_t m = static_cast<int64_t>(pick.size());
+        const at::Tensor rows_of = at::tensor(pick, longs), seqs_of = index.index_select(0, rows_of);
+        at::Tensor uniforms = at::empty({m}, longs.dtype(at::kDouble));
+        for (int64_t p = 0; p < m; ++p) uniforms.data_ptr<double>()[p] = pu[s][live[pick[p]]];
+        const at::Tensor probs = k::sample_probs(logits.index_select(0, rows_of), temperature.index_select(0, seqs_of),
+                                                 top_k.index_select(0, seqs_of), top_p.index_select(0, seqs_of),
+                                                 min_p.index_select(0, seqs_of));
+        const at::Tensor drawn = k::draw(probs, uniforms);
+        for (int64_t p = 0; p < m; ++p)
+          if (drawn.data_ptr<int64_t>()[p] >= 0) chosen[pick[p]] = drawn.data_ptr<int64_t>()[p];
+      }
+      for (int64_t j = 0; j < a; ++j) out[live[j]][s] = ids[live[j]] = chosen[j];
+    }
+    return tokens;
+  }
+
  private:
   std::vector<Layer> layers_;
   at::Tensor embed_, norm_, cos_, sin_;
@@ -159,5 +220,6 @@ class LlamaStep : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
   m.class_<LlamaStep>("LlamaStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, double>())
-      .def("step", &LlamaStep::step);
+      .def("step", &LlamaStep::step)
+      .def("steps", &LlamaStep::steps);
 }
