@@ -79,18 +79,16 @@ class LlamaStep:
 
     def run_steps(self, ids: list[int], positions: list[int], ctx: list[int], counts: list[int],
                   slots: list[list[int]], tables: list[list[int]], settings: tuple[torch.Tensor, ...],
-                  sampled: list[bool], uniforms: list[list[float]]) -> list[list[int]]:
+                  uniforms: list[list[float]]) -> list[list[int]]:
         """Each row's next `counts[i]` tokens, decoding from `ids[i]` at `positions[i]` (context length `ctx[i]`) into
         `slots[i]`: one C++ call for several steps (csrc/llama_step.cpp `steps`). `settings`: the rows' temperature,
-        top_k, top_p and min_p (sampler.row_settings); `uniforms[s]`: the sampled rows' uniforms at step s, in row
-        order among the rows still stepping."""
-        n, most = len(ids), max(counts)
+        top_k, top_p and min_p (sampler.row_settings); `uniforms[i]`: a sampled row's uniform at each of its steps,
+        none for a greedy row."""
         first = torch.tensor([ids, positions, ctx, counts], dtype=torch.int64)
-        u = torch.zeros(most, n, dtype=torch.float64)
-        for s, values in enumerate(uniforms):
-            rows = [i for i in range(n) if sampled[i] and counts[i] > s]
-            u[s, rows] = torch.tensor(values, dtype=torch.float64)
-        tokens = self._step.steps(first, _padded(slots), _padded(tables), *settings, torch.tensor(sampled), u)
+        most = max(counts)
+        u = torch.tensor([row + [0.0] * (most - len(row)) for row in uniforms], dtype=torch.float64).T.contiguous()
+        sampled = torch.tensor([bool(row) for row in uniforms])
+        tokens = self._step.steps(first, _padded(slots), _padded(tables), *settings, sampled, u)
         return [row[:c] for row, c in zip(tokens.tolist(), counts)]
 
 

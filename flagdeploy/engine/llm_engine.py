@@ -429,16 +429,18 @@ class LLMEngine:
 
     def _run_steps(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """The runner's several steps; each sequence's tokens join it as a speculating sequence's accepted ones do.
-        A sampled sequence's uniforms are drawn here from its generator, step by step in row order, as `sample`
-        draws them one step at a time."""
+        A sampled sequence's uniforms (one a step) are drawn here from its generator, step by step in row order, as
+        `sample` draws them one step at a time; a greedy one draws none."""
         scheduled_at = time.perf_counter()
         seqs = batch.seqs
         counts = [1 + len(d) for d in batch.drafts]
-        sampled = [not seq.params.greedy for seq in seqs]
-        uniforms = [[uniform(seq.generator) for seq, n, draws in zip(seqs, counts, sampled) if draws and n > s]
-                    for s in range(max(counts))]
+        uniforms: list[list[float]] = [[] for _ in seqs]
+        for s in range(max(counts)):
+            for seq, n, drawn in zip(seqs, counts, uniforms):
+                if not seq.params.greedy and n > s:
+                    drawn.append(uniform(seq.generator))
         settings = row_settings([seq.params for seq in seqs], torch.device("cpu"))
-        tokens = self.runner.run_steps(batch, settings, sampled, uniforms)
+        tokens = self.runner.run_steps(batch, settings, uniforms)
         self.num_steps += 1
         outputs = []
         for seq, new in zip(seqs, tokens):

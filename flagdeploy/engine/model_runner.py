@@ -278,14 +278,14 @@ class PagedRunner(_Runner):
         steps = getattr(self.native, "serves_steps", None)
         return steps is not None and steps(len(batch.seqs), max(len(seq.block_table) for seq in batch.seqs))
 
-    def run_steps(self, batch: ScheduledBatch, settings: tuple[torch.Tensor, ...], sampled: list[bool],
+    def run_steps(self, batch: ScheduledBatch, settings: tuple[torch.Tensor, ...],
                   uniforms: list[list[float]]) -> list[list[int]]:
         """Several decode steps in one call (multi-step scheduling): each decoding sequence of `batch` takes
         1 + len(its drafts) steps from its last token, the drafts only placeholders for the cache slots the scheduler
-        granted; returns each sequence's new tokens, chosen as the sampler chooses them (`settings`, `sampled`: the
-        rows' sampling, `uniforms[s]`: the sampled rows' uniforms at step s)."""
+        granted; returns each sequence's new tokens, chosen as the sampler chooses them (`settings`: the rows'
+        sampling; `uniforms[i]`: sequence i's uniform at each step, none for a greedy one)."""
         ids, positions, ctx, counts, slots, tables = [], [], [], [], [], []
-        for seq, drafts in zip(batch.seqs, batch.drafts or [[] for _ in batch.seqs]):
+        for seq, drafts in zip(batch.seqs, batch.drafts):
             p = seq.num_computed
             ids.append(seq.token_ids[p])
             positions.append(p)
@@ -293,7 +293,7 @@ class PagedRunner(_Runner):
             counts.append(1 + len(drafts))
             slots.append([self._slot(seq.block_table, q) for q in range(p, p + 1 + len(drafts))])
             tables.append(list(seq.block_table))
-        return self.native.run_steps(ids, positions, ctx, counts, slots, tables, settings, sampled, uniforms)
+        return self.native.run_steps(ids, positions, ctx, counts, slots, tables, settings, uniforms)
 
     def execute(self, step: PagedStep) -> torch.Tensor:
         """Logits of the step's `logits_rows`."""
