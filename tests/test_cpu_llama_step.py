@@ -191,6 +191,7 @@ def test_biases_an_int8_head_and_the_eager_steps_row_limit(qwen2_dir, monkeypatc
     monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "packed_max_m", 4)
     monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "dense_copy", True)
     monkeypatch.setitem(cpu_ops.TUNE["paged_attention_decode"], "native_max_keys", 32)
+    monkeypatch.setitem(cpu_ops.TUNE["paged_attention_decode"], "prompt_max_keys", 0)  # prompts: a prefill
     model, tokenizer = load_model(qwen2_dir, "safetensors", torch.float32, "cpu", progress=False)
     assert model.layers[0].qkv_proj.bias is not None
     for m in model.modules():
@@ -209,6 +210,59 @@ def test_biases_an_int8_head_and_the_eager_steps_row_limit(qwen2_dir, monkeypatc
     assert served == []
     engine.generate(prompts[:3], greedy)  # 3 rows: the C++ step until the tables pass 32 keys (8 blocks of 4)
     assert served == [3] * 28  # contexts of 5 to 32 tokens; the 29th decode step reads 33
+
+
+def test_prompt_rows_beside_dense_copies(qwen2_dir, monkeypatch):
+    """Where the linears keep a dense copy (the AVX-512 tables' bf16 for oneDNN) and the table gives a
+    `prompt_max_keys`, a short prompt's tokens run as rows of the C++ step however many there are (past the
+    `packed_max_m` that bounds plain decode steps), bit for bit the eager step's verify mode; a longer prompt, or
+    any prompt on a table without the setting, is a prefill on the copies, as before."""
+    from flagdeploy.backends.cpu import ops as cpu_ops
+
+    for op in ("linear_w4a16", "linear_w8a16"):
+        monkeypatch.setitem(cpu_ops.TUNE[op], "packed_max_m", 4)
+        monkeypatch.setitem(cpu_ops.TUNE[op], "dense_copy", True)
+    monkeypatch.setitem(cpu_ops.TUNE["paged_attention_decode"], "prompt_max_keys", 12)
+    model, tokenizer = load_model(qwen2_dir, "safetensors", torch.float32, "cpu", progress=False)
+    for m in model.modules():
+        if isinstance(m, Linear) and m is not model.lm_head:
+            m.qweight, m._op, m.weight = ops.prepare_weight("linear_w4a16", _int4(m.weight)), "linear_w4a16", None
+    model.lm_head.quantize_int8()
+    model.prepare(64)
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_model_len=64, max_num_seqs=8, block_size=4, num_scheduler_steps=1))
+    step = engine.runner.native
+    assert step.max_rows == 4 and step.prompt_max_keys == 12
+    assert step.serves(10, 3, verify=True) and not step.serves(10, 3)
+    served = _checking(engine.runner)
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    short = [5, 17, 42, 99, 3, 8, 61, 23, 14, 77]
+    rows = engine.generate([short], greedy)[0]
+    assert served == [10, 1, 1]  # the prompt's 10 rows, then two decode steps
+    served.clear()
+    engine.generate([short + [9, 10, 11]], greedy)  # 13 tokens: past prompt_max_keys, a prefill
+    assert served == [1, 1]
+    served.clear()
+    step.prompt_max_keys = 0  # a table without the setting: the same prompt as a prefill on the dense copies
+    prefill = engine.generate([[6] + short[1:]], greedy)[0]
+    assert served == [1, 1] and len(prefill) == len(rows) == 3
+    # a sequence's decode rows in a step beside another's prefill take the kernel they take alone: its tokens'
+    # logprobs, bit for bit, whether or not a prompt arrived while it decoded
+    lp = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
+    alone = [o.logprobs[0].logprob for o in _outputs(engine, [("a", [8, 3, 44])], lp)]
+    beside = [o.logprobs[0].logprob for o in _outputs(engine, [("b", [8, 3, 44]), ("c", short)], lp) if o.request_id == "b"]
+    assert beside == alone
+
+
+def _outputs(engine, requests, params):
+    """Every output of the requests, the first added alone and each later one after the engine's next step."""
+    engine.add_request(*requests[0], params)
+    outs = engine.step()
+    for rid, ids in requests[1:]:
+        engine.add_request(rid, ids, params)
+        outs += engine.step()
+    while engine.has_work():
+        outs += engine.step()
+    return outs
 
 
 def test_a_dense_model_keeps_the_eager_step(llm_engine):

@@ -9,8 +9,8 @@ It is built only where the eager step would run exactly those kernels: one proce
 every linear and the head laid out for the backend's int4 or int8 kernel, a 16-bit KV cache those kernels
 feed, and float norms of the residual stream's dtype. A step is served by it when its rows are few enough for
 the packed kernels (`packed_max_m`) and its block tables short enough for the native attention kernel
-(`native_max_keys`), the eager step's own thresholds; other steps run eagerly. Where no linear keeps a dense copy,
-a prompt of up to `prompt_max_keys` tokens is such a step too, its tokens decode rows (`takes_prompt`).
+(`native_max_keys`), the eager step's own thresholds; other steps run eagerly. A prompt of up to `prompt_max_keys`
+tokens (tune.yaml) is such a step too, its tokens decode rows (`takes_prompt`).
 """
 
 from __future__ import annotations
@@ -40,20 +40,21 @@ class LlamaStep:
         self._head, self._head_rows, self._vocab = model.lm_head, head_rows, model.cfg.vocab_size
         self.prompt_max_keys, self.default_steps = prompt_max_keys, default_steps
 
-    def serves(self, rows: int, width: int) -> bool:
+    def serves(self, rows: int, width: int, verify: bool = False) -> bool:
         """Whether a decode step of `rows` rows (sequences, or a verify step's tokens) with block tables `width`
-        wide runs here."""
-        return rows <= self.max_rows and width * self.block_size <= self.max_keys
+        wide runs here. A verify step's rows (drafts, a prompt's tokens) take the packed kernels at any count in the
+        eager step too (backends/cpu/ops.py: the kernels are row-invariant), so `max_rows` does not bound them."""
+        return (rows <= self.max_rows or verify) and width * self.block_size <= self.max_keys
 
     def takes_prompt(self, tokens: int) -> bool:
         """Whether the prompt tokens of a sequence of `tokens` tokens run as decode rows (each over its own keys
-        in the cache, as a verify step's rows do) rather than as a prefill. Where every linear and the head keep
-        no dense copy, a prompt's rows take the packed kernels anyway, and attention is the last thing telling
-        them from decode rows: as rows, a prompt computes the same whether it arrives whole, in chunks or after
-        a prefix-cache hit, and a short prompt or a cached prompt's last few tokens run here instead of as an
-        eager prefill of ~300 kernel calls from Python (a 134-token prompt of which 128 were cached: 30 ms to
-        its first token, against 5 ms a decode row). Up to `prompt_max_keys` tokens (tune.yaml): past them the
-        native kernel's rows, each over its own keys, cost more than torch's fused causal attention."""
+        in the cache, as a verify step's rows do) rather than as a prefill. As rows, a prompt computes the same
+        whether it arrives whole, in chunks or after a prefix-cache hit, and a short prompt or a cached prompt's
+        last few tokens run here instead of as an eager prefill of ~300 kernel calls from Python (a 134-token
+        prompt of which 128 were cached: 30 ms to its first token, against 5 ms a decode row). Up to
+        `prompt_max_keys` tokens (tune.yaml): past them the native kernel's rows, each over its own keys, cost more
+        than torch's fused causal attention, and where linears keep a dense copy (bf16 for oneDNN / AMX) the copy's
+        matmuls beat the packed kernels at a prompt's many rows."""
         return tokens <= self.prompt_max_keys
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
@@ -185,9 +186,8 @@ def build(model, kv_caches: list, block_size: int) -> LlamaStep | None:
     step = torch.classes.flagdeploy_cpu.LlamaStep(_tensors(model, kv_caches), dims(model), cfg.rms_norm_eps, layer.scale)
     head_rows = _packed_rows(model.lm_head)
     attention = TUNE["paged_attention_decode"]
-    no_copies = max_rows == head_rows == sys.maxsize  # prompt rows take the packed kernels too (takes_prompt)
     return LlamaStep(step, model, max_rows, head_rows, attention["native_max_keys"], block_size,
-                     min(attention.get("prompt_max_keys", 0), attention["native_max_keys"]) if no_copies else 0,
+                     min(attention.get("prompt_max_keys", 0), attention["native_max_keys"]),
                      SERVE.get("num_scheduler_steps", 1))
 
 

@@ -12,7 +12,7 @@ from torch import nn
 import yaml
 
 from flagdeploy.ops import fused, glm, reference
-from flagdeploy.ops.registry import OPS, in_prefill_step, in_verify_step, tracing
+from flagdeploy.ops.registry import OPS, in_prefill_step, in_verify_step, prompt_rows, tracing
 from flagdeploy.ops.weights import Int4Weight, Int8Weight, W8A8Weight, stripped
 
 from . import native
@@ -261,10 +261,20 @@ def _w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     packed one). A bundle without a dense copy takes the packed kernel for every row, which holds the same."""
     if "dense" not in w.prepared:
         return packed_w4a16(x, w)
+    k = prompt_rows(x.shape[0]) if in_prefill_step() else 0
+    if k == 0:
+        return _w4a16_decode(x, w)
+    if k == x.shape[0]:
+        return _dense_mm(x, w.prepared["dense"])
+    return torch.cat([_dense_mm(x[:k], w.prepared["dense"]), _w4a16_decode(x[k:], w)])
+
+
+def _w4a16_decode(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """Decode rows, with no prompt's beside them or after a prompt's (`_w4a16`): the same kernel either way."""
     m = TUNE["linear_w4a16"]["packed_max_m"]
-    if x.shape[0] <= m and not in_prefill_step():
+    if x.shape[0] <= m:
         return packed_w4a16(x, w)
-    if in_verify_step() and not in_prefill_step():  # a speculative verify: every row as a plain decode row
+    if in_verify_step():  # a speculative verify: every row as a plain decode row
         return torch.cat([packed_w4a16(c, w) for c in x.split(m)])  # computes it (the kernel is row-invariant)
     return _dense_mm(x, w.prepared["dense"])
 
@@ -301,16 +311,24 @@ def _w8a16(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     p = w.prepared
     if "dense" not in p:  # the backend's own kernel takes every row (see _w4a16)
         return packed_w8a16(x, w)
+    if "w8" not in p and "q" not in p:
+        return _dense_mm(x, p["dense"])
+    k = prompt_rows(x.shape[0]) if in_prefill_step() else 0
+    if 0 < k < x.shape[0]:  # a prompt's rows, then decode rows computed as a step of decodes alone computes them
+        return torch.cat([_w8a16_rows(x[:k], w, True), _w8a16_rows(x[k:], w, False)])
+    return _w8a16_rows(x, w, k > 0)
+
+
+def _w8a16_rows(x: torch.Tensor, w: Int8Weight, prompt: bool) -> torch.Tensor:
     m = TUNE["linear_w8a16"]["packed_max_m"]
-    packed = "w8" in p or "q" in p
-    if packed and x.shape[0] <= m:
+    if x.shape[0] <= m:
         return packed_w8a16(x, w)
-    if packed and in_verify_step() and not in_prefill_step():
+    if in_verify_step() and not prompt:
         # a speculative verify step (e.g. 1 + K rows through the int8 LM head): the packed kernel in chunks of
         # at most `packed_max_m` rows, as plain decode rows of a small batch take it; the kernel is row-invariant
         # (each row's result does not depend on the others), so verified tokens equal unspeculated ones
         return torch.cat([packed_w8a16(c, w) for c in x.split(m)])
-    return _dense_mm(x, p["dense"])
+    return _dense_mm(x, w.prepared["dense"])
 
 
 def linear_w8a16(x, w: Int8Weight, bias=None):

@@ -219,10 +219,13 @@ class PagedRunner(_Runner):
         sequence the backend's own decode step takes as rows (`takes_prompt`: they then compute what decode rows
         compute, whatever part of the prompt the prefix cache held), its last prompt row the logits row."""
         drafts = batch.drafts or [[] for _ in batch.seqs]
-        rows = [bool(d) or (n > 1 and not s.media and self.native is not None and self.native.takes_prompt(s.num_tokens))
-                for s, n, d in zip(batch.seqs, batch.num_new_tokens, drafts)]
-        # Prefill chunks (more than one new token, not taken as rows) first, then decode rows.
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1 or rows[i])
+        # a prompt's chunk: more than one token, or one of the prompt's own (a chunk the step's token budget cut to
+        # one, a cached prompt's last token), which a prefill computes as it computes the prompt's other tokens
+        prompt = [n > 1 or s.num_computed < s.num_prompt_tokens for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        rows = [bool(d) or (p and not s.media and self.native is not None and self.native.takes_prompt(s.num_tokens))
+                for s, p, d in zip(batch.seqs, prompt, drafts)]
+        # Prefill chunks (a prompt's, not taken as rows) first, then decode rows.
+        order = sorted(range(len(batch.seqs)), key=lambda i: rows[i] or not prompt[i])
         step = PagedStep([], [], [], 0, [0], [0], [], [], [], [])
         need_cache_read = False
         sampled: list[int] = []
@@ -248,7 +251,7 @@ class PagedRunner(_Runner):
                     step.logits_rows.append(len(step.ids) - 1)
                     sampled.append(i)
                 continue
-            if n > 1:
+            if prompt[i]:
                 step.num_prefill += n
                 step.cu_q.append(step.cu_q[-1] + n)
                 step.cu_k.append(step.cu_k[-1] + end)
@@ -306,7 +309,7 @@ class PagedRunner(_Runner):
                     logits = self.compiled.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens,
                                                [0] * n)
                     return take_rows(logits, step.logits_rows)
-                if self.native is not None and self.native.serves(n, max(len(t) for t in step.tables)):
+                if self.native is not None and self.native.serves(n, max(len(t) for t in step.tables), step.verify):
                     return self.native.run(step.ids, step.positions, step.slots, step.tables, step.ctx_lens,
                                            verify=step.verify, logits_rows=step.logits_rows)
                 if self.graphs is not None and n <= self.graphs.max_batch:
@@ -327,8 +330,10 @@ class PagedRunner(_Runner):
             context_lens=t(step.ctx_lens, torch.int32) if step.tables else None,
             logits_indices=t(step.logits_rows),
         )
-        # a prefill beside several rows of one sequence (verify or prompt rows): both marks, each for its rows
-        with ops.prefill_step() if step.num_prefill else contextlib.nullcontext(), \
+        # a prefill beside decode rows (plain, verify or prompt rows): the prompt chunks lead, each mark for its rows
+        leading = {len(step.ids): step.num_prefill,
+                   len(step.logits_rows): sum(r < step.num_prefill for r in step.logits_rows)}
+        with ops.prefill_step(leading) if step.num_prefill else contextlib.nullcontext(), \
                 ops.verify_step() if step.verify else contextlib.nullcontext():
             return self.model(t(step.ids), meta, self.kv_caches, embeds=step.embeds)
 

@@ -275,16 +275,19 @@ def tracing() -> bool:
     return torch._guards.TracingContext.try_get() is not None
 
 
-_PREFILL = contextvars.ContextVar("flagdeploy_prefill_step", default=False)
+_PREFILL = contextvars.ContextVar("flagdeploy_prefill_step", default=None)  # {rows: prompt rows among them} or None
 
 
 @contextmanager
-def prefill_step():
+def prefill_step(leading: dict[int, int] | None = None):
     """Marks a forward that computes prompt tokens (alone or beside decodes). A backend whose kernels
     differ by row count (the cpu backend's packed int4 kernel for few rows, a bf16 GEMM for more) runs
     every prompt token through one of them, so that a prompt computes the same values whatever part of
-    it a prefix-cache hit skipped."""
-    token = _PREFILL.set(True)
+    it a prefix-cache hit skipped. `leading` {n: k}: an activation of n rows holds a prompt's rows in its first
+    k (the paged runner puts a step's prompt chunks first: its token rows, and its logits rows); the decode rows
+    after them are computed as a step of decodes alone computes them, so that a sequence's tokens do not depend
+    on whether a prompt arrived beside it. Other activations count as a prompt's rows throughout."""
+    token = _PREFILL.set(leading or {})
     try:
         yield
     finally:
@@ -295,7 +298,14 @@ def prefill_step():
 # decode steps, traced outside any prefill or verify step), and keeps the answer.
 @trace_constant
 def in_prefill_step() -> bool:
-    return _PREFILL.get()
+    return _PREFILL.get() is not None
+
+
+def prompt_rows(n: int) -> int:
+    """How many of the first rows of an activation of `n` rows are prompt tokens (`prefill_step`): 0 outside a
+    prefill step."""
+    leading = _PREFILL.get()
+    return 0 if leading is None else leading.get(n, n)
 
 
 _VERIFY = contextvars.ContextVar("flagdeploy_verify_step", default=False)
