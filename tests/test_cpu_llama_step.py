@@ -182,6 +182,18 @@ def _int4(w: torch.Tensor, group: int = 32) -> Int4Weight:
     return Int4Weight(q, scales, lo + 8 * scales, group, n, k)
 
 
+def _int4_engine(path) -> LLMEngine:
+    """An engine over the tiny Qwen2 at `path`: its linears 4-bit, its head int8, laid out by the tune table as
+    it stands (tests patch it first), blocks of 4 tokens, one step a call."""
+    model, tokenizer = load_model(path, "safetensors", torch.float32, "cpu", progress=False)
+    for m in model.modules():
+        if isinstance(m, Linear) and m is not model.lm_head:
+            m.qweight, m._op, m.weight = ops.prepare_weight("linear_w4a16", _int4(m.weight)), "linear_w4a16", None
+    model.lm_head.quantize_int8()
+    model.prepare(64)
+    return LLMEngine(model, tokenizer, EngineConfig(max_model_len=64, max_num_seqs=8, block_size=4, num_scheduler_steps=1))
+
+
 def test_biases_an_int8_head_and_the_eager_steps_row_limit(qwen2_dir, monkeypatch):
     """4-bit linears with biases and an int8 head: bit for bit the eager step's logits; at more rows than the
     packed kernels take (`packed_max_m`), and past the native attention's keys, the eager step serves (its
@@ -192,14 +204,8 @@ def test_biases_an_int8_head_and_the_eager_steps_row_limit(qwen2_dir, monkeypatc
     monkeypatch.setitem(cpu_ops.TUNE["linear_w4a16"], "dense_copy", True)
     monkeypatch.setitem(cpu_ops.TUNE["paged_attention_decode"], "native_max_keys", 32)
     monkeypatch.setitem(cpu_ops.TUNE["paged_attention_decode"], "prompt_max_keys", 0)  # prompts: a prefill
-    model, tokenizer = load_model(qwen2_dir, "safetensors", torch.float32, "cpu", progress=False)
-    assert model.layers[0].qkv_proj.bias is not None
-    for m in model.modules():
-        if isinstance(m, Linear) and m is not model.lm_head:
-            m.qweight, m._op, m.weight = ops.prepare_weight("linear_w4a16", _int4(m.weight)), "linear_w4a16", None
-    model.lm_head.quantize_int8()
-    model.prepare(64)
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_model_len=64, max_num_seqs=8, block_size=4, num_scheduler_steps=1))
+    engine = _int4_engine(qwen2_dir)
+    assert engine.runner.model.layers[0].qkv_proj.bias is not None
     step = engine.runner.native
     assert step is not None and step.max_rows == 4
     assert step.serves(4, 8) and not step.serves(5, 1) and not step.serves(1, 9)
@@ -223,13 +229,7 @@ def test_prompt_rows_beside_dense_copies(qwen2_dir, monkeypatch):
         monkeypatch.setitem(cpu_ops.TUNE[op], "packed_max_m", 4)
         monkeypatch.setitem(cpu_ops.TUNE[op], "dense_copy", True)
     monkeypatch.setitem(cpu_ops.TUNE["paged_attention_decode"], "prompt_max_keys", 12)
-    model, tokenizer = load_model(qwen2_dir, "safetensors", torch.float32, "cpu", progress=False)
-    for m in model.modules():
-        if isinstance(m, Linear) and m is not model.lm_head:
-            m.qweight, m._op, m.weight = ops.prepare_weight("linear_w4a16", _int4(m.weight)), "linear_w4a16", None
-    model.lm_head.quantize_int8()
-    model.prepare(64)
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_model_len=64, max_num_seqs=8, block_size=4, num_scheduler_steps=1))
+    engine = _int4_engine(qwen2_dir)
     step = engine.runner.native
     assert step.max_rows == 4 and step.prompt_max_keys == 12
     assert step.serves(10, 3, verify=True) and not step.serves(10, 3)

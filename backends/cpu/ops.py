@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from pathlib import Path
@@ -261,22 +262,32 @@ def _w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     packed one). A bundle without a dense copy takes the packed kernel for every row, which holds the same."""
     if "dense" not in w.prepared:
         return packed_w4a16(x, w)
+    packed, dense = functools.partial(packed_w4a16, w=w), w.prepared["dense"]
+    m = TUNE["linear_w4a16"]["packed_max_m"]
+    return _by_prompt_rows(x, lambda r: _dense_mm(r, dense), lambda r: _decode_rows(r, packed, dense, m))
+
+
+def _by_prompt_rows(x: torch.Tensor, prompt, decode) -> torch.Tensor:
+    """The leading rows of `x` that are prompt tokens (`ops.prefill_step`) through `prompt`, the decode rows after
+    them through `decode`, as a step of decodes alone computes them."""
     k = prompt_rows(x.shape[0]) if in_prefill_step() else 0
     if k == 0:
-        return _w4a16_decode(x, w)
+        return decode(x)
     if k == x.shape[0]:
-        return _dense_mm(x, w.prepared["dense"])
-    return torch.cat([_dense_mm(x[:k], w.prepared["dense"]), _w4a16_decode(x[k:], w)])
+        return prompt(x)
+    return torch.cat([prompt(x[:k]), decode(x[k:])])
 
 
-def _w4a16_decode(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """Decode rows, with no prompt's beside them or after a prompt's (`_w4a16`): the same kernel either way."""
-    m = TUNE["linear_w4a16"]["packed_max_m"]
+def _decode_rows(x: torch.Tensor, packed, dense: torch.Tensor, m: int) -> torch.Tensor:
+    """Decode rows of a bundle with a dense copy: the packed kernel up to `m` (`packed_max_m`) rows, the copy past
+    them, except in a speculative verify step (e.g. 1 + K rows through the int8 LM head): the packed kernel in
+    chunks of at most `m` rows, as plain decode rows of a small batch take it; the kernel is row-invariant (each
+    row's result does not depend on the others), so verified tokens equal unspeculated ones."""
     if x.shape[0] <= m:
-        return packed_w4a16(x, w)
-    if in_verify_step():  # a speculative verify: every row as a plain decode row
-        return torch.cat([packed_w4a16(c, w) for c in x.split(m)])  # computes it (the kernel is row-invariant)
-    return _dense_mm(x, w.prepared["dense"])
+        return packed(x)
+    if in_verify_step():
+        return torch.cat([packed(c) for c in x.split(m)])
+    return _dense_mm(x, dense)
 
 
 def linear_w4a16(x, w: Int4Weight, bias=None):
@@ -313,22 +324,11 @@ def _w8a16(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
         return packed_w8a16(x, w)
     if "w8" not in p and "q" not in p:
         return _dense_mm(x, p["dense"])
-    k = prompt_rows(x.shape[0]) if in_prefill_step() else 0
-    if 0 < k < x.shape[0]:  # a prompt's rows, then decode rows computed as a step of decodes alone computes them
-        return torch.cat([_w8a16_rows(x[:k], w, True), _w8a16_rows(x[k:], w, False)])
-    return _w8a16_rows(x, w, k > 0)
-
-
-def _w8a16_rows(x: torch.Tensor, w: Int8Weight, prompt: bool) -> torch.Tensor:
+    packed, dense = functools.partial(packed_w8a16, w=w), p["dense"]
     m = TUNE["linear_w8a16"]["packed_max_m"]
-    if x.shape[0] <= m:
-        return packed_w8a16(x, w)
-    if in_verify_step() and not prompt:
-        # a speculative verify step (e.g. 1 + K rows through the int8 LM head): the packed kernel in chunks of
-        # at most `packed_max_m` rows, as plain decode rows of a small batch take it; the kernel is row-invariant
-        # (each row's result does not depend on the others), so verified tokens equal unspeculated ones
-        return torch.cat([packed_w8a16(c, w) for c in x.split(m)])
-    return _dense_mm(x, w.prepared["dense"])
+    # a prompt's rows: the packed kernel up to `m` of them, as before a prompt arrived beside decodes
+    return _by_prompt_rows(x, lambda r: packed(r) if r.shape[0] <= m else _dense_mm(r, dense),
+                           lambda r: _decode_rows(r, packed, dense, m))
 
 
 def linear_w8a16(x, w: Int8Weight, bias=None):
