@@ -1,7 +1,7 @@
 """`flagdeploy serve` against llama.cpp's `llama-server` on the CPU, same GGUF, same run (issue 33).
 
     python benchmarks/cpu_vs_llama_server.py [--rounds 3] [--max-tokens 128] [--concurrency 16] [--quick]
-        [--llama-server PATH] [--model SRC] [--quantize TYPE] [--build-only] [--isa avx2|avx512]
+        [--llama-server PATH] [--model SRC] [--quantize TYPE] [--build-only] [--isa avx2|avxvnni|avx512]
         [--temperature T [--top-p P] [--top-k K]]
 
 What a CPU user would otherwise run is llama.cpp's server, so that is the baseline. The script:
@@ -92,16 +92,20 @@ LLAMA_CPP_PYTHON = "0.3.36"  # used when llama-cpp-python is not installed (the 
 CMAKE_FLAGS = ["-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
                "-DBUILD_SHARED_LIBS=OFF"]  # static: the cached binary must not need the build tree's .so files
 # --isa avx2: both servers as on a CPU without AVX-512 (an AVX2 Zen 2/3, most desktops): llama.cpp built for AVX2
-# alone, and flagdeploy's kernels built so with torch's own (ATen, oneDNN, MKL) capped there too; --isa avx512: as on
-# an AVX-512 CPU without AMX
+# alone, and flagdeploy's kernels built so with torch's own (ATen, oneDNN, MKL) capped there too; --isa avxvnni: as on
+# an AVX2 CPU with AVX-VNNI (Intel desktops and laptops since Alder Lake, AMD since Zen 5: vpdpbusd on 256 bits);
+# --isa avx512: as on an AVX-512 CPU without AMX
 _X86 = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON"]
 ISA_CMAKE_FLAGS = {"avx2": [*_X86, "-DGGML_AVX512=OFF"],
+                   "avxvnni": [*_X86, "-DGGML_AVX_VNNI=ON", "-DGGML_AVX512=OFF"],
                    # AVX-512 without AMX: llama.cpp 0.3.36's AMX path (GGML_NATIVE on an AMX CPU) crashed on a 2-core
                    # Xeon VM (SIGSEGV in ggml_backend_amx_mul_mat at its first decode; issue 54's twenty-fourth pass)
                    "avx512": [*_X86, "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON",
                               "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]}
 ISA_ENV = {"avx2": {"FLAGDEPLOY_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
                     "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+           "avxvnni": {"FLAGDEPLOY_CPU_ISA": "avxvnni", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI",
+                       "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
            "avx512": {"FLAGDEPLOY_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512",
                       "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}}
 READY_TIMEOUT = 1800.0  # seconds; flagdeploy's own --startup-timeout default
