@@ -6,7 +6,7 @@ model's own packed weights through the few-row kernel). Prints ms per step and t
 (issue 54: a 5-row step <= 1.5x one row). Rounds alternate over the row counts, so a host whose speed
 drifts favours none; the figure is the median of the rounds.
 
-    python benchmarks/cpu_few_rows.py [--context 256] [--rounds 15] [--threads N] [--eager] [--model SRC]
+    python benchmarks/cpu_few_rows.py [--context 256] [--rounds 15] [--threads N] [--eager] [--model SRC] [--q8-activations]
 
 `--eager` also times the eager (Python) step on the same inputs: the path verify steps took before the C++
 step served them. `--model` times another model (any source `serve --model` takes: a GGUF of the same shape with
@@ -45,13 +45,14 @@ def verify_step(rows: int, context: int, block_size: int, vocab: int) -> PagedSt
                      verify=rows > 1)
 
 
-def default_model(threads: int | None, model: str | None = None):
+def default_model(threads: int | None, model: str | None = None, q8_activations: bool = False):
     """(runner, model) of the engine serve builds on the CPU for `model` (a model source; None: the embedded default
-    model), on `threads` torch threads."""
+    model), on `threads` torch threads (`q8_activations`: as serve --q8-activations builds it)."""
     if threads:
         torch.set_num_threads(threads)
     src = resolve(model)
-    engine = build_llm_engine(src.path, src.format, EngineConfig(), chip="cpu", progress=False)
+    engine = build_llm_engine(src.path, src.format, EngineConfig(q8_activations=q8_activations), chip="cpu",
+                              progress=False)
     return engine.runner, engine.runner.model
 
 
@@ -68,8 +69,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--eager", action="store_true", help="also time the eager step (no C++ step)")
     ap.add_argument("--model", default=None, help="model source (default: the embedded SmolLM2-135M-Instruct GGUF)")
+    ap.add_argument("--q8-activations", action="store_true", help="as serve --q8-activations (one int8 activation part)")
     args = ap.parse_args()
-    runner, model = default_model(args.threads, args.model)
+    runner, model = default_model(args.threads, args.model, args.q8_activations)
     packed = packed_linears(model)
     steps = {r: verify_step(r, args.context, runner.block_size, model.cfg.vocab_size) for r in ROWS}
     xs = {r: {p["nib"].shape[1] * 32: torch.randn(r, p["nib"].shape[1] * 32).bfloat16() for p in packed} for r in ROWS}
@@ -87,7 +89,7 @@ def main() -> None:
     def linears_ms(r: int) -> float:
         t = time.perf_counter()
         for p in packed:
-            native.q4_linear(xs[r][p["nib"].shape[1] * 32], p["nib"], p["dm"])
+            native.q4_linear(xs[r][p["nib"].shape[1] * 32], p["nib"], p["dm"], p.get("parts", 2))
         return (time.perf_counter() - t) * 1e3
 
     kinds = {"step": step_ms, "linears": linears_ms}
@@ -102,7 +104,8 @@ def main() -> None:
             for k, fn in kinds.items():
                 times[(k, r)].append(fn(r))
     print(f"CPU: {cpu_name()}, ISA class {native.isa_class()}, {torch.get_num_threads()} thread(s), "
-          f"torch {torch.__version__}; {args.model or 'the default model'}, {len(packed)} 4-bit linears, C++ step: "
+          f"torch {torch.__version__}; {args.model or 'the default model'}, {len(packed)} 4-bit linears"
+          f"{' (--q8-activations)' if args.q8_activations else ''}, C++ step: "
           f"{'yes' if native_step is not None else 'no'}; context {args.context}, median of {args.rounds} rounds")
     print(f"{'rows':>5} " + " ".join(f"{k + ' ms':>14} {'x 1 row':>8}" for k in kinds))
     for r in ROWS:

@@ -4,7 +4,7 @@ and on run in the same process, alternating rounds (the machine's load hits both
 tokens/s of each, the ratio, the acceptance length (1 + accepted / drafts, vLLM's definition) and whether the
 texts are identical (they must be: greedy verification is exact).
 
-    python benchmarks/cpu_speculative.py [--k 4] [--max-tokens 160] [--rounds 3] [--threads 1]
+    python benchmarks/cpu_speculative.py [--k 4] [--max-tokens 160] [--rounds 3] [--threads 1] [--q8-activations]
 
 FLAGDEPLOY_CPU_ISA=avx2 measures the AVX2 kernels on an AVX-512 CPU (the header says so).
 (`--threads 1` on a machine shared with other jobs: two OpenMP threads on two busy cores wait on each other
@@ -34,10 +34,10 @@ TYPO = PARAGRAPH.replace("accompanied", "acompanied")
 PROMPT = f"Repeat this paragraph exactly, fixing the typo:\n\n{TYPO}"
 
 
-def engine(spec: SpeculativeConfig):
+def engine(spec: SpeculativeConfig, q8_activations: bool = False):
     src = resolve(None)
     cfg = EngineConfig(max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=512, kv_cache_memory=256 << 20,
-                       speculative=spec)
+                       speculative=spec, q8_activations=q8_activations)
     return build_llm_engine(src.path, src.format, cfg, chip="cpu", progress=False)
 
 
@@ -49,12 +49,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--q8-activations", action="store_true", help="as serve --q8-activations (one int8 activation part)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    off = engine(SpeculativeConfig())
+    off = engine(SpeculativeConfig(), args.q8_activations)
     on = engine(SpeculativeConfig(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=args.min,
-                                  prompt_lookup_max=args.max))
+                                  prompt_lookup_max=args.max), args.q8_activations)
     tok = off.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
@@ -83,7 +84,8 @@ def main() -> None:
     best = {k: n / min(v) for k, v in times.items()}
     same = outs["off"] == outs["ngram"]
     print(f"CPU ISA class {native.isa_class()}; prompt {len(ids)} tokens, output {n} tokens, K={args.k}, n-gram "
-          f"{args.min}..{args.max}, {args.rounds} alternating rounds, {torch.get_num_threads()} thread(s)")
+          f"{args.min}..{args.max}, {args.rounds} alternating rounds, {torch.get_num_threads()} thread(s)"
+          f"{', --q8-activations' if args.q8_activations else ''}")
     print(f"{'mode':8} {'tok/s (mean)':>13} {'tok/s (best)':>13}")
     for k in times:
         print(f"{k:8} {tps[k]:13.1f} {best[k]:13.1f}")

@@ -45,6 +45,7 @@ SERVE_FLAGS = {
     "block_size": "--block-size",
     "kv_cache_memory": "--kv-cache-memory",
     "weight_format": "--weight-format",
+    "q8_activations": "--q8-activations",  # a switch, as compile
     "load_format": "--load-format",
     "default_temperature": "--default-temperature",
     "reasoning_parser": "--reasoning-parser",
@@ -78,6 +79,7 @@ class ServeOptions:
     kv_cache_memory: int = 2 << 30
     memory_utilization: float = 0.9
     weight_format: str = "auto"
+    q8_activations: bool = False
     load_format: str = "auto"
     tp: int = 1
     ep: int = 1
@@ -106,7 +108,7 @@ class ServeOptions:
         return EngineConfig(max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, block_size=self.block_size,
                             kv_cache_memory=self.kv_cache_memory, weight_format=self.weight_format,
-                            load_format=self.load_format, tp=self.tp, ep=self.ep, compile=self.compile,
+                            q8_activations=self.q8_activations, load_format=self.load_format, tp=self.tp, ep=self.ep, compile=self.compile,
                             num_scheduler_steps=self.num_scheduler_steps, speculative=self.speculative,
                             kv_transfer=self.kv_transfer)
 
@@ -157,7 +159,7 @@ def _convert(name: str, value: Any) -> Any:
         return SpeculativeConfig.parse(None, None, text)
     if name == "kv_transfer_config":
         return KvTransferConfig.parse(value if isinstance(value, str) else json.dumps(value))
-    if name == "compile":
+    if name in ("compile", "q8_activations"):
         if not isinstance(value, bool):
             raise TypeError(f"a switch (true or false), not {value!r}")
         return value

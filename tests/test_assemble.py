@@ -14,7 +14,8 @@ from flagdeploy.gateway.launch import builtin_launch_plan
 
 ARGS = {"max_model_len": 512, "kv_cache_memory": "64MiB", "max_num_seqs": 2, "tool_call_parser": "hermes",
         "reasoning_parser": "think", "request_timeout": 30, "max_tokens_policy": "clamp", "max_waiting": -1,
-        "speculative_config": '{"method":"ngram","num_speculative_tokens":2}', "compile": False, "num_scheduler_steps": 8}
+        "speculative_config": '{"method":"ngram","num_speculative_tokens":2}', "compile": False, "num_scheduler_steps": 8,
+        "q8_activations": True}
 
 
 def test_args_are_typed_once():
@@ -22,6 +23,7 @@ def test_args_are_typed_once():
     assert options.kv_cache_memory == 64 << 20 and options.max_num_seqs == 2 and options.request_timeout == 30.0
     assert options.speculative.method == "ngram" and options.speculative.num_speculative_tokens == 2
     assert options.engine_config().num_scheduler_steps == 8 and ServeOptions().engine_config().num_scheduler_steps is None
+    assert options.engine_config().q8_activations and not ServeOptions().engine_config().q8_activations
     assert options.engine_config().kv_cache_memory == 64 << 20 and options.engine_config().speculative.enabled
     assert ServeOptions.from_args({}).engine_config().max_model_len == ServeOptions().max_model_len
 
@@ -32,6 +34,7 @@ def test_args_are_typed_once():
     ({"tool_call_parser": "nope"}, "tool_call_parser"),
     ({"tp": 0}, "tp: must be a whole number >= 1"),
     ({"compile": "yes"}, "compile: a switch"),
+    ({"q8_activations": 1}, "q8_activations: a switch"),
     ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
 ])
 def test_bad_args_are_refused_naming_the_arg(args, match):
@@ -62,3 +65,18 @@ def test_args_are_the_inverse_of_from_args():
         options = ServeOptions.from_args(args, model="m")
         assert ServeOptions.from_args(options.args(), model="m") == options
     assert "request_timeout" not in ServeOptions().args() and "compile" not in ServeOptions().args()  # unset
+
+
+def test_serve_flags_are_the_options_names(monkeypatch):
+    """`flagdeploy serve`'s flags build the same ServeOptions (a new option reaches the engine from the CLI too)."""
+    from click.testing import CliRunner
+
+    from flagdeploy import serving
+    from flagdeploy.cli import main
+
+    seen = []
+    monkeypatch.setattr(serving, "serve", lambda options, setup: seen.append(options))
+    out = CliRunner().invoke(main, ["serve", "--q8-activations", "--num-scheduler-steps", "2"])
+    assert out.exit_code == 0, out.output
+    assert seen[0].engine_config().q8_activations and seen[0].num_scheduler_steps == 2
+    assert not CliRunner().invoke(main, ["serve", "--no-q8-activations"]).exit_code and not seen[1].q8_activations

@@ -85,6 +85,43 @@ def test_speculative_verify_steps_run_in_the_cpp_step_and_keep_greedy_output_exa
     assert on.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
+def test_q8_activations_decode_bit_for_bit_as_the_eager_step_and_speculate_exactly(default_model):
+    """`serve --q8-activations`: every 4-bit linear of the default model takes one int8 activation part (the C++ step
+    is built with it), the C++ step's logits are still the eager step's bit for bit, speculation stays exact, and
+    the answers' log-probabilities move (it is not the default's arithmetic)."""
+    from flagdeploy.backends.cpu import llama_step
+    from flagdeploy.engine.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+    on = make_engine(default_model, "auto", compile=None, max_num_seqs=2, max_model_len=512, speculative=spec,
+                     q8_activations=True)
+    off = make_engine(default_model, "auto", compile=None, max_num_seqs=2, max_model_len=512, q8_activations=True)
+    default = make_engine(default_model, "auto", compile=None, max_num_seqs=2, max_model_len=512)
+    bundles = [b.prepared for m in on.runner.model.modules() if isinstance(m, Linear) for b in m.bundles()
+               if isinstance(b.prepared, dict) and "nib" in b.prepared]
+    assert len(bundles) == 120 and all(p["parts"] == 1 for p in bundles)
+    assert llama_step.dims(on.runner.model)[4] == 1 and llama_step.dims(default.runner.model)[4] == 2
+    served = _checking(on.runner)
+    tok = on.tokenizer
+    text = "one two three four five six seven eight nine ten. one two three four five six seven eight nine ten."
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Repeat exactly: {text}"}]))
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    assert on.generate([ids], greedy) == off.generate([ids], greedy)
+    assert 5 in served, f"the C++ step served no verify step of 1 + 4 rows: {served}"
+    lp = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)
+    q8, full = ([o.logprobs[0].logprob for o in _outputs(e, [("a", ids)], lp)] for e in (off, default))
+    assert len(q8) == len(full) == 4 and q8 != full
+
+
+def test_q8_activations_say_when_they_change_nothing(default_model, caplog):
+    """Dense weights (`--weight-format dense`) have no int4 kernel to give its finer activations up: a warning says
+    so rather than the flag passing unnoticed."""
+    with caplog.at_level("WARNING", logger="flagdeploy.engine.model_loading"):
+        load_model(default_model.path, default_model.format, torch.float32, "cpu", progress=False,
+                   weight_format="dense", q8_activations=True)
+    assert "--q8-activations changes nothing here" in caplog.text
+
+
 def _counting_calls(runner) -> list[list[int]]:
     """The step counts of each multi-step call the C++ step serves."""
     calls, run_steps = [], runner.native.run_steps

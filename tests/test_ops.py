@@ -430,6 +430,56 @@ def test_cpu_int4_kernel_rounds_no_worse_than_its_bf16_output(n, k):
         assert torch.equal(alone, got), f"{rows} rows: a row's result depends on the rows beside it"
 
 
+def _one_part_product(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """x @ w.T in float64 as q4_linear's parts=1 takes it: each row's blocks of 32 rounded to one int8 part (llama.cpp's
+    Q8: a block's absmax / 127 a step, round half to even) against the weight's scaled values d * q, and the blocks'
+    exact sums against its offsets m (w = d * q + m: the kernel takes m * sum(x) from the float activations); d and m
+    in float16, as the packed weight holds them."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # IEEE's division (torch's scalar / tensor is
+    # not: a reciprocal a ulp off, which moved a tie at 63.5)
+    rounded = (torch.round(blocks * inv).double() * (amax.double() / 127)).view(x.shape)
+    d = w.scales.double()
+    d, m = (v.half().double().repeat_interleave(32, dim=1) for v in (d, w.zeros.double() - 8 * d))
+    return rounded @ (w.q.double() * d).t() + x.double() @ m.t()
+
+
+def test_cpu_int4_kernel_one_activation_part_on_every_build(kernel_builds):
+    """`serve --q8-activations`: q4_linear with parts=1 takes the activations as one int8 part per block of 32. Its
+    result is x rounded so, times the weight, up to the bf16 output's rounding; every build gives it bit for bit (the
+    AVX2 one in passes of four rows, the AVX-512 one without the lo part's products, the AMX tiles over a lo part of
+    zeros), each row as alone, at every row count around those passes; and it is not the two-part result."""
+    native = _cpu_kernels_or_skip()
+    builds = {name: b for name, b in kernel_builds.items() if name in ("native", "avx2", "amx stand-in", "amx")}
+    for b in builds.values():
+        if b.q4_amx_min_rows(0):
+            b.q4_amx_min_rows(1)
+    try:
+        g = torch.Generator().manual_seed(21)
+        for n, k in [(48, 96), (960, 576), (64, 1536)]:
+            w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                           torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3,
+                           torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
+            nib, dm = native.pack_q4(w)
+            for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 17):
+                x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(torch.bfloat16)
+                got = native.q4_linear(x, nib, dm, 1)
+                want = _one_part_product(x, w)
+                err, rounding = ((got.double() - want).norm() / want.norm(), (want.bfloat16().double() - want).norm() / want.norm())
+                assert err < 1.2 * rounding + 1e-4, f"{rows} rows: error {err:.2e} against the bf16 output's {rounding:.2e}"
+                for name, b in builds.items():
+                    assert torch.equal(b.q4_linear(x, nib, dm, 1), got), (name, n, k, rows)
+                alone = torch.cat([native.q4_linear(r, nib, dm, 1) for r in x.split(1)])
+                assert torch.equal(alone, got), f"{rows} rows: a row's result depends on the rows beside it"
+                assert not torch.equal(got, native.q4_linear(x, nib, dm)), "parts=1 computed the two-part result"
+        with pytest.raises(RuntimeError, match="parts is 1 or 2"):
+            native.q4_linear(x, nib, dm, 3)
+    finally:
+        for b in builds.values():
+            b.q4_amx_min_rows(native.AMX_NEVER)
+
+
 def test_cpu_kernels_thread_pool_gives_one_answer_to_concurrent_callers_thread_counts_and_a_forked_child():
     """The kernels' loops run on their own worker threads (csrc/thread_pool.h), one loop at a time: a second
     Python thread calling meanwhile computes on its own thread, torch.set_num_threads changes how many share a

@@ -37,6 +37,7 @@ backend = Backend(
              "linear": ops.prepare_linear},
     packed_weights=("linear_w4a16", "linear_w8a16"),
     int8_low_bits=lambda: native.holds_low_bits() and native.available(),
+    q8_activations=ops.q8_activations,
     priority=0,
     description=("torch CPU kernels (oneDNN / AMX, fused SDPA, packed int8 GEMV, int8 x int8 matmul) and its own "
                  "int4 x int8 GEMV, AVX-512 VNNI or AVX2, and a llama decode step in C++ (csrc/, built on first use)"),

@@ -302,7 +302,7 @@ def portable() -> bool:
     return _load("portable")
 
 
-def _q4_linear_fake(x, nib, dm):
+def _q4_linear_fake(x, nib, dm, parts=2):
     return x.new_empty(x.shape[0], nib.shape[0] * TILE, dtype=torch.bfloat16)
 
 
@@ -328,9 +328,10 @@ def pack_q4(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     return nib, dm
 
 
-def q4_linear(x: torch.Tensor, nib: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (float32 or bf16) times the packed weight: [M, N] bf16."""
-    return torch.ops.flagdeploy_cpu.q4_linear(x, nib, dm)
+def q4_linear(x: torch.Tensor, nib: torch.Tensor, dm: torch.Tensor, parts: int = 2) -> torch.Tensor:
+    """x [M, K] (float32 or bf16) times the packed weight: [M, N] bf16. `parts`: the activations' int8 parts per
+    value (2: ~15 bits, the default; 1: llama.cpp's Q8 precision, `serve --q8-activations`)."""
+    return torch.ops.flagdeploy_cpu.q4_linear(x, nib, dm, parts)
 
 
 TILE8 = 8  # output rows per tile of the int8 kernel

@@ -248,10 +248,11 @@ def prepare_w4a16(w: Int4Weight):
 
 def packed_w4a16(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     """The few-row kernel of a prepared bundle. The backend's own kernel carries the activations as two int8
-    parts per block of 32 (~15 bits: no rounding beyond its bf16 output's); torch's kernel multiplies in bf16."""
+    parts per block of 32 (~15 bits: no rounding beyond its bf16 output's), or one where `q8_activations` set
+    the bundle's "parts" to 1; torch's kernel multiplies in bf16."""
     p = w.prepared
     if "nib" in p:
-        return native.q4_linear(x, p["nib"], p["dm"])
+        return native.q4_linear(x, p["nib"], p["dm"], p.get("parts", 2))
     return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), p["packed"], w.group_size, p["scales_zeros"])
 
 
@@ -288,6 +289,24 @@ def _decode_rows(x: torch.Tensor, packed, dense: torch.Tensor, m: int) -> torch.
     if in_verify_step():
         return torch.cat([packed(c) for c in x.split(m)])
     return _dense_mm(x, dense)
+
+
+def q8_activations(model) -> int:
+    """The model's int4 linears on the backend's own kernel take their activations as one int8 part per block of
+    32, llama.cpp's Q8 precision, instead of two (~15 bits): `serve --q8-activations`. Half the kernel's products,
+    and on AVX2 twice the rows a pass: a few-row step ~1.4x faster there (docs/performance.md, issue 54's
+    twenty-fifth pass), at answers that may change. Returns how many linears took it (0: none is on that kernel)."""
+    from flagdeploy.models.linear import Linear
+
+    count = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            for bundle in m.bundles():
+                p = getattr(bundle, "prepared", None)
+                if isinstance(p, dict) and "nib" in p:
+                    p["parts"] = 1
+                    count += 1
+    return count
 
 
 def linear_w4a16(x, w: Int4Weight, bias=None):

@@ -51,6 +51,9 @@ class EngineConfig:
     kv_cache_memory: int = 2 << 30
     dtype: torch.dtype = torch.float32
     weight_format: str = "auto"  # keep a GGUF's 4-bit weights packed where the backend can; or "dense"
+    # the 4-bit linears' activations at llama.cpp's precision (one int8 a value) where the backend's kernels hold them
+    # finer (--q8-activations; `Backend.q8_activations`)
+    q8_activations: bool = False
     load_format: str = "auto"  # or "dummy": random weights from the config (benchmarks without a checkpoint)
     device: str = "cpu"
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs where the device is a GPU (paged models)

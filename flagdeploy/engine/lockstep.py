@@ -201,7 +201,8 @@ def _worker_main(rank: int, spec: ReplicaSpec, reports) -> None:
         mtp = config.speculative is not None and config.speculative.method == "mtp"
         with torch.inference_mode():
             model, _ = load_model(spec.path, spec.fmt, config.dtype, config.device, progress=False,
-                                  weight_format=config.weight_format, load_format=config.load_format, mtp=mtp)
+                                  weight_format=config.weight_format, load_format=config.load_format, mtp=mtp,
+                                  q8_activations=config.q8_activations)
             model.prepare(config.max_model_len)
             runner, _, _ = build_runner(model, config)
             forwards = {"mtp": MtpForwards(model, runner)} if mtp else {}

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: bool = True,
-               weight_format: str = "dense", load_format: str = "auto", mtp: bool = False):
+               weight_format: str = "dense", load_format: str = "auto", mtp: bool = False, q8_activations: bool = False):
     """(model, tokenizer) from a .gguf file or an HF safetensors directory.
 
     weight_format "dense" dequantises everything to `dtype`. "auto" keeps a GGUF's 4-bit linears
@@ -37,6 +37,8 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     real shapes can be run and measured without a checkpoint.
     mtp: also build and load the checkpoint's multi-token-prediction draft layer (`--speculative mtp`);
     a model or checkpoint without one is refused before any weight is read.
+    q8_activations: the 4-bit linears take their activations at llama.cpp's precision where the backend's kernels
+    hold them finer (`Backend.q8_activations`); a warning where no linear can.
     """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', not {load_format!r}")
@@ -59,6 +61,8 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     tokenizer = Tokenizer.from_source(path, fmt, extra_eos_ids=cfg.eos_token_ids)
     if load_format == "dummy":
         init_dummy_weights(model)
+        if q8_activations:
+            _q8_activations(model, be)
         return model, tokenizer
     if fmt == "gguf":
         reader = gguf_reader.open_gguf(path)
@@ -72,7 +76,19 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
         load_weights(model, ((n, to_device(t, device)) for n, t in bar), quantize_head, keep_fp8, bf16_experts)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}. The file does not match its own config; re-download it.") from exc
+    if q8_activations:
+        _q8_activations(model, be)
     return model, tokenizer
+
+
+def _q8_activations(model, be) -> None:
+    """--q8-activations on a loaded model: the backend's linears that hold activations finer take llama.cpp's Q8."""
+    count = be.q8_activations(model) if be.q8_activations is not None else 0
+    if count:
+        log.info("%d 4-bit linears take their activations as one int8 a value (--q8-activations)", count)
+    else:
+        log.warning("--q8-activations changes nothing here: no linear runs on a kernel with finer activations (the %s "
+                    "backend's own int4 kernels, on a GGUF's 4-bit weights with --weight-format auto)", be.name)
 
 
 def _attach_mtp(model, path: Path, fmt: str, load_format: str) -> None:

@@ -41,7 +41,7 @@ def build_llm_engine(path: Path, fmt: str, config: EngineConfig | None = None, c
         workers = lockstep.start(path, fmt, config, chip, nodes)
     try:
         model, tokenizer = load_model(path, fmt, config.dtype, config.device, progress, config.weight_format,
-                                      config.load_format, mtp)
+                                      config.load_format, mtp, config.q8_activations)
         if workers is not None:
             workers.wait("loaded")
     except BaseException:

@@ -12,7 +12,7 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -85,6 +85,11 @@ class Backend:
     # need the kernels built). Where they do, a GGUF's Q6_K LM head loads as the file holds it (6.6 bits a weight,
     # exact) rather than as per-channel int8 (8 bits, rounded once more).
     int8_low_bits: Callable[[], bool] = lambda: False
+    # Where the backend's int4 kernels quantise a linear's activations finer than llama.cpp does (its Q8: one int8 a
+    # value, a scale per 32): (model) -> how many of the loaded model's linears now take that precision instead
+    # (`serve --q8-activations`; faster few-row steps where the kernels' products are the bound). None: the
+    # backend's kernels have no finer form to give up.
+    q8_activations: Callable[[Any], int] | None = None
     # inductor settings for the compiled decode step (`serve --compile`, engine/compiled_step.py) that are
     # this backend's to choose, e.g. {"freezing": True}: the weights become constants that inductor lays
     # out once for its own GEMM calls (the cpu backend's tune table says where that is faster). Entries

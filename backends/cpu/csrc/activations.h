@@ -26,7 +26,8 @@ constexpr int64_t QK = 32;
 // Activations of one call, per row: x / s ~ hi + lo / 256 with hi and lo int8 (s = block absmax / 127),
 // i.e. ~15 bits per value, finer than the bf16 activations themselves, so the kernel answers as the
 // w4a16 reference does (one int8 part alone would add ~4x bf16's rounding noise). Per block of 32: the
-// scale s / 256 and the float sum.
+// scale s / 256 and the float sum. With `one` (q4_linear's parts = 1: llama.cpp's precision, asked for by
+// serve --q8-activations) lo stays 0: every path then computes the one-part dot with no change of its own.
 struct Activations {
   std::vector<int8_t> hi, lo;
   std::vector<float> scale, sum;
@@ -45,7 +46,7 @@ inline float sum_of_8(__m256 s) {
 inline __m128i round_to_int8(__m512 v) { return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)); }
 
 template <typename T>
-Activations quantize(const T* x, int64_t rows, int64_t k) {
+Activations quantize(const T* x, int64_t rows, int64_t k, bool one = false) {
   const int64_t blocks = k / QK;
   Activations a{std::vector<int8_t>(rows * k), std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks),
                 std::vector<float>(rows * blocks)};
@@ -60,8 +61,9 @@ Activations quantize(const T* x, int64_t rows, int64_t k) {
         __m512 t = _mm512_mul_ps(v[h], inv);
         __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(a.hi.data() + at + 16 * h), round_to_int8(whole));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.lo.data() + at + 16 * h),
-                         round_to_int8(_mm512_mul_ps(_mm512_sub_ps(t, whole), by256)));
+        if (!one)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(a.lo.data() + at + 16 * h),
+                           round_to_int8(_mm512_mul_ps(_mm512_sub_ps(t, whole), by256)));
       }
       a.scale[r * blocks + b] = amax / (127.0f * 256.0f);
       const __m512 pairs = _mm512_add_ps(v[0], v[1]);  // x[i] + x[i + 16]
@@ -85,7 +87,7 @@ inline void store_int8(int8_t* out, __m256 v) {
 // The AVX-512 form's arithmetic 8 values at a time (the same bits): a decode step's activations are
 // quantised in every linear, 2-6% of an AVX2 step as a scalar loop
 template <typename T>
-Activations quantize(const T* x, int64_t rows, int64_t k) {
+Activations quantize(const T* x, int64_t rows, int64_t k, bool one = false) {
   const int64_t blocks = k / QK;
   Activations a{std::vector<int8_t>(rows * k), std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks),
                 std::vector<float>(rows * blocks)};
@@ -105,7 +107,7 @@ Activations quantize(const T* x, int64_t rows, int64_t k) {
         const __m256 t = _mm256_mul_ps(v[h], inv);
         const __m256 whole = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         store_int8(a.hi.data() + at + 8 * h, whole);
-        store_int8(a.lo.data() + at + 8 * h, _mm256_mul_ps(_mm256_sub_ps(t, whole), by256));
+        if (!one) store_int8(a.lo.data() + at + 8 * h, _mm256_mul_ps(_mm256_sub_ps(t, whole), by256));
       }
       a.scale[r * blocks + b] = amax / (127.0f * 256.0f);
       // the AVX-512 form's order: x[i] + x[i + 16], then lanes i and i + 8 of those
@@ -118,11 +120,11 @@ Activations quantize(const T* x, int64_t rows, int64_t k) {
 #endif
 
 // The activations of x [rows, K], float32 or bf16 (any other dtype is converted to float32 first).
-inline Activations quantize(const at::Tensor& x) {
+inline Activations quantize(const at::Tensor& x, bool one = false) {
   at::Tensor xc = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   return xc.scalar_type() == at::kBFloat16
-      ? quantize(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), xc.size(0), xc.size(1))
-      : quantize(xc.data_ptr<float>(), xc.size(0), xc.size(1));
+      ? quantize(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), xc.size(0), xc.size(1), one)
+      : quantize(xc.data_ptr<float>(), xc.size(0), xc.size(1), one);
 }
 
 }  // namespace

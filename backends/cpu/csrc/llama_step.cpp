@@ -50,14 +50,16 @@ namespace k = FLAGDEPLOY_OPS_NS;
 
 // a weight-only linear: pieces of (nib, dm) of the int4 kernel or (w8, d) of the int8 kernel, told apart by
 // dtype, their outputs side by side (one piece, or a fused qkv of a GGUF's Q4_K q, k beside its Q6_K v: the
-// eager Linear's PiecewiseWeight); an empty bias is none
+// eager Linear's PiecewiseWeight); an empty bias is none. parts: the int4 kernel's activation parts (q4_linear).
 struct Linear {
   std::vector<std::pair<at::Tensor, at::Tensor>> pieces;
   at::Tensor bias;
+  int64_t parts = 2;
 
   at::Tensor operator()(const at::Tensor& x) const {
     auto run = [&](const std::pair<at::Tensor, at::Tensor>& p) {
-      return p.first.scalar_type() == at::kByte ? k::q4_linear(x, p.first, p.second) : k::q8_linear(x, p.first, p.second);
+      return p.first.scalar_type() == at::kByte ? k::q4_linear(x, p.first, p.second, parts)
+                                                : k::q8_linear(x, p.first, p.second);
     };
     at::Tensor y;
     if (pieces.size() == 1) {
@@ -81,12 +83,14 @@ class LlamaStep : public torch::CustomClassHolder {
  public:
   // t: embedding, final norm, the head's linear, the rope tables, then per layer its two norms, qkv / o / gate_up /
   // down and its k and v caches, a linear being two tensors a piece and its bias (see llama_step.py: `_tensors`);
-  // dims: heads, kv heads, head dim, vocabulary, then the pieces of each linear in that order
+  // dims: heads, kv heads, head dim, vocabulary, the int4 linears' activation parts, then the pieces of each
+  // linear in that order
   LlamaStep(std::vector<at::Tensor> t, std::vector<int64_t> dims, double eps, double scale)
       : eps_(eps), scale_(scale) {
-    TORCH_CHECK(dims.size() >= 5 && (dims.size() - 5) % 4 == 0, "LlamaStep: 4 sizes, then 1 + 4 per layer piece counts");
+    TORCH_CHECK(dims.size() >= 6 && (dims.size() - 6) % 4 == 0, "LlamaStep: 5 sizes, then 1 + 4 per layer piece counts");
     heads_ = dims[0], kv_heads_ = dims[1], head_dim_ = dims[2], vocab_ = dims[3];
-    size_t at = 0, count = 4;
+    const int64_t parts = dims[4];
+    size_t at = 0, count = 5;
     auto next = [&]() {
       TORCH_CHECK(at < t.size(), "LlamaStep: fewer tensors than the piece counts take");
       return t[at++];
@@ -98,6 +102,7 @@ class LlamaStep : public torch::CustomClassHolder {
         l.pieces.emplace_back(a, next());
       }
       l.bias = next();
+      l.parts = parts;
       return l;
     };
     embed_ = next(), norm_ = next(), head_ = linear(), cos_ = next(), sin_ = next();

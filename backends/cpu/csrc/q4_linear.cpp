@@ -77,12 +77,15 @@ constexpr auto kPrefetchHint = _MM_HINT_T1;
 // the rows between 2 and kMaxRows cost the instructions of their dot products only, not the weight's bytes
 // again. Held by the registers: on AVX-512 a row's two int32 and one float sums for one tile (half as many
 // rows for a pair of tiles), on AVX2 a row's two int16 sums for each half of a tile (16 ymm registers; the
-// float sums, touched once a block, go to the stack).
+// float sums, touched once a block, go to the stack). kOneMaxRows: the same with one activation part (parts = 1),
+// whose rows hold one int16 sum a half and one pair of broadcasts: twice the rows on AVX2.
 #if Q4_AVX512
-constexpr int kMaxRows = 8;
+constexpr int kMaxRows = 8, kOneMaxRows = 8;
 #else
-constexpr int kMaxRows = 2;
+constexpr int kMaxRows = 2, kOneMaxRows = 4;
 #endif
+template <bool One>
+constexpr int max_rows() { return One ? kOneMaxRows : kMaxRows; }
 
 #if Q4_AVX512
 
@@ -113,7 +116,8 @@ inline __m512 add_block(__m512 acc, __m512i dot_hi, __m512i dot_lo, __m512 d, __
 // Tiles [t, t + T) of 16 output rows for activation rows [r0, r0 + R): each weight chunk is unpacked once
 // and used for R activation rows, and each broadcast activation for T tiles.
 // (noinline, both forms: inlined into the row-count dispatch, AVX2 tiles of 5 and 16 rows were 9-12% slower)
-template <int R, int T>
+// One: the activations' one int8 part (lo is 0, its products left out: the same bits).
+template <int R, int T, bool One>
 __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k,
                                      int64_t r0, int64_t t, uint16_t* y, int64_t n_out) {
   const int64_t blocks = k / QK;
@@ -139,12 +143,14 @@ __attribute__((noinline)) void tiles(const uint8_t* nib, const uint16_t* dm, con
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * k + b * QK + 8 * c;
         const int32_t* xh = reinterpret_cast<const int32_t*>(a.hi.data() + at);
-        const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + at);
         const __m512i h0 = _mm512_set1_epi32(xh[0]), h1 = _mm512_set1_epi32(xh[1]);
-        const __m512i l0 = _mm512_set1_epi32(xl[0]), l1 = _mm512_set1_epi32(xl[1]);
-        for (int u = 0; u < T; ++u) {
+        for (int u = 0; u < T; ++u)
           dot_hi[u][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot_hi[u][r], q0[u], h0), q1[u], h1);
-          dot_lo[u][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot_lo[u][r], q0[u], l0), q1[u], l1);
+        if constexpr (!One) {
+          const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + at);
+          const __m512i l0 = _mm512_set1_epi32(xl[0]), l1 = _mm512_set1_epi32(xl[1]);
+          for (int u = 0; u < T; ++u)
+            dot_lo[u][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot_lo[u][r], q0[u], l0), q1[u], l1);
         }
       }
     }
@@ -327,6 +333,7 @@ constexpr int64_t kPrefetchBytes = 8192;
 // straight into int32, one instruction where AVX2 takes vpmaddubsw + vpaddw; the same int32 dot per block.
 inline __m256i add_dots(__m256i sums, __m256i q, __m256i x) { return _mm256_dpbusd_avx_epi32(sums, q, x); }
 inline __m256i block_dot(__m256i hi, __m256i lo) { return _mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo); }
+inline __m256i block_dot(__m256i hi) { return _mm256_slli_epi32(hi, 8); }
 #else
 inline __m256i add_dots(__m256i sums, __m256i q, __m256i x) {
   return _mm256_add_epi16(sums, _mm256_maddubs_epi16(q, x));
@@ -334,38 +341,48 @@ inline __m256i add_dots(__m256i sums, __m256i q, __m256i x) {
 inline __m256i block_dot(__m256i hi, __m256i lo) {
   return _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(256)), _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
 }
+inline __m256i block_dot(__m256i hi) { return _mm256_madd_epi16(hi, _mm256_set1_epi16(256)); }  // lo = 0
 #endif
 
 // One block's int16 dots of rows [r0, r0 + R) with both halves of a tile's chunk vectors q[c][0 | 1][h] (the low
-// and high nibbles of chunk c, half h), then their float steps into acc[r][h]. R is at most kMaxRows: the dots of
-// R rows and the broadcasts fill the registers.
-template <int R, typename Q>
+// and high nibbles of chunk c, half h), then their float steps into acc[r][h]. R is at most max_rows<One>(): the
+// dots of R rows and the broadcasts fill the registers. One: the hi part alone (lo is 0: the same bits).
+template <int R, bool One, typename Q>
 inline void block_rows(const Q& q, const Activations& a, int64_t k, int64_t blocks, int64_t b, int64_t r0, __m256 d[2],
                        __m256 m[2], __m256 (*acc)[2]) {
-  __m256i hi[2][R], lo[2][R];
+  __m256i hi[2][R], lo[2][R];  // lo unused with One (the compiler drops it)
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < R; ++r) hi[h][r] = lo[h][r] = _mm256_setzero_si256();
   for (int c = 0; c < 4; ++c) {
     for (int r = 0; r < R; ++r) {  // each broadcast activation serves both halves
       const int64_t at = (r0 + r) * k + b * QK + 8 * c;
       const int32_t* xh = reinterpret_cast<const int32_t*>(a.hi.data() + at);
-      const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + at);
+      const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + (One ? 0 : at));
       const __m256i h0 = _mm256_set1_epi32(xh[0]), h1 = _mm256_set1_epi32(xh[1]);
-      const __m256i l0 = _mm256_set1_epi32(xl[0]), l1 = _mm256_set1_epi32(xl[1]);
+      const __m256i l0 = One ? h0 : _mm256_set1_epi32(xl[0]), l1 = One ? h1 : _mm256_set1_epi32(xl[1]);
       for (int h = 0; h < 2; ++h) {
         hi[h][r] = add_dots(add_dots(hi[h][r], q(c, 0, h), h0), q(c, 1, h), h1);
-        lo[h][r] = add_dots(add_dots(lo[h][r], q(c, 0, h), l0), q(c, 1, h), l1);
+        if constexpr (!One) lo[h][r] = add_dots(add_dots(lo[h][r], q(c, 0, h), l0), q(c, 1, h), l1);
       }
     }
     // Sums in this order, chunk by chunk: otherwise GCC reassociates the integer adds into one tree per
     // block with all 16 x R products live at once, spilled to the stack (16 ymm registers)
     for (int h = 0; h < 2; ++h)
-      for (int r = 0; r < R; ++r) asm("" : "+x"(hi[h][r]), "+x"(lo[h][r]));
+      for (int r = 0; r < R; ++r) {
+        if constexpr (One)
+          asm("" : "+x"(hi[h][r]));
+        else
+          asm("" : "+x"(hi[h][r]), "+x"(lo[h][r]));
+      }
   }
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < R; ++r) {
       const int64_t at = (r0 + r) * blocks + b;
-      const __m256i dot = block_dot(hi[h][r], lo[h][r]);
+      __m256i dot;
+      if constexpr (One)
+        dot = block_dot(hi[h][r]);
+      else
+        dot = block_dot(hi[h][r], lo[h][r]);
       acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[h], _mm256_set1_ps(a.scale[at])), acc[r][h]);
       acc[r][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(a.sum[at]), acc[r][h]);
     }
@@ -383,10 +400,11 @@ inline void block_rows(const Q& q, const Activations& a, int64_t k, int64_t bloc
 constexpr int64_t kBlockMajorRows = 8;
 constexpr int64_t kBlockRows = 16;  // the most rows of one call (their float sums on the stack)
 
-template <int Most>
+template <int Most, bool One>
 __attribute__((noinline)) void tile_rows(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k,
                                          int64_t r0, int64_t rows, int64_t t, uint16_t* y, int64_t n_out) {
-  const int64_t blocks = k / QK, n = Most <= kMaxRows ? Most : rows;  // one pass: its float sums in registers
+  constexpr int M = max_rows<One>();
+  const int64_t blocks = k / QK, n = Most <= M ? Most : rows;  // one pass: its float sums in registers
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[Most][2];
   for (int64_t r = 0; r < n; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -405,8 +423,16 @@ __attribute__((noinline)) void tile_rows(const uint8_t* nib, const uint16_t* dm,
       m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
     }
     int64_t r = 0;
-    for (; r + kMaxRows <= n; r += kMaxRows) block_rows<kMaxRows>(q, a, k, blocks, b, r0 + r, d, m, acc + r);
-    if (r < n) block_rows<1>(q, a, k, blocks, b, r0 + r, d, m, acc + r);
+    for (; r + M <= n; r += M) block_rows<M, One>(q, a, k, blocks, b, r0 + r, d, m, acc + r);
+    // the last rows, fewer than a pass (written out: through with_count's lambda the whole block loop compiled
+    // slower, the 120 linears 1.14x at 5 rows and 1.16x at 16 in the AVX2 build)
+    static_assert(M <= 4, "passes of at most four rows on AVX2");
+    const int64_t left = n - r;
+    if (left == 1) block_rows<1, One>(q, a, k, blocks, b, r0 + r, d, m, acc + r);
+    if constexpr (M > 2) {
+      if (left == 2) block_rows<2, One>(q, a, k, blocks, b, r0 + r, d, m, acc + r);
+      if (left == 3) block_rows<3, One>(q, a, k, blocks, b, r0 + r, d, m, acc + r);
+    }
   }
   for (int64_t r = 0; r < n; ++r)
     for (int h = 0; h < 2; ++h) {
@@ -417,10 +443,10 @@ __attribute__((noinline)) void tile_rows(const uint8_t* nib, const uint16_t* dm,
 }
 
 // q4_linear's passes of R rows over tiles [t, t + T), one tile at a time (kPairRows is 0 here)
-template <int R, int T>
+template <int R, int T, bool One>
 void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t k, int64_t r0, int64_t t, uint16_t* y,
            int64_t n_out) {
-  for (int u = 0; u < T; ++u) tile_rows<R>(nib, dm, a, k, r0, R, t + u, y, n_out);
+  for (int u = 0; u < T; ++u) tile_rows<R, One>(nib, dm, a, k, r0, R, t + u, y, n_out);
 }
 
 #endif
@@ -429,7 +455,9 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
 
 namespace FLAGDEPLOY_OPS_NS {
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& dm) {
+// parts: the activations as two int8 parts (~15 bits, the default) or one (llama.cpp's Q8 precision: half the
+// products, and on AVX2 twice the rows a pass; docs/performance.md, issue 54's twenty-fifth pass).
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& dm, int64_t parts) {
   TORCH_CHECK(x.dim() == 2 && nib.dim() == 5 && dm.dim() == 4,
               "q4_linear: x [M, K], nib [N/16, K/32, 4, 16, 4], dm [N/16, K/32, 2, 16]");
   const int64_t rows_n = x.size(0), k = x.size(1), n_tiles = nib.size(0), n_out = 16 * n_tiles;
@@ -437,7 +465,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
               "q4_linear: x's width does not match the packed weight's (K a multiple of 32)");
   TORCH_CHECK(nib.scalar_type() == at::kByte && dm.scalar_type() == at::kHalf && nib.is_contiguous() && dm.is_contiguous(),
               "q4_linear: nib must be contiguous uint8, dm contiguous float16");
-  Activations a = quantize(x);
+  TORCH_CHECK(parts == 1 || parts == 2, "q4_linear: parts is 1 or 2 (the activations' int8 parts), not ", parts);
+  const bool one = parts == 1;
+  Activations a = quantize(x, one);
   at::Tensor y = at::empty({rows_n, n_out}, x.options().dtype(at::kBFloat16));
   const uint8_t* w = nib.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
@@ -448,10 +478,12 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
   // Past a dozen rows the kernel is bound by its instructions rather than the weight's bytes, and two tiles
   // at a time share each broadcast activation (one vpbroadcastd per two vpdpbusd, not one each).
   const bool pairs = kPairRows > 0 && rows_n >= kPairRows;
-  auto rows_over = [&](auto tile_count, int64_t t) {
-    constexpr int T = decltype(tile_count)::value, most = kMaxRows / T;  // the registers hold T x most rows' sums
+  auto rows_over = [&](auto tile_count, auto one_part, int64_t t) {
+    constexpr int T = decltype(tile_count)::value;
+    constexpr bool One = decltype(one_part)::value;
+    constexpr int most = max_rows<One>() / T;  // the registers hold T x most rows' sums
     equal_passes(rows_n, most, [&](int64_t r, int64_t n) {
-      with_count<most>(n, [&](auto rows) { tiles<rows, T>(w, s, a, k, r, t, out, n_out); });
+      with_count<most>(n, [&](auto rows) { tiles<rows, T, One>(w, s, a, k, r, t, out, n_out); });
     });
   };
 #if Q4_AMX
@@ -476,19 +508,27 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
 #endif
   // chunks of an even count of tiles (pairs stay pairs), about eight a thread
   const int64_t chunk = 2 * std::max<int64_t>(1, (n_tiles + 16 * at::get_num_threads() - 1) / (16 * at::get_num_threads()));
-  dynamic_for(n_tiles, chunk, [&](int64_t t0, int64_t t1) {
-    int64_t t = t0;
+  auto run = [&](auto one_part) {
+    constexpr bool One = decltype(one_part)::value;
+    dynamic_for(n_tiles, chunk, [&](int64_t t0, int64_t t1) {
+      int64_t t = t0;
 #if !Q4_AVX512
-    if (rows_n >= kBlockMajorRows) {
-      for (; t < t1; ++t)
-        equal_passes(rows_n, kBlockRows, [&](int64_t r, int64_t n) { tile_rows<kBlockRows>(w, s, a, k, r, n, t, out, n_out); });
-      return;
-    }
+      if (rows_n >= kBlockMajorRows) {
+        for (; t < t1; ++t)
+          equal_passes(rows_n, kBlockRows,
+                       [&](int64_t r, int64_t n) { tile_rows<kBlockRows, One>(w, s, a, k, r, n, t, out, n_out); });
+        return;
+      }
 #endif
-    if constexpr (kPairRows > 0)
-      for (; pairs && t + 2 <= t1; t += 2) rows_over(std::integral_constant<int, 2>{}, t);
-    for (; t < t1; ++t) rows_over(std::integral_constant<int, 1>{}, t);
-  });
+      if constexpr (kPairRows > 0)
+        for (; pairs && t + 2 <= t1; t += 2) rows_over(std::integral_constant<int, 2>{}, one_part, t);
+      for (; t < t1; ++t) rows_over(std::integral_constant<int, 1>{}, one_part, t);
+    });
+  };
+  if (one)
+    run(std::true_type{});
+  else
+    run(std::false_type{});
   return y;
 }
 
@@ -507,7 +547,7 @@ int64_t q4_amx_min_rows(int64_t rows) {
 }  // namespace FLAGDEPLOY_OPS_NS
 
 TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
-  m.def("q4_linear(Tensor x, Tensor nib, Tensor dm) -> Tensor");
+  m.def("q4_linear(Tensor x, Tensor nib, Tensor dm, int parts=2) -> Tensor");
   m.def("q4_amx_min_rows(int rows) -> int", &FLAGDEPLOY_OPS_NS::q4_amx_min_rows);
 }
 
