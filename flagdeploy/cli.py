@@ -180,7 +180,7 @@ def main() -> None:
                    "BF16 experts in a float32 run): fast; dense: everything in the run dtype.")
 @click.option("--q8-activations/--no-q8-activations", default=False, show_default=True,
               help="The 4-bit linears take their activations as one int8 a value per block of 32 (llama.cpp's Q8) "
-                   "instead of two (~15 bits): the cpu backend's few-row steps (batches, speculation) ~1.4x faster "
+                   "instead of two (~15 bits): the cpu backend's few-row steps (batches, speculation) ~1.25x faster "
                    "on AVX2 CPUs; answers may change (docs/performance.md, issue 54).")
 @click.option("--served-model-name", "served_names", multiple=True, help="Name(s) clients use; the first is shown. Repeatable.")
 @click.option("--load-format", default="auto", show_default=True, type=click.Choice(["auto", "dummy"]),

@@ -294,7 +294,7 @@ def _decode_rows(x: torch.Tensor, packed, dense: torch.Tensor, m: int) -> torch.
 def q8_activations(model) -> int:
     """The model's int4 linears on the backend's own kernel take their activations as one int8 part per block of
     32, llama.cpp's Q8 precision, instead of two (~15 bits): `serve --q8-activations`. Half the kernel's products,
-    and on AVX2 twice the rows a pass: a few-row step ~1.4x faster there (docs/performance.md, issue 54's
+    and on AVX2 twice the rows a pass: a few-row step ~1.25x faster there (docs/performance.md, issue 54's
     twenty-fifth pass), at answers that may change. Returns how many linears took it (0: none is on that kernel)."""
     from flagdeploy.models.linear import Linear
 
