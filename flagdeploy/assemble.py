@@ -108,9 +108,9 @@ class ServeOptions:
         return EngineConfig(max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, block_size=self.block_size,
                             kv_cache_memory=self.kv_cache_memory, weight_format=self.weight_format,
-                            q8_activations=self.q8_activations, load_format=self.load_format, tp=self.tp, ep=self.ep, compile=self.compile,
-                            num_scheduler_steps=self.num_scheduler_steps, speculative=self.speculative,
-                            kv_transfer=self.kv_transfer)
+                            q8_activations=self.q8_activations, load_format=self.load_format, tp=self.tp, ep=self.ep,
+                            compile=self.compile, num_scheduler_steps=self.num_scheduler_steps,
+                            speculative=self.speculative, kv_transfer=self.kv_transfer)
 
     @classmethod
     def from_args(cls, args: dict[str, Any], **given: Any) -> "ServeOptions":

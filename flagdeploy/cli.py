@@ -266,9 +266,8 @@ def main() -> None:
 @click.pass_context
 def serve(ctx, model, host, port, chip, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory,
           memory_utilization, weight_format, q8_activations, load_format, served_names, default_temperature, api_key,
-          reasoning_parser,
-          max_waiting, max_tokens_policy, tool_call_parser, request_timeout, profile_file, tp, ep, dp, compile_,
-          num_scheduler_steps, speculative, num_speculative_tokens, speculative_config, kv_transfer_config, log_level,
+          reasoning_parser, max_waiting, max_tokens_policy, tool_call_parser, request_timeout, profile_file, tp, ep, dp,
+          compile_, num_scheduler_steps, speculative, num_speculative_tokens, speculative_config, kv_transfer_config, log_level,
           engine, upstreams, prefill_upstreams, config_file, startup_timeout, limit_mm_per_prompt, allowed_media_domains,
           nnodes, node_rank, master_addr, master_port, node_timeout) -> None:
     """Load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
