@@ -70,11 +70,20 @@ def test_speculative_verify_steps_run_in_the_cpp_step_and_keep_greedy_output_exa
     """A verify step (a sequence's last token and its drafts) runs in the C++ step too, every row's logits those of
     the eager step's verify mode bit for bit, its head on the packed kernel at any row count (as a plain decode row
     takes it): greedy output with ngram speculation equals greedy output without, token for token."""
+    on, _, _ = _speculating_as_without(default_model)
+    assert on.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def _speculating_as_without(default_model, **options):
+    """(on, off, prompt): engines of the default model with ngram speculation (K = 4) and without, `options` for
+    both; asserts that greedy output on a repeating prompt is the same token for token, every step the C++ step
+    served being the eager step's bit for bit (`_checking`), among them a verify step of 1 + 4 rows."""
     from flagdeploy.engine.speculative import SpeculativeConfig
 
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
-    on = make_engine(default_model, "auto", compile=None, max_num_seqs=2, max_model_len=512, speculative=spec)
-    off = make_engine(default_model, "auto", compile=None, max_num_seqs=2, max_model_len=512)
+    small = dict(compile=None, max_num_seqs=2, max_model_len=512, **options)
+    on = make_engine(default_model, "auto", speculative=spec, **small)
+    off = make_engine(default_model, "auto", **small)
     served = _checking(on.runner)
     tok = on.tokenizer
     text = "one two three four five six seven eight nine ten. one two three four five six seven eight nine ten."
@@ -82,7 +91,7 @@ def test_speculative_verify_steps_run_in_the_cpp_step_and_keep_greedy_output_exa
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     assert on.generate([ids], greedy) == off.generate([ids], greedy)
     assert 5 in served, f"the C++ step served no verify step of 1 + 4 rows (one sequence): {served}"
-    assert on.stats()["spec_decode_num_accepted_tokens"] > 0
+    return on, off, ids
 
 
 def test_q8_activations_decode_bit_for_bit_as_the_eager_step_and_speculate_exactly(default_model):
@@ -90,24 +99,13 @@ def test_q8_activations_decode_bit_for_bit_as_the_eager_step_and_speculate_exact
     is built with it), the C++ step's logits are still the eager step's bit for bit, speculation stays exact, and
     the answers' log-probabilities move (it is not the default's arithmetic)."""
     from flagdeploy.backends.cpu import llama_step
-    from flagdeploy.engine.speculative import SpeculativeConfig
 
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
-    on = make_engine(default_model, "auto", compile=None, max_num_seqs=2, max_model_len=512, speculative=spec,
-                     q8_activations=True)
-    off = make_engine(default_model, "auto", compile=None, max_num_seqs=2, max_model_len=512, q8_activations=True)
+    on, off, ids = _speculating_as_without(default_model, q8_activations=True)
     default = make_engine(default_model, "auto", compile=None, max_num_seqs=2, max_model_len=512)
     bundles = [b.prepared for m in on.runner.model.modules() if isinstance(m, Linear) for b in m.bundles()
                if isinstance(b.prepared, dict) and "nib" in b.prepared]
     assert len(bundles) == 120 and all(p["parts"] == 1 for p in bundles)
     assert llama_step.dims(on.runner.model)[4] == 1 and llama_step.dims(default.runner.model)[4] == 2
-    served = _checking(on.runner)
-    tok = on.tokenizer
-    text = "one two three four five six seven eight nine ten. one two three four five six seven eight nine ten."
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Repeat exactly: {text}"}]))
-    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    assert on.generate([ids], greedy) == off.generate([ids], greedy)
-    assert 5 in served, f"the C++ step served no verify step of 1 + 4 rows: {served}"
     lp = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)
     q8, full = ([o.logprobs[0].logprob for o in _outputs(e, [("a", ids)], lp)] for e in (off, default))
     assert len(q8) == len(full) == 4 and q8 != full

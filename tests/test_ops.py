@@ -356,9 +356,17 @@ def test_cpu_groupwise_w8a16_matches_reference(rows, group):
     torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
 
 
-def _assert_rounds_as_its_bf16_output(got: torch.Tensor, x: torch.Tensor, w) -> None:
-    """A bf16 [rows, N] kernel output of x @ w.T whose error against float64 is the bf16 rounding's alone."""
-    want = x.double() @ w.dequantize(torch.float64).t()
+def _random_int4(n: int, k: int, g: torch.Generator) -> Int4Weight:
+    """A random [n, k] 4-bit weight in groups of 32 (positive scales, offsets about 0), drawn from `g`."""
+    return Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                      torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3, torch.randn(n, k // 32, generator=g) * 0.02,
+                      32, n, k)
+
+
+def _assert_rounds_as_its_bf16_output(got: torch.Tensor, x: torch.Tensor, w, want: torch.Tensor | None = None) -> None:
+    """A bf16 [rows, N] kernel output of x @ w.T (or of `want`, float64, where the kernel computes something else
+    on purpose) whose error against float64 is the bf16 rounding's alone."""
+    want = x.double() @ w.dequantize(torch.float64).t() if want is None else want
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     err = (got.double() - want).norm() / want.norm()
     rounding = (want.bfloat16().double() - want).norm() / want.norm()
@@ -418,8 +426,7 @@ def test_cpu_int4_kernel_rounds_no_worse_than_its_bf16_output(n, k):
     odd number of 32-blocks; and a row's result is bitwise the same alone."""
     native = _cpu_kernels_or_skip()
     g = torch.Generator().manual_seed(n + k)
-    w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
-                   torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3, torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
+    w = _random_int4(n, k, g)
     prepared = ops.get_backend("cpu").prepare["linear_w4a16"](w)
     assert "nib" in prepared.prepared
     for rows in (1, 2, 3, 5, 7, 9, 13, 17):
@@ -458,16 +465,12 @@ def test_cpu_int4_kernel_one_activation_part_on_every_build(kernel_builds):
     try:
         g = torch.Generator().manual_seed(21)
         for n, k in [(48, 96), (960, 576), (64, 1536)]:
-            w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
-                           torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3,
-                           torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
+            w = _random_int4(n, k, g)
             nib, dm = native.pack_q4(w)
             for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 17):
                 x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(torch.bfloat16)
                 got = native.q4_linear(x, nib, dm, 1)
-                want = _one_part_product(x, w)
-                err, rounding = ((got.double() - want).norm() / want.norm(), (want.bfloat16().double() - want).norm() / want.norm())
-                assert err < 1.2 * rounding + 1e-4, f"{rows} rows: error {err:.2e} against the bf16 output's {rounding:.2e}"
+                _assert_rounds_as_its_bf16_output(got, x, w, want=_one_part_product(x, w))
                 for name, b in builds.items():
                     assert torch.equal(b.q4_linear(x, nib, dm, 1), got), (name, n, k, rows)
                 alone = torch.cat([native.q4_linear(r, nib, dm, 1) for r in x.split(1)])
@@ -785,9 +788,7 @@ def test_cpu_kernels_amx_path_computes_what_the_avx512_one_does(kernel_builds, b
     amx, avx512 = _build(kernel_builds, build), kernel_builds["native"]
     g = torch.Generator().manual_seed(12)
     for n, k in [(48, 96), (960, 576), (64, 1536)]:
-        w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
-                       torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3,
-                       torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
+        w = _random_int4(n, k, g)
         nib, dm = native.pack_q4(w)
         for rows in (1, 3, 4, 5, 8, 9, 15, 16, 17, 33):
             x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(torch.bfloat16)
@@ -850,9 +851,7 @@ def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(kernel_builds)
     avx2, default = _build(kernel_builds, "avx2"), kernel_builds["native"]
     g = torch.Generator().manual_seed(11)
     for n, k, rows in [(48, 64, 5), (64, 96, 4), (960, 576, 3), (80, 64, 13), (48, 64, 17), (48, 64, 8)]:  # 13, 17: tiles in pairs
-        w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
-                       torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3,
-                       torch.randn(n, k // 32, generator=g) * 0.02, 32, n, k)
+        w = _random_int4(n, k, g)
         nib, dm = native.pack_q4(w)
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         assert torch.equal(avx2.q4_linear(x, nib, dm), default.q4_linear(x, nib, dm))
