@@ -1,8 +1,8 @@
 """The cpu backend's kernels of this checkout against a git ref's, in one process, on the same weights and inputs:
 the default model's C++ decode step (a speculative verify step of one sequence, as cpu_few_rows.py shapes it),
-its 120 4-bit linears alone and a verify step's attention x 30, rounds alternating between the two builds.
+its 120 4-bit linears alone, its int8 LM head and a verify step's attention x 30, rounds alternating between the two builds.
 
-    python benchmarks/cpu_kernels_ab.py [--ref HEAD] [--rows 1 5 16] [--rounds 30] [--threads N]
+    python benchmarks/cpu_kernels_ab.py [--ref HEAD] [--rows 1 5 16] [--rounds 30] [--threads N] [--q8-activations]
 
 Why: on a small shared VM a figure drifts 10-20% from hour to hour and from one process to the next, so a kernel
 change worth a few percent cannot be seen by running a benchmark before and after it. Here both builds run in the
@@ -51,8 +51,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--q8-activations", action="store_true",
+                    help="the model as serve --q8-activations loads it (a ref whose int8 kernel has no one-part form "
+                         "takes two parts there: its head's and step's bits then differ)")
     args = ap.parse_args()
-    runner, model = default_model(args.threads)
+    runner, model = default_model(args.threads, q8_activations=args.q8_activations)
     if runner.native is None:
         raise SystemExit("no C++ decode step here (see the engine's log): nothing to compare")
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,6 +75,7 @@ def main() -> None:
 
     steps = {k: step(ns) for k, ns in (("ref", "flagdeploy_cpu_ref"), ("new", "flagdeploy_cpu"))}
     packed = packed_linears(model)
+    head = model.lm_head.qweight.prepared  # the int8 head: w8, d
     g = torch.Generator().manual_seed(0)
     kc, vc = (torch.randn(400, 16, layer.kv_heads, cfg.head_dim, generator=g).bfloat16() for _ in range(2))
     table = torch.randperm(400, generator=g)[:17]
@@ -81,6 +85,7 @@ def main() -> None:
         inputs[r] = {
             "step": llama_step.step_inputs(st.ids, st.positions, st.slots, st.tables, st.ctx_lens),
             "x": {p["nib"].shape[1] * 32: torch.randn(r, p["nib"].shape[1] * 32, generator=g).bfloat16() for p in packed},
+            "h": torch.randn(r, cfg.hidden_size, generator=g).bfloat16(),
             "q": torch.randn(r, layer.heads, cfg.head_dim, generator=g).bfloat16(),
             "attn": (table.expand(r, -1).contiguous(), torch.arange(257 - r, 257)),
         }
@@ -92,10 +97,17 @@ def main() -> None:
             calls[k] = lambda st, step=step: step.step(*st, True, every_row)
         except RuntimeError:
             calls[k] = lambda st, step=step: step.step(*st, True)
+    def head_call(k: str, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return ops[k].q8_linear(x, head["w8"], head["d"], head.get("parts", 2))
+        except RuntimeError:  # a ref before q8_linear's parts (two parts)
+            return ops[k].q8_linear(x, head["w8"], head["d"])
+
     kinds = {
         "step": lambda k, r: calls[k](inputs[r]["step"]),
-        "120 4-bit linears": lambda k, r: [ops[k].q4_linear(inputs[r]["x"][p["nib"].shape[1] * 32], p["nib"], p["dm"])
-                                           for p in packed],
+        "120 4-bit linears": lambda k, r: [ops[k].q4_linear(inputs[r]["x"][p["nib"].shape[1] * 32], p["nib"], p["dm"],
+                                                            p.get("parts", 2)) for p in packed],
+        "LM head": lambda k, r: head_call(k, inputs[r]["h"]),
         "attention x 30": lambda k, r: [ops[k].paged_decode_attention(inputs[r]["q"], kc, vc, *inputs[r]["attn"], 0.125)
                                         for _ in range(len(model.layers))],
     }

@@ -179,7 +179,8 @@ def main() -> None:
               help="auto: keep weights as stored where the chip has kernels for them (a GGUF's 4-bit, FP8, "
                    "BF16 experts in a float32 run): fast; dense: everything in the run dtype.")
 @click.option("--q8-activations/--no-q8-activations", default=False, show_default=True,
-              help="The 4-bit linears take their activations as one int8 a value per block of 32 (llama.cpp's Q8) "
+              help="The quantized linears (4-bit, the int8 LM head) take their activations as one int8 a value per "
+                   "block of 32 (llama.cpp's Q8) "
                    "instead of two (~15 bits): the cpu backend's few-row steps (batches, speculation) ~1.25x faster "
                    "on AVX2 CPUs; answers may change (docs/performance.md, issue 54).")
 @click.option("--served-model-name", "served_names", multiple=True, help="Name(s) clients use; the first is shown. Repeatable.")

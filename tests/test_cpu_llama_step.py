@@ -95,16 +95,17 @@ def _speculating_as_without(default_model, **options):
 
 
 def test_q8_activations_decode_bit_for_bit_as_the_eager_step_and_speculate_exactly(default_model):
-    """`serve --q8-activations`: every 4-bit linear of the default model takes one int8 activation part (the C++ step
-    is built with it), the C++ step's logits are still the eager step's bit for bit, speculation stays exact, and
-    the answers' log-probabilities move (it is not the default's arithmetic)."""
+    """`serve --q8-activations`: every 4-bit linear of the default model and its int8 LM head take one int8
+    activation part (the C++ step is built with it), the C++ step's logits are still the eager step's bit for bit,
+    speculation stays exact, and the answers' log-probabilities move (it is not the default's arithmetic)."""
     from flagdeploy.backends.cpu import llama_step
 
     on, off, ids = _speculating_as_without(default_model, q8_activations=True)
     default = make_engine(default_model, "auto", compile=None, max_num_seqs=2, max_model_len=512)
     bundles = [b.prepared for m in on.runner.model.modules() if isinstance(m, Linear) for b in m.bundles()
-               if isinstance(b.prepared, dict) and "nib" in b.prepared]
-    assert len(bundles) == 120 and all(p["parts"] == 1 for p in bundles)
+               if isinstance(b.prepared, dict) and ("nib" in b.prepared or "w8" in b.prepared)]
+    assert len(bundles) == 121 and all(p["parts"] == 1 for p in bundles)
+    assert "w8" in on.runner.model.lm_head.qweight.prepared
     assert llama_step.dims(on.runner.model)[4] == 1 and llama_step.dims(default.runner.model)[4] == 2
     lp = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)
     q8, full = ([o.logprobs[0].logprob for o in _outputs(e, [("a", ids)], lp)] for e in (off, default))

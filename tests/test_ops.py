@@ -395,7 +395,20 @@ def kernel_builds(tmp_path_factory):
             builds["amx"] = native.build_beside("amx", tmp_path_factory.mktemp("amx"))
     if native.isa() != "avx2":
         builds["avx2"] = native.build_beside("avx2", tmp_path_factory.mktemp("avx2"))
+    if native.isa() not in ("avxvnni", "avx2") and set(native.ISAS["avxvnni"].cpu_flags) <= native._proc_flags():
+        builds["avxvnni"] = _avxvnni_int8(native, tmp_path_factory.mktemp("avxvnni"))
     return builds
+
+
+def _avxvnni_int8(native, directory):
+    """The int8 kernel alone as FLAGDEPLOY_CPU_ISA=avxvnni builds it (its own vpdpbusd paths), on an AVX-512 CPU
+    that also has AVX-VNNI."""
+    ns = "flagdeploy_cpu_avxvnni_int8"
+    _, flags = native._build("avxvnni")
+    so = directory / f"{ns}.so"
+    native._compile(so, (*flags, f"-DFLAGDEPLOY_OPS_NS={ns}"), (native.CSRC / "q8_linear.cpp", native.CSRC / "thread_pool.cpp"))
+    torch.ops.load_library(str(so))
+    return getattr(torch.ops, ns)
 
 
 def _amx_standin(native, directory):
@@ -437,19 +450,23 @@ def test_cpu_int4_kernel_rounds_no_worse_than_its_bf16_output(n, k):
         assert torch.equal(alone, got), f"{rows} rows: a row's result depends on the rows beside it"
 
 
-def _one_part_product(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """x @ w.T in float64 as q4_linear's parts=1 takes it: each row's blocks of 32 rounded to one int8 part (llama.cpp's
-    Q8: a block's absmax / 127 a step, round half to even) against the weight's scaled values d * q, and the blocks'
-    exact sums against its offsets m (w = d * q + m: the kernel takes m * sum(x) from the float activations); d and m
-    in float16, as the packed weight holds them."""
+def _one_part(x: torch.Tensor) -> torch.Tensor:
+    """x in float64 as the kernels' parts=1 takes it: each row's blocks of 32 rounded to one int8 part (llama.cpp's Q8:
+    a block's absmax / 127 a step, round half to even)."""
     blocks = x.float().view(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # IEEE's division (torch's scalar / tensor is
     # not: a reciprocal a ulp off, which moved a tie at 63.5)
-    rounded = (torch.round(blocks * inv).double() * (amax.double() / 127)).view(x.shape)
+    return (torch.round(blocks * inv).double() * (amax.double() / 127)).view(x.shape)
+
+
+def _one_part_product(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """x @ w.T in float64 as q4_linear's parts=1 takes it: x rounded to one part against the weight's scaled values
+    d * q, and the blocks' exact sums against its offsets m (w = d * q + m: the kernel takes m * sum(x) from the float
+    activations); d and m in float16, as the packed weight holds them."""
     d = w.scales.double()
     d, m = (v.half().double().repeat_interleave(32, dim=1) for v in (d, w.zeros.double() - 8 * d))
-    return rounded @ (w.q.double() * d).t() + x.double() @ m.t()
+    return _one_part(x) @ (w.q.double() * d).t() + x.double() @ m.t()
 
 
 def test_cpu_int4_kernel_one_activation_part_on_every_build(kernel_builds):
@@ -537,6 +554,36 @@ def test_cpu_int8_kernel_rounds_no_worse_than_its_bf16_output_and_rows_are_indep
         _assert_rounds_as_its_bf16_output(got, x, w)
         alone = torch.cat([native.q8_linear(r, prepared.prepared["w8"], prepared.prepared["d"]) for r in x.split(1)])
         assert torch.equal(alone, got)
+
+
+def test_cpu_int8_kernel_one_activation_part_on_every_build(kernel_builds):
+    """`serve --q8-activations` on the int8 kernel (the LM head; a Q4_K_M file's Q6_K and Q5_0 linears, held in 8, 6
+    or 5 bits): with parts=1 its result is x rounded to one int8 part per block, times the weight, up to the bf16
+    output's rounding. Every build gives it bit for bit (vpdpbusd on the weights' bytes plus 128 where the CPU has
+    VNNI: AVX-512's tile pairs and single tiles, AVX-VNNI's; the int16 form of a lo part of zeros on AVX2), each row
+    as alone, at every row count around the passes; and it is not the two-part result."""
+    native = _cpu_kernels_or_skip()
+    builds = {name: b for name, b in kernel_builds.items() if name in ("native", "avx2", "avxvnni")}
+    g = torch.Generator().manual_seed(54)
+    weights = [Int8Weight.quantize(torch.randn(n, k, generator=g) * 0.02, group)
+               for n, k, group in ((48, 96, 0), (40, 256, 16), (40, 256, 32), (64, 576, 0))]
+    weights[0].q[3, 5], weights[0].q[7, 9] = 127, -127  # both ends of the kernels' range
+    low = [Int8Weight(torch.randint(lo, hi, (40, 256), generator=g, dtype=torch.int8),
+                      torch.rand(40, 256 // group, generator=g) * 0.01 + 1e-4, 40, 256, group_size=group)
+           for lo, hi, group in ((-16, 16, 32), (-32, 32, 16))] + [_q6_k_like(40, 256, g)]
+    for w, bits in [*((w, 8) for w in weights), *((w, native.q8_bits(w)) for w in low)]:
+        w8, d = native.pack_q8(w, bits)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17):
+            x = (torch.randn(rows, w.in_features, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(torch.bfloat16)
+            got = native.q8_linear(x, w8, d, 1)
+            _assert_rounds_as_its_bf16_output(got, x, w, want=_one_part(x) @ w.dequantize(torch.float64).t())
+            for name, b in builds.items():
+                assert torch.equal(b.q8_linear(x, w8, d, 1), got), (name, bits, w.group_size, rows)
+            alone = torch.cat([native.q8_linear(r, w8, d, 1) for r in x.split(1)])
+            assert torch.equal(alone, got), f"{rows} rows: a row's result depends on the rows beside it"
+            assert not torch.equal(got, native.q8_linear(x, w8, d)), "parts=1 computed the two-part result"
+    with pytest.raises(RuntimeError, match="parts is 1 or 2"):
+        native.q8_linear(x, w8, d, 3)
 
 
 @pytest.mark.parametrize("group", [16, 32])

@@ -167,11 +167,11 @@ def _tensors(model, kv_caches) -> list[torch.Tensor]:
 
 
 def dims(model) -> list[int]:
-    """What csrc/llama_step.cpp's constructor takes beside the tensors: 4 sizes, the int4 linears' activation parts
+    """What csrc/llama_step.cpp's constructor takes beside the tensors: 4 sizes, the packed linears' activation parts
     (`ops.q8_activations`: one setting for the whole model), then each linear's piece count."""
     cfg, layer = model.cfg, model.layers[0]
-    parts = {p.get("parts", 2) for m in _all_linears(model) for p in _pieces(m) if "nib" in p} or {2}
-    assert len(parts) == 1, "the int4 linears disagree on their activation parts"
+    parts = {p.get("parts", 2) for m in _all_linears(model) for p in _pieces(m) if "nib" in p or "w8" in p} or {2}
+    assert len(parts) == 1, "the packed linears disagree on their activation parts"
     return [layer.heads, layer.kv_heads, cfg.head_dim, cfg.vocab_size, *parts,
             *(len(_pieces(m)) for m in _all_linears(model))]
 

@@ -414,9 +414,9 @@ def _pack_low_bits(chunks: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([nib.flatten(2), high.to(torch.uint8).flatten(2)], dim=2).view(torch.int8).contiguous()
 
 
-def q8_linear(x: torch.Tensor, w8: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (float32 or bf16) times the packed int8 weight: [M, N] bf16."""
-    return torch.ops.flagdeploy_cpu.q8_linear(x, w8, d)
+def q8_linear(x: torch.Tensor, w8: torch.Tensor, d: torch.Tensor, parts: int = 2) -> torch.Tensor:
+    """x [M, K] (float32 or bf16) times the packed int8 (or 5- or 6-bit) weight: [M, N] bf16. `parts` as q4_linear's."""
+    return torch.ops.flagdeploy_cpu.q8_linear(x, w8, d, parts)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:

@@ -292,10 +292,12 @@ def _decode_rows(x: torch.Tensor, packed, dense: torch.Tensor, m: int) -> torch.
 
 
 def q8_activations(model) -> int:
-    """The model's int4 linears on the backend's own kernel take their activations as one int8 part per block of
-    32, llama.cpp's Q8 precision, instead of two (~15 bits): `serve --q8-activations`. Half the kernel's products,
-    and on AVX2 twice the rows a pass: a few-row step ~1.25x faster there (docs/performance.md, issue 54's
-    twenty-fifth pass), at answers that may change. Returns how many linears took it (0: none is on that kernel)."""
+    """The model's linears on the backend's own kernels (int4; int8, 5- and 6-bit: the LM head, a Q4_K_M file's
+    Q6_K and Q5_0) take their activations as one int8 part per block of 32, llama.cpp's Q8 precision, instead of two
+    (~15 bits): `serve --q8-activations`. Half the int4 kernel's products, and on AVX2 twice the rows a pass: a
+    few-row step ~1.25x faster there (docs/performance.md, issue 54's twenty-fifth pass); the int8 kernel's products
+    4 a vpdpbusd instead of 2 a vpdpwssd where the CPU has VNNI; at answers that may change. Returns how many weights
+    took it (0: none is on those kernels)."""
     from flagdeploy.models.linear import Linear
 
     count = 0
@@ -303,7 +305,7 @@ def q8_activations(model) -> int:
         if isinstance(m, Linear):
             for bundle in m.bundles():
                 p = getattr(bundle, "prepared", None)
-                if isinstance(p, dict) and "nib" in p:
+                if isinstance(p, dict) and ("nib" in p or "w8" in p):
                     p["parts"] = 1
                     count += 1
     return count
@@ -330,10 +332,11 @@ def prepare_w8a16(w: Int8Weight):
 
 def packed_w8a16(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """The few-row kernel of a prepared per-channel bundle. The backend's own kernel carries the activations
-    as ~15-bit integers (csrc/q8_linear.cpp); torch's multiplies in bf16."""
+    as ~15-bit integers (csrc/q8_linear.cpp), or as one int8 part where `q8_activations` set "parts" to 1; torch's
+    multiplies in bf16."""
     p = w.prepared
     if "w8" in p:
-        return native.q8_linear(x, p["w8"], p["d"])
+        return native.q8_linear(x, p["w8"], p["d"], p.get("parts", 2))
     return torch._weight_int8pack_mm(x.to(torch.bfloat16), p["q"], p["scales"])
 
 

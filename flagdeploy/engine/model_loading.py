@@ -37,8 +37,8 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     real shapes can be run and measured without a checkpoint.
     mtp: also build and load the checkpoint's multi-token-prediction draft layer (`--speculative mtp`);
     a model or checkpoint without one is refused before any weight is read.
-    q8_activations: the 4-bit linears take their activations at llama.cpp's precision where the backend's kernels
-    hold them finer (`Backend.q8_activations`); a warning where no linear can.
+    q8_activations: the quantized linears take their activations at llama.cpp's precision where the backend's
+    kernels hold them finer (`Backend.q8_activations`); a warning where no linear can.
     """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', not {load_format!r}")
@@ -61,21 +61,19 @@ def load_model(path: Path, fmt: str, dtype: torch.dtype, device: str, progress: 
     tokenizer = Tokenizer.from_source(path, fmt, extra_eos_ids=cfg.eos_token_ids)
     if load_format == "dummy":
         init_dummy_weights(model)
-        if q8_activations:
-            _q8_activations(model, be)
-        return model, tokenizer
-    if fmt == "gguf":
-        reader = gguf_reader.open_gguf(path)
-        tensors, total = gguf_reader.iter_tensors(reader, cfg, dtype, keep_int4, keep_int8, head_int8), len(reader.tensors)
     else:
-        # under TP/EP each rank reads only its slices (and skips experts it does not hold)
-        plan = getattr(model, "read_plan", None) if parallel.tp_size() * parallel.ep_size() > 1 else None
-        tensors, total = safetensors_reader.iter_tensors(path, dtype, plan), safetensors_reader.count_tensors(path)
-    bar = tqdm(tensors, total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False)
-    try:
-        load_weights(model, ((n, to_device(t, device)) for n, t in bar), quantize_head, keep_fp8, bf16_experts)
-    except ValueError as exc:
-        raise ModelLoadError(f"{path}: {exc}. The file does not match its own config; re-download it.") from exc
+        if fmt == "gguf":
+            reader = gguf_reader.open_gguf(path)
+            tensors, total = gguf_reader.iter_tensors(reader, cfg, dtype, keep_int4, keep_int8, head_int8), len(reader.tensors)
+        else:
+            # under TP/EP each rank reads only its slices (and skips experts it does not hold)
+            plan = getattr(model, "read_plan", None) if parallel.tp_size() * parallel.ep_size() > 1 else None
+            tensors, total = safetensors_reader.iter_tensors(path, dtype, plan), safetensors_reader.count_tensors(path)
+        bar = tqdm(tensors, total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False)
+        try:
+            load_weights(model, ((n, to_device(t, device)) for n, t in bar), quantize_head, keep_fp8, bf16_experts)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: {exc}. The file does not match its own config; re-download it.") from exc
     if q8_activations:
         _q8_activations(model, be)
     return model, tokenizer
@@ -85,10 +83,10 @@ def _q8_activations(model, be) -> None:
     """--q8-activations on a loaded model: the backend's linears that hold activations finer take llama.cpp's Q8."""
     count = be.q8_activations(model) if be.q8_activations is not None else 0
     if count:
-        log.info("%d 4-bit linears take their activations as one int8 a value (--q8-activations)", count)
+        log.info("%d quantized weights take their activations as one int8 a value (--q8-activations)", count)
     else:
         log.warning("--q8-activations changes nothing here: no linear runs on a kernel with finer activations (the %s "
-                    "backend's own int4 kernels, on a GGUF's 4-bit weights with --weight-format auto)", be.name)
+                    "backend's own int4 and int8 kernels, on a GGUF's quantized weights with --weight-format auto)", be.name)
 
 
 def _attach_mtp(model, path: Path, fmt: str, load_format: str) -> None:

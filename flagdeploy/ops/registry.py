@@ -85,7 +85,7 @@ class Backend:
     # need the kernels built). Where they do, a GGUF's Q6_K LM head loads as the file holds it (6.6 bits a weight,
     # exact) rather than as per-channel int8 (8 bits, rounded once more).
     int8_low_bits: Callable[[], bool] = lambda: False
-    # Where the backend's int4 kernels quantise a linear's activations finer than llama.cpp does (its Q8: one int8 a
+    # Where the backend's packed kernels quantise a linear's activations finer than llama.cpp does (its Q8: one int8 a
     # value, a scale per 32): (model) -> how many of the loaded model's linears now take that precision instead
     # (`serve --q8-activations`; faster few-row steps where the kernels' products are the bound). None: the
     # backend's kernels have no finer form to give up.

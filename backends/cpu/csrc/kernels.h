@@ -12,7 +12,7 @@
 namespace FLAGDEPLOY_OPS_NS {
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& dm, int64_t parts = 2);
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& d);
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& d, int64_t parts);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w,
                                                 double eps);

@@ -50,7 +50,7 @@ namespace k = FLAGDEPLOY_OPS_NS;
 
 // a weight-only linear: pieces of (nib, dm) of the int4 kernel or (w8, d) of the int8 kernel, told apart by
 // dtype, their outputs side by side (one piece, or a fused qkv of a GGUF's Q4_K q, k beside its Q6_K v: the
-// eager Linear's PiecewiseWeight); an empty bias is none. parts: the int4 kernel's activation parts (q4_linear).
+// eager Linear's PiecewiseWeight); an empty bias is none. parts: the activations' int8 parts (q4_linear, q8_linear).
 struct Linear {
   std::vector<std::pair<at::Tensor, at::Tensor>> pieces;
   at::Tensor bias;
@@ -59,7 +59,7 @@ struct Linear {
   at::Tensor operator()(const at::Tensor& x) const {
     auto run = [&](const std::pair<at::Tensor, at::Tensor>& p) {
       return p.first.scalar_type() == at::kByte ? k::q4_linear(x, p.first, p.second, parts)
-                                                : k::q8_linear(x, p.first, p.second);
+                                                : k::q8_linear(x, p.first, p.second, parts);
     };
     at::Tensor y;
     if (pieces.size() == 1) {

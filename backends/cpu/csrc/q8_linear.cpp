@@ -7,7 +7,8 @@
 // weight on a 2-core AVX2 EPYC where the cores read ~26 GB/s. Here each activation block of 32 is
 // quantised once per call (activations.h: x / s ~ hi + lo / 256), and hi * 256 + lo is one int16
 // (|.| <= 32640), so vpmaddwd multiplies two sign-extended int16 weights of each of 8 output rows by the
-// same two activations, broadcast, into exact int32 sums: 8 lanes, 8 rows, no horizontal sum. A block's
+// same two activations, broadcast, into exact int32 sums (vpdpwssd where the CPU has VNNI: the same sums in one
+// instruction instead of vpmaddwd + vpaddd): 8 lanes, 8 rows, no horizontal sum. A block's
 // int32 dot (|.| < 2^27) becomes float once, times the block's scale; the row's scale d multiplies the
 // finished sum (per-group scales: each group's int32 dots are their own float step, times the group's scales
 // and the activation block's, and nothing multiplies the sum). With AVX-512 VNNI, two adjacent tiles (16 output
@@ -78,6 +79,18 @@ inline void prefetch_block(const int8_t* w) {  // a tile's block of Bytes, kPref
 template <int Group>
 constexpr int kParts = Group == 16 ? 2 : 1;
 
+// sums + each lane's two products of int16 w and x, in int32: one vpdpwssd where the CPU has VNNI (AVX-VNNI or
+// AVX-512 VNNI), else vpmaddwd + vpaddd; the same exact sums either way
+inline __m256i add_pairs(__m256i sums, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(sums, w, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(sums, w, x);
+#else
+  return _mm256_add_epi32(sums, _mm256_madd_epi16(w, x));
+#endif
+}
+
 // Tile t of 8 output rows for activation rows [r0, r0 + R): each 32 bytes of weight are widened once
 // and used for R rows. Group 16 or 32: d holds a scale per row and group of inputs (the layout's second form),
 // and each group's dots are their own float step.
@@ -100,8 +113,7 @@ void tile(const int8_t* w8, const float* d, const int16_t* x16, const float* sca
         __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
         for (int r = 0; r < R; ++r) {
           const int32_t* xr = reinterpret_cast<const int32_t*>(x16 + (r0 + r) * k + b * QK + 4 * c);
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(w0, _mm256_set1_epi32(xr[0])));
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(w1, _mm256_set1_epi32(xr[1])));
+          dot[r] = add_pairs(add_pairs(dot[r], w0, _mm256_set1_epi32(xr[0])), w1, _mm256_set1_epi32(xr[1]));
         }
       }
       if constexpr (Group > 0) {
@@ -175,9 +187,70 @@ inline __m256i add_dots(__m256i sums, __m256i u, __m256i x) {
 #endif
 }
 
+// ---- one activation part (q8_linear's parts = 1: serve --q8-activations) ----
+//
+// The activations' lo part is 0, so the 8-bit form's int16 x is 256 hi and a block's int32 dot 256 sum(w hi). Where
+// the CPU has vpdpbusd that dot is taken from the bytes: w + 128 (0..255: the weights are -127..127) as the unsigned
+// factor, hi as the signed one, 4 products a lane instead of vpdpwssd's 2, and 128 sum(hi) taken off: the same int32,
+// so the same bits as the int16 form (which the AVX2 build keeps: vpmaddubsw's int16 sums of those products saturate).
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define Q8_ONE_BYTES 1
+
+// 32 bytes of the layout (column pairs 2c and 2c + 1 of a tile's 8 rows) as vpdpbusd takes them: lane j = row j's
+// values 4c .. 4c + 3, each plus 128
+inline __m256i as_quads(const int8_t* w) {
+  const __m256i order = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,  //
+                                         0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i halves = _mm256_permute4x64_epi64(raw, _MM_SHUFFLE(3, 1, 2, 0));  // rows 0-3 of both pairs, then 4-7
+  return _mm256_xor_si256(_mm256_shuffle_epi8(halves, order), _mm256_set1_epi8(-128));
+}
+
+// A part's int32 dot as the int16 form has it: 256 (sum((w + 128) hi) - 128 sum(hi))
+inline __m256i one_part_dot(__m256i sums, int32_t hsum) {
+  return _mm256_slli_epi32(_mm256_sub_epi32(sums, _mm256_set1_epi32(128 * hsum)), 8);
+}
+
+// `tile` with one activation part: each 32 bytes shuffled once for the R rows, one vpdpbusd a row
+template <int R, int Group>
+void tile_one(const int8_t* w8, const float* d, const int8_t* hi, const int32_t* hsum, const float* scale, int64_t k,
+              int64_t r0, int64_t t, uint16_t* y, int64_t n_out) {
+  const int64_t blocks = k / QK;
+  constexpr int parts = kParts<Group>, chunks = QK / 4 / parts;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* w = w8 + (t * blocks + b) * (kTile * QK);
+    prefetch_block(w);
+    for (int part = 0; part < parts; ++part) {
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      for (int c = part * chunks; c < (part + 1) * chunks; ++c) {
+        const __m256i u = as_quads(w + 32 * c);
+        for (int r = 0; r < R; ++r)
+          dot[r] = add_dots(dot[r], u, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(hi + (r0 + r) * k + b * QK + 4 * c)));
+      }
+      const __m256 dg = Group > 0 ? _mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile) : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_cvtepi32_ps(one_part_dot(dot[r], hsum[((r0 + r) * blocks + b) * parts + part]));
+        const __m256 s = _mm256_set1_ps(scale[(r0 + r) * blocks + b]);
+        acc[r] = _mm256_fmadd_ps(x, Group > 0 ? _mm256_mul_ps(dg, s) : s, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[kTile];
+    _mm256_storeu_ps(out, Group > 0 ? acc[r] : _mm256_mul_ps(acc[r], _mm256_loadu_ps(d + kTile * t)));
+    for (int j = 0; j < kTile; ++j) y[(r0 + r) * n_out + kTile * t + j] = bf16_bits(out[j]);
+  }
+}
+#else
+#define Q8_ONE_BYTES 0
+#endif
+
 // Tile t for activation rows [r0, r0 + R) of a 5- or 6-bit weight: each chunk unpacked once for the R rows; a
 // group's dot is 256 hi + lo - 2^(Bits - 1) sum(x), the 8-bit form's int32, and the float steps are its own.
-template <int R, int Group, class F>
+template <int R, int Group, class F, bool One>
 void tile_low(const int8_t* w8, const float* d, const Activations& a, const int32_t* xsum, int64_t k, int64_t r0,
               int64_t t, uint16_t* y, int64_t n_out) {
   const int64_t blocks = k / QK, groups = k / Group;
@@ -197,13 +270,15 @@ void tile_low(const int8_t* w8, const float* d, const Activations& a, const int3
         for (int r = 0; r < R; ++r) {
           const int64_t at = (r0 + r) * k + b * QK + 4 * c;
           hi[r] = add_dots(hi[r], u, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(a.hi.data() + at)));
-          lo[r] = add_dots(lo[r], u, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(a.lo.data() + at)));
+          if constexpr (!One)
+            lo[r] = add_dots(lo[r], u, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(a.lo.data() + at)));
         }
       }
       const __m256 dg = group_scales<F>(w, d, t, k, b, part, parts);
       for (int r = 0; r < R; ++r) {
         const int32_t offset = xsum[(r0 + r) * groups + b * parts + part] * (1 << (F::bits - 1));
-        const __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(hi[r], 8), lo[r]), _mm256_set1_epi32(offset));
+        const __m256i both = One ? _mm256_slli_epi32(hi[r], 8) : _mm256_add_epi32(_mm256_slli_epi32(hi[r], 8), lo[r]);
+        const __m256i dot = _mm256_sub_epi32(both, _mm256_set1_epi32(offset));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dg, _mm256_set1_ps(a.scale[(r0 + r) * blocks + b])),
                                  acc[r]);
       }
@@ -221,7 +296,7 @@ void tile_low(const int8_t* w8, const float* d, const Activations& a, const int3
 constexpr int kLowPairRows = 16;  // rows of one pass over a pair of tiles: the chunks unpacked once for them all
 // Tiles t and t + 1 (16 output rows) for rows [r0, r0 + R): tile_low on 16 lanes, each broadcast activation serving
 // both tiles (kPairRows rows on, as the 8-bit form's pairs). Per lane the same steps: the same bits.
-template <int R, int Group, class F>
+template <int R, int Group, class F, bool One>
 void tile_low_pair(const int8_t* w8, const float* d, const Activations& a, const int32_t* xsum, int64_t k, int64_t r0,
                    int64_t t, uint16_t* y, int64_t n_out) {
   const int64_t blocks = k / QK, groups = k / Group;
@@ -254,12 +329,14 @@ void tile_low_pair(const int8_t* w8, const float* d, const Activations& a, const
           for (int r = 0; r < S && s0 + r < R; ++r) {
             const int64_t at = (r0 + s0 + r) * k + b * QK + 4 * (part * chunks + c);
             hi[r] = _mm512_dpbusd_epi32(hi[r], u[c], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a.hi.data() + at)));
-            lo[r] = _mm512_dpbusd_epi32(lo[r], u[c], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a.lo.data() + at)));
+            if constexpr (!One)
+              lo[r] = _mm512_dpbusd_epi32(lo[r], u[c], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a.lo.data() + at)));
           }
         for (int r = 0; r < S && s0 + r < R; ++r) {
           const int64_t row = r0 + s0 + r;
           const int32_t offset = xsum[row * groups + b * parts + part] * (1 << (F::bits - 1));
-          const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[r], 8), lo[r]), _mm512_set1_epi32(offset));
+          const __m512i both = One ? _mm512_slli_epi32(hi[r], 8) : _mm512_add_epi32(_mm512_slli_epi32(hi[r], 8), lo[r]);
+          const __m512i dot = _mm512_sub_epi32(both, _mm512_set1_epi32(offset));
           acc[s0 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dg, _mm512_set1_ps(a.scale[row * blocks + b])),
                                         acc[s0 + r]);
         }
@@ -273,7 +350,7 @@ void tile_low_pair(const int8_t* w8, const float* d, const Activations& a, const
 #define Q8_LOW_PAIRS 0
 #endif
 
-template <int Group, class F>
+template <int Group, class F, bool One>
 void low_tiles(const int8_t* w, const float* ds, const Activations& a, const int32_t* xsum, int64_t k, int64_t rows_n,
                int64_t n_tiles, uint16_t* out, int64_t n_out) {
 #if Q8_LOW_PAIRS
@@ -283,7 +360,7 @@ void low_tiles(const int8_t* w, const float* ds, const Activations& a, const int
       for (int64_t t = 2 * p0; t < 2 * p1; t += 2)
         for (int64_t r0 = 0; r0 < rows_n; r0 += kLowPairRows)
           with_count<kLowPairRows>(std::min<int64_t>(kLowPairRows, rows_n - r0),
-                                   [&](auto rows) { tile_low_pair<rows, Group, F>(w, ds, a, xsum, k, r0, t, out, n_out); });
+                                   [&](auto rows) { tile_low_pair<rows, Group, F, One>(w, ds, a, xsum, k, r0, t, out, n_out); });
     });
     if (n_tiles % 2 == 0) return;
     w += (n_tiles - 1) * (k / QK) * F::bytes;  // the odd tile on its own (below), as tile 0 of the rest
@@ -296,7 +373,7 @@ void low_tiles(const int8_t* w, const float* ds, const Activations& a, const int
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t r0 = 0; r0 < rows_n; r0 += kLowRows)  // every pass over the tile before the next: it stays in L1
         with_count<kLowRows>(std::min<int64_t>(kLowRows, rows_n - r0),
-                             [&](auto rows) { tile_low<rows, Group, F>(w, ds, a, xsum, k, r0, t, out, n_out); });
+                             [&](auto rows) { tile_low<rows, Group, F, One>(w, ds, a, xsum, k, r0, t, out, n_out); });
   });
 }
 
@@ -362,19 +439,85 @@ void tile_pair(const int8_t* w8, const float* d, const int16_t* x16, const float
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r0 + r) * n_out + kTile * t),
                         _mm512_cvtepi32_epi16(bf16_lanes(Group > 0 ? acc[r] : _mm512_mul_ps(acc[r], _mm512_loadu_ps(d + kTile * t)))));
 }
+// `tile_pair` with one activation part (`tile_one` on 16 lanes): each 32 bytes of both tiles shuffled once for the R
+// rows, one vpdpbusd a row, rows 4 at a time beside the part's chunks
+template <int R, int Group>
+void tile_pair_one(const int8_t* w8, const float* d, const int8_t* hi, const int32_t* hsum, const float* scale,
+                   int64_t k, int64_t r0, int64_t t, uint16_t* y, int64_t n_out) {
+  const int64_t blocks = k / QK, tile_bytes = kTile * QK;
+  constexpr int parts = kParts<Group>, chunks = QK / 4 / parts, S = R < 4 ? R : 4;
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* w0 = w8 + (t * blocks + b) * tile_bytes;
+    const int8_t* w1 = w0 + blocks * tile_bytes;
+    prefetch_block(w0);
+    prefetch_block(w1);
+#pragma GCC unroll 2
+    for (int part = 0; part < parts; ++part) {
+      __m512i u[chunks];
+#pragma GCC unroll 8
+      for (int c = 0; c < chunks; ++c) {
+        const int at = 32 * (part * chunks + c);
+        u[c] = _mm512_inserti64x4(_mm512_castsi256_si512(as_quads(w0 + at)), as_quads(w1 + at), 1);
+      }
+      __m512 dg = _mm512_setzero_ps();
+      if constexpr (Group > 0)
+        dg = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile)),
+                                _mm256_loadu_ps(d + (((t + 1) * blocks + b) * parts + part) * kTile), 1);
+#pragma GCC unroll 16
+      for (int s0 = 0; s0 < R; s0 += S) {
+        __m512i dot[S];
+        for (int r = 0; r < S; ++r) dot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int c = 0; c < chunks; ++c)
+          for (int r = 0; r < S && s0 + r < R; ++r) {
+            const int8_t* x = hi + (r0 + s0 + r) * k + b * QK + 4 * (part * chunks + c);
+            dot[r] = _mm512_dpbusd_epi32(dot[r], u[c], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)));
+          }
+        for (int r = 0; r < S && s0 + r < R; ++r) {
+          const int64_t row = r0 + s0 + r;
+          const __m512i whole = _mm512_slli_epi32(
+              _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * hsum[(row * blocks + b) * parts + part])), 8);
+          const __m512 sc = _mm512_set1_ps(scale[row * blocks + b]);
+          acc[s0 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), Group > 0 ? _mm512_mul_ps(dg, sc) : sc, acc[s0 + r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r0 + r) * n_out + kTile * t),
+                        _mm512_cvtepi32_epi16(bf16_lanes(Group > 0 ? acc[r] : _mm512_mul_ps(acc[r], _mm512_loadu_ps(d + kTile * t)))));
+}
 #else
 #define Q8_TILE_PAIRS 0
 #endif
 
+// A call's activations as the tiles take them: the int16 values (hi * 256 + lo) and the blocks' scales, and for one
+// part (One) the int8 hi values and each row's sums of them per block (per group of 16 with such scales)
+struct Xs {
+  const int16_t* x16;
+  const int8_t* hi;
+  const int32_t* hsum;
+  const float* scale;
+};
+
 // Activation rows [r0, r0 + n), 0 < n <= Most, over tile t (or tiles t, t + 1: Pair) in one pass of exactly n rows
-template <int Most, bool Pair, int Group>
-void tile_rows(const int8_t* w8, const float* d, const int16_t* x16, const float* scale, int64_t k, int64_t r0,
-               int64_t n, int64_t t, uint16_t* y, int64_t n_out) {
+template <int Most, bool Pair, int Group, bool One>
+void tile_rows(const int8_t* w8, const float* d, const Xs& x, int64_t k, int64_t r0, int64_t n, int64_t t, uint16_t* y,
+               int64_t n_out) {
   with_count<Most>(n, [&](auto rows) {
-#if Q8_TILE_PAIRS
-    if constexpr (Pair) return tile_pair<rows, Group>(w8, d, x16, scale, k, r0, t, y, n_out);
+#if Q8_TILE_PAIRS && Q8_ONE_BYTES
+    if constexpr (Pair && One) return tile_pair_one<rows, Group>(w8, d, x.hi, x.hsum, x.scale, k, r0, t, y, n_out);
 #endif
-    tile<rows, Group>(w8, d, x16, scale, k, r0, t, y, n_out);
+#if Q8_TILE_PAIRS
+    if constexpr (Pair) return tile_pair<rows, Group>(w8, d, x.x16, x.scale, k, r0, t, y, n_out);
+#endif
+#if Q8_ONE_BYTES
+    if constexpr (One) return tile_one<rows, Group>(w8, d, x.hi, x.hsum, x.scale, k, r0, t, y, n_out);
+#endif
+    tile<rows, Group>(w8, d, x.x16, x.scale, k, r0, t, y, n_out);
   });
 }
 
@@ -383,28 +526,28 @@ void tile_rows(const int8_t* w8, const float* d, const int16_t* x16, const float
 // registers hold only 8 rows' int32 sums (the float sums, touched once a block, go to the stack): the LM head,
 // 49152 x 576, one thread, 2-core AVX-512 EPYC built for AVX2, ms by rows in one pass: 1 0.96, 2 1.58, 3 2.1,
 // 4 2.15, 5 2.57, 6 3.07, 7 3.61, 8 4.12; 5 rows as 4 + 1 3.13, 8 as 4 + 4 4.55, 16 as 8 + 8 7.99 (4 x 4 8.70).
-template <int Most, bool Pair, int Group>
-void rows_over(const int8_t* w8, const float* d, const int16_t* x16, const float* scale, int64_t k, int64_t r0,
-               int64_t n, int64_t t, uint16_t* y, int64_t n_out) {
+template <int Most, bool Pair, int Group, bool One>
+void rows_over(const int8_t* w8, const float* d, const Xs& x, int64_t k, int64_t r0, int64_t n, int64_t t, uint16_t* y,
+               int64_t n_out) {
   int64_t r = r0;
-  for (; r + Most <= r0 + n; r += Most) tile_rows<Most, Pair, Group>(w8, d, x16, scale, k, r, Most, t, y, n_out);
-  if (r < r0 + n) tile_rows<Most, Pair, Group>(w8, d, x16, scale, k, r, r0 + n - r, t, y, n_out);
+  for (; r + Most <= r0 + n; r += Most) tile_rows<Most, Pair, Group, One>(w8, d, x, k, r, Most, t, y, n_out);
+  if (r < r0 + n) tile_rows<Most, Pair, Group, One>(w8, d, x, k, r, r0 + n - r, t, y, n_out);
 }
 
 // The call's tiles, in pairs where that pays (AVX-512 VNNI, kPairRows rows on)
-template <int Group>
-void q8_tiles(const int8_t* w, const float* ds, const int16_t* xs, const float* sc, int64_t k, int64_t rows_n,
-              int64_t n_tiles, uint16_t* out, int64_t n_out) {
+template <int Group, bool One>
+void q8_tiles(const int8_t* w, const float* ds, const Xs& x, int64_t k, int64_t rows_n, int64_t n_tiles, uint16_t* out,
+              int64_t n_out) {
   // every row group over a tile (or pair of tiles) before the next: its K x 8 bytes stay in L1 for the others
-  auto one = [&](int64_t t) { rows_over<kTileRows, false, Group>(w, ds, xs, sc, k, 0, rows_n, t, out, n_out); };
+  auto one = [&](int64_t t) { rows_over<kTileRows, false, Group, One>(w, ds, x, k, 0, rows_n, t, out, n_out); };
 #if Q8_TILE_PAIRS
   if (rows_n >= kPairRows) {
     const int64_t pairs = n_tiles / 2;
     dynamic_for(pairs, std::max<int64_t>(8, pairs / (8 * at::get_num_threads())), [&](int64_t p0, int64_t p1) {
       for (int64_t t = 2 * p0; t < 2 * p1; t += 2) {
         int64_t r = 0;
-        for (; r + 16 <= rows_n; r += 16) tile_pair<16, Group>(w, ds, xs, sc, k, r, t, out, n_out);
-        if (r < rows_n) rows_over<8, true, Group>(w, ds, xs, sc, k, r, rows_n - r, t, out, n_out);
+        for (; r + 16 <= rows_n; r += 16) tile_rows<16, true, Group, One>(w, ds, x, k, r, 16, t, out, n_out);
+        if (r < rows_n) rows_over<8, true, Group, One>(w, ds, x, k, r, rows_n - r, t, out, n_out);
       }
     });
     if (n_tiles % 2) one(n_tiles - 1);
@@ -420,7 +563,8 @@ void q8_tiles(const int8_t* w, const float* ds, const int16_t* xs, const float* 
 
 namespace FLAGDEPLOY_OPS_NS {
 
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& d) {
+// parts: the activations as two int8 parts (~15 bits, the default) or one (llama.cpp's Q8 precision, as q4_linear's)
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& d, int64_t parts) {
   TORCH_CHECK(x.dim() == 2 && (w8.dim() == 5 || w8.dim() == 3) && (d.dim() == 1 || d.dim() == 3),
               "q8_linear: x [M, K], w8 [N/8, K/32, 16, 8, 2] (5- or 6-bit: [N/8, K/32, 160, 192 or 208]), d [N] or "
               "[N/8, K/G, 8] (G 16 or 32; 208 bytes a block: [N/8, K/256, 8])");
@@ -441,40 +585,50 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor
               "q8_linear: x's width or the scales' count does not match the packed weight's (K a multiple of 32)");
   TORCH_CHECK(w8.scalar_type() == at::kChar && d.scalar_type() == at::kFloat && w8.is_contiguous() && d.is_contiguous(),
               "q8_linear: w8 must be contiguous int8, d contiguous float32");
-  Activations a = quantize(x);
+  TORCH_CHECK(parts == 1 || parts == 2, "q8_linear: parts is 1 or 2 (the activations' int8 parts), not ", parts);
+  const bool one = parts == 1;
+  Activations a = quantize(x, one);
   std::vector<int16_t> x16(rows_n * k);
   for (int64_t i = 0; i < rows_n * k; ++i) x16[i] = static_cast<int16_t>(a.hi[i] * 256 + a.lo[i]);
   at::Tensor y = at::empty({rows_n, n_out}, x.options().dtype(at::kBFloat16));
   const int8_t* w = w8.data_ptr<int8_t>();
   const float* ds = d.data_ptr<float>();
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const int16_t* xs = x16.data();
-  const float* sc = a.scale.data();
-  if (bits < 8) {
-    std::vector<int32_t> xsum(rows_n * (k / group));  // per row and group: the sum of its int16 activations
-    for (int64_t i = 0; i < rows_n * (k / group); ++i) {
-      int32_t sum = 0;
-      for (int64_t j = 0; j < group; ++j) sum += x16[i * group + j];
-      xsum[i] = sum;
+  auto run = [&](auto one_part) {
+    constexpr bool One = decltype(one_part)::value;
+    if (bits < 8) {
+      std::vector<int32_t> xsum(rows_n * (k / group));  // per row and group: the sum of its int16 activations
+      for (int64_t i = 0; i < rows_n * (k / group); ++i) {
+        int32_t sum = 0;
+        for (int64_t j = 0; j < group; ++j) sum += x16[i * group + j];
+        xsum[i] = sum;
+      }
+      const auto tiles = sub           ? low_tiles<16, Low<6, true>, One>
+                         : group == 16 ? (bits == 6 ? low_tiles<16, Low<6, false>, One> : low_tiles<16, Low<5, false>, One>)
+                                       : (bits == 6 ? low_tiles<32, Low<6, false>, One> : low_tiles<32, Low<5, false>, One>);
+      return tiles(w, ds, a, xsum.data(), k, rows_n, n_tiles, out, n_out);
     }
-    const auto tiles = sub           ? low_tiles<16, Low<6, true>>
-                       : group == 16 ? (bits == 6 ? low_tiles<16, Low<6, false>> : low_tiles<16, Low<5, false>>)
-                                     : (bits == 6 ? low_tiles<32, Low<6, false>> : low_tiles<32, Low<5, false>>);
-    tiles(w, ds, a, xsum.data(), k, rows_n, n_tiles, out, n_out);
-  } else if (group == 16) {
-    q8_tiles<16>(w, ds, xs, sc, k, rows_n, n_tiles, out, n_out);
-  } else if (group == 32) {
-    q8_tiles<32>(w, ds, xs, sc, k, rows_n, n_tiles, out, n_out);
-  } else {
-    q8_tiles<0>(w, ds, xs, sc, k, rows_n, n_tiles, out, n_out);
-  }
+    // one part on vpdpbusd: per row and block (per group of 16 of it, with such scales) the sum of its hi values
+    const int64_t sums = One && Q8_ONE_BYTES ? rows_n * k / (group == 16 ? 16 : QK) : 0, width = sums ? rows_n * k / sums : 0;
+    std::vector<int32_t> hsum(sums);
+    for (int64_t i = 0; i < sums; ++i)
+      for (int64_t j = 0; j < width; ++j) hsum[i] += a.hi[i * width + j];
+    const Xs xs{x16.data(), a.hi.data(), hsum.data(), a.scale.data()};
+    if (group == 16) return q8_tiles<16, One>(w, ds, xs, k, rows_n, n_tiles, out, n_out);
+    if (group == 32) return q8_tiles<32, One>(w, ds, xs, k, rows_n, n_tiles, out, n_out);
+    q8_tiles<0, One>(w, ds, xs, k, rows_n, n_tiles, out, n_out);
+  };
+  if (one)
+    run(std::true_type{});
+  else
+    run(std::false_type{});
   return y;
 }
 
 }  // namespace FLAGDEPLOY_OPS_NS
 
 TORCH_LIBRARY_FRAGMENT(FLAGDEPLOY_OPS_NS, m) {
-  m.def("q8_linear(Tensor x, Tensor w8, Tensor d) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor w8, Tensor d, int parts=2) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(FLAGDEPLOY_OPS_NS, CPU, m) {
