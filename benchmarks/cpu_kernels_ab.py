@@ -2,7 +2,8 @@
 the default model's C++ decode step (a speculative verify step of one sequence, as cpu_few_rows.py shapes it),
 its 120 4-bit linears alone, its int8 LM head and a verify step's attention x 30, rounds alternating between the two builds.
 
-    python benchmarks/cpu_kernels_ab.py [--ref HEAD] [--rows 1 5 16] [--rounds 30] [--threads N] [--q8-activations]
+    python benchmarks/cpu_kernels_ab.py [--ref HEAD] [--rows 1 5 16] [--rounds 30] [--threads N] [--model M]
+        [--q8-activations]
 
 Why: on a small shared VM a figure drifts 10-20% from hour to hour and from one process to the next, so a kernel
 change worth a few percent cannot be seen by running a benchmark before and after it. Here both builds run in the
@@ -51,11 +52,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--model", default=None, help="model source (default: the embedded SmolLM2-135M-Instruct GGUF)")
     ap.add_argument("--q8-activations", action="store_true",
                     help="the model as serve --q8-activations loads it (a ref whose int8 kernel has no one-part form "
                          "takes two parts there: its head's and step's bits then differ)")
     args = ap.parse_args()
-    runner, model = default_model(args.threads, q8_activations=args.q8_activations)
+    runner, model = default_model(args.threads, args.model, args.q8_activations)
     if runner.native is None:
         raise SystemExit("no C++ decode step here (see the engine's log): nothing to compare")
     with tempfile.TemporaryDirectory() as tmp:

@@ -535,6 +535,28 @@ def test_cpu_kernels_thread_pool_gives_one_answer_to_concurrent_callers_thread_c
     assert os.waitstatus_to_exitcode(status) == 0, "the forked child's kernels failed or answered differently"
 
 
+def test_cpu_int4_kernel_cut_for_many_threads_gives_the_same_bits(kernel_builds):
+    """A small linear on many threads (36 tiles of a 576-wide output over 16) is handed out by single tiles and by
+    each row pass of a chunk rather than by chunks of tiles: every row count, on every build, the bits of one thread."""
+    native = _cpu_kernels_or_skip()
+    builds = {name: b for name, b in kernel_builds.items() if name in ("native", "avx2")}
+    g = torch.Generator().manual_seed(36)
+    w = _random_int4(576, 1536, g)
+    nib, dm = native.pack_q4(w)
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 2, 5, 9, 12, 16, 17):
+            x = torch.randn(rows, 1536, generator=g).to(torch.bfloat16)
+            for parts in (1, 2):
+                torch.set_num_threads(1)
+                want = native.q4_linear(x, nib, dm, parts)
+                torch.set_num_threads(16)
+                for name, b in builds.items():
+                    assert torch.equal(b.q4_linear(x, nib, dm, parts), want), (name, rows, parts)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("group", [0, 16, 32], ids=["per-channel", "group16", "group32"])
 @pytest.mark.parametrize("n,k", [(8, 32), (48, 64), (960, 576), (49152, 576)])
 def test_cpu_int8_kernel_rounds_no_worse_than_its_bf16_output_and_rows_are_independent(n, k, group):
