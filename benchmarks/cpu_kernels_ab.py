@@ -1,6 +1,7 @@
 """The cpu backend's kernels of this checkout against a git ref's, in one process, on the same weights and inputs:
 the default model's C++ decode step (a speculative verify step of one sequence, as cpu_few_rows.py shapes it),
-its 120 4-bit linears alone, its int8 LM head and a verify step's attention x 30, rounds alternating between the two builds.
+its 120 4-bit linears alone, its int8 LM head and a verify step's attention x 30, rounds alternating between the
+two builds.
 
     python benchmarks/cpu_kernels_ab.py [--ref HEAD] [--rows 1 5 16] [--rounds 30] [--threads N] [--model M]
         [--q8-activations]
@@ -14,7 +15,8 @@ bits says so (or not) before its speed is shown.
 
 Measured against itself (a working tree with no change), 20 rounds on the 2-core AVX-512 EPYC, two runs: the step
 and the linears 0.994-1.028x, attention 0.992-1.054x and once 1.160x (16 rows): read a few percent as noise,
-attention's more, and run twice.
+attention's more, and run twice. On a 16-core Xeon at 16 threads the same self-A/B read the step 0.90-1.06x and the
+head 0.72-0.92x (two builds' thread pools in one process on many cores): there compare builds in separate processes.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def main() -> None:
             calls[k] = lambda st, step=step: step.step(*st, True, every_row)
         except RuntimeError:
             calls[k] = lambda st, step=step: step.step(*st, True)
+
     def head_call(k: str, x: torch.Tensor) -> torch.Tensor:
         try:
             return ops[k].q8_linear(x, head["w8"], head["d"], head.get("parts", 2))
