@@ -91,49 +91,6 @@ inline __m256i add_pairs(__m256i sums, __m256i w, __m256i x) {
 #endif
 }
 
-// Tile t of 8 output rows for activation rows [r0, r0 + R): each 32 bytes of weight are widened once
-// and used for R rows. Group 16 or 32: d holds a scale per row and group of inputs (the layout's second form),
-// and each group's dots are their own float step.
-template <int R, int Group>
-void tile(const int8_t* w8, const float* d, const int16_t* x16, const float* scale, int64_t k, int64_t r0,
-          int64_t t, uint16_t* y, int64_t n_out) {
-  const int64_t blocks = k / QK;
-  constexpr int parts = kParts<Group>, chunks = QK / 4 / parts;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int8_t* w = w8 + (t * blocks + b) * (kTile * QK);
-    prefetch_block(w);
-    for (int part = 0; part < parts; ++part) {
-      __m256i dot[R];
-      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-      for (int c = part * chunks; c < (part + 1) * chunks; ++c) {  // two column pairs per 32 bytes
-        __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
-        __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
-        __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
-        for (int r = 0; r < R; ++r) {
-          const int32_t* xr = reinterpret_cast<const int32_t*>(x16 + (r0 + r) * k + b * QK + 4 * c);
-          dot[r] = add_pairs(add_pairs(dot[r], w0, _mm256_set1_epi32(xr[0])), w1, _mm256_set1_epi32(xr[1]));
-        }
-      }
-      if constexpr (Group > 0) {
-        const __m256 dg = _mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile);
-        for (int r = 0; r < R; ++r)
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dg, _mm256_set1_ps(scale[(r0 + r) * blocks + b])),
-                                   acc[r]);
-      } else {
-        for (int r = 0; r < R; ++r)
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(scale[(r0 + r) * blocks + b]), acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float out[kTile];
-    _mm256_storeu_ps(out, Group > 0 ? acc[r] : _mm256_mul_ps(acc[r], _mm256_loadu_ps(d + kTile * t)));
-    for (int j = 0; j < kTile; ++j) y[(r0 + r) * n_out + kTile * t + j] = bf16_bits(out[j]);
-  }
-}
-
 // ---- the 5- and 6-bit forms ----
 
 // Rows of one pass over a tile: their hi and lo int32 sums in registers (16 ymm on AVX2, 32 with AVX-512)
@@ -195,6 +152,9 @@ inline __m256i add_dots(__m256i sums, __m256i u, __m256i x) {
 // so the same bits as the int16 form (which the AVX2 build keeps: vpmaddubsw's int16 sums of those products saturate).
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define Q8_ONE_BYTES 1
+#else
+#define Q8_ONE_BYTES 0
+#endif
 
 // 32 bytes of the layout (column pairs 2c and 2c + 1 of a tile's 8 rows) as vpdpbusd takes them: lane j = row j's
 // values 4c .. 4c + 3, each plus 128
@@ -211,11 +171,26 @@ inline __m256i one_part_dot(__m256i sums, int32_t hsum) {
   return _mm256_slli_epi32(_mm256_sub_epi32(sums, _mm256_set1_epi32(128 * hsum)), 8);
 }
 
-// `tile` with one activation part: each 32 bytes shuffled once for the R rows, one vpdpbusd a row
-template <int R, int Group>
-void tile_one(const int8_t* w8, const float* d, const int8_t* hi, const int32_t* hsum, const float* scale, int64_t k,
-              int64_t r0, int64_t t, uint16_t* y, int64_t n_out) {
+// Activations of one call as the tiles take them: the int16 values (hi * 256 + lo) and the blocks' scales, and for
+// one part on vpdpbusd the int8 hi values and each row's sums of them per block (per group of 16 with such scales)
+struct Xs {
+  const int16_t* x16;
+  const int8_t* hi;
+  const int32_t* hsum;
+  const float* scale;
+};
+
+// Tile t of 8 output rows for activation rows [r0, r0 + R): each 32 bytes of weight are widened once (Bytes: shuffled
+// once, as_quads) and used for R rows. Group 16 or 32: d holds a scale per row and group of inputs (the layout's
+// second form), and each group's dots are their own float step. Bytes: one activation part on vpdpbusd, 4 products a
+// row and instruction where the int16 form's vpdpwssd takes 2; the same int32 dots, so the same bits.
+template <int R, int Group, bool Bytes>
+void tile(const int8_t* w8, const float* d, const Xs& x, int64_t k, int64_t r0, int64_t t, uint16_t* y, int64_t n_out) {
   const int64_t blocks = k / QK;
+  const int8_t* hi = x.hi;  // copied out of x: read through it in the loops, the avxvnni head was 1.3x slower at 16 rows
+  const int16_t* x16 = x.x16;
+  const int32_t* hsum = x.hsum;
+  const float* scale = x.scale;
   constexpr int parts = kParts<Group>, chunks = QK / 4 / parts;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -225,16 +200,27 @@ void tile_one(const int8_t* w8, const float* d, const int8_t* hi, const int32_t*
     for (int part = 0; part < parts; ++part) {
       __m256i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-      for (int c = part * chunks; c < (part + 1) * chunks; ++c) {
-        const __m256i u = as_quads(w + 32 * c);
-        for (int r = 0; r < R; ++r)
-          dot[r] = add_dots(dot[r], u, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(hi + (r0 + r) * k + b * QK + 4 * c)));
+      for (int c = part * chunks; c < (part + 1) * chunks; ++c) {  // two column pairs per 32 bytes
+        if constexpr (Bytes) {
+          const __m256i u = as_quads(w + 32 * c);
+          for (int r = 0; r < R; ++r)
+            dot[r] = add_dots(dot[r], u, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(hi + (r0 + r) * k + b * QK + 4 * c)));
+        } else {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+          const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+          const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xr = reinterpret_cast<const int32_t*>(x16 + (r0 + r) * k + b * QK + 4 * c);
+            dot[r] = add_pairs(add_pairs(dot[r], w0, _mm256_set1_epi32(xr[0])), w1, _mm256_set1_epi32(xr[1]));
+          }
+        }
       }
       const __m256 dg = Group > 0 ? _mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile) : _mm256_setzero_ps();
       for (int r = 0; r < R; ++r) {
-        const __m256 x = _mm256_cvtepi32_ps(one_part_dot(dot[r], hsum[((r0 + r) * blocks + b) * parts + part]));
-        const __m256 s = _mm256_set1_ps(scale[(r0 + r) * blocks + b]);
-        acc[r] = _mm256_fmadd_ps(x, Group > 0 ? _mm256_mul_ps(dg, s) : s, acc[r]);
+        const int64_t row_block = (r0 + r) * blocks + b;
+        const __m256i whole = Bytes ? one_part_dot(dot[r], hsum[row_block * parts + part]) : dot[r];
+        const __m256 s = _mm256_set1_ps(scale[row_block]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole), Group > 0 ? _mm256_mul_ps(dg, s) : s, acc[r]);
       }
     }
   }
@@ -244,9 +230,6 @@ void tile_one(const int8_t* w8, const float* d, const int8_t* hi, const int32_t*
     for (int j = 0; j < kTile; ++j) y[(r0 + r) * n_out + kTile * t + j] = bf16_bits(out[j]);
   }
 }
-#else
-#define Q8_ONE_BYTES 0
-#endif
 
 // Tile t for activation rows [r0, r0 + R) of a 5- or 6-bit weight: each chunk unpacked once for the R rows; a
 // group's dot is 256 hi + lo - 2^(Bits - 1) sum(x), the 8-bit form's int32, and the float steps are its own.
@@ -382,15 +365,29 @@ void low_tiles(const int8_t* w, const float* ds, const Activations& a, const int
 
 constexpr int kPairsAtOnce = 8;  // column pairs widened into registers at a time (beside up to 16 rows' sums)
 
-// Tiles t and t + 1 (16 output rows) for activation rows [r0, r0 + R): per block, the column pairs' weights are
-// widened once into registers, 8 at a time, and used for all R rows: one vpdpwssd per pair and row, the row's two
-// activations broadcast. The LM head (49152 x 576), ms, AVX2 tiles / these / the dense bf16 copy through oneDNN:
-// 4 rows 1.03 / 0.56 / 1.57, 8 rows 2.91 / 0.81 / 1.95, 16 rows 5.17 / 1.75 / 2.18 (R = 8 twice: 2.5-3.3).
-template <int R, int Group>
-void tile_pair(const int8_t* w8, const float* d, const int16_t* x16, const float* scale, int64_t k, int64_t r0,
-               int64_t t, uint16_t* y, int64_t n_out) {
+// A row's int32 dot of a block's group into its float sum: times the activation block's scale, and the group's
+// scales of the 16 outputs where they have them (dg; per channel, the finished sum is multiplied instead)
+template <int Group>
+inline __m512 add_dot(__m512 acc, __m512i dot, __m512 dg, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), Group > 0 ? _mm512_mul_ps(dg, s) : s, acc);
+}
+
+// Tiles t and t + 1 (16 output rows) for activation rows [r0, r0 + R), `tile` on 16 lanes. Two parts: per block, the
+// column pairs' weights are widened once into registers, 8 at a time, and used for all R rows: one vpdpwssd per pair
+// and row, the row's two activations broadcast. The LM head (49152 x 576), ms, AVX2 tiles / these / the dense bf16
+// copy through oneDNN: 4 rows 1.03 / 0.56 / 1.57, 8 rows 2.91 / 0.81 / 1.95, 16 rows 5.17 / 1.75 / 2.18 (R = 8
+// twice: 2.5-3.3). One part: each 32 bytes of both tiles shuffled once for the R rows, one vpdpbusd a row, rows 4 at
+// a time beside the part's chunks. Per lane the same steps as `tile`: the same bits.
+template <int R, int Group, bool One>
+void tile_pair(const int8_t* w8, const float* d, const Xs& x, int64_t k, int64_t r0, int64_t t, uint16_t* y,
+               int64_t n_out) {
   const int64_t blocks = k / QK, tile_bytes = kTile * QK;
-  constexpr int parts = kParts<Group>, pairs = QK / 2 / parts;
+  const int8_t* hi = x.hi;  // as `tile` does
+  const int16_t* x16 = x.x16;
+  const int32_t* hsum = x.hsum;
+  const float* scale = x.scale;
+  constexpr int parts = kParts<Group>, pairs = QK / 2 / parts, chunks = QK / 4 / parts, S = R < 4 ? R : 4;
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -401,88 +398,59 @@ void tile_pair(const int8_t* w8, const float* d, const int16_t* x16, const float
     prefetch_block(w1);
 #pragma GCC unroll 2
     for (int part = 0; part < parts; ++part) {
-      __m512i dot[R];
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-#pragma GCC unroll 2
-      for (int c0 = part * pairs; c0 < (part + 1) * pairs; c0 += kPairsAtOnce) {
-        __m512i wc[kPairsAtOnce];  // column pair c0 + c: 8 rows x 2 values from each tile, as int16
-#pragma GCC unroll 16
-        for (int c = 0; c < kPairsAtOnce; ++c)
-          wc[c] = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
-              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + 16 * (c0 + c)))),
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w1 + 16 * (c0 + c))), 1));
-#pragma GCC unroll 16
-        for (int c = 0; c < kPairsAtOnce; ++c)
-#pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) {
-            const int32_t* xr = reinterpret_cast<const int32_t*>(x16 + (r0 + r) * k + b * QK);
-            dot[r] = _mm512_dpwssd_epi32(dot[r], wc[c], _mm512_set1_epi32(xr[c0 + c]));
-          }
-      }
-      if constexpr (Group > 0) {  // the two tiles' scales of this group, as the AVX2 tiles take them
-        const __m512 dg = _mm512_castpd_ps(_mm512_insertf64x4(
-            _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile))),
-            _mm256_castps_pd(_mm256_loadu_ps(d + (((t + 1) * blocks + b) * parts + part) * kTile)), 1));
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r)
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dg, _mm512_set1_ps(scale[(r0 + r) * blocks + b])),
-                                   acc[r]);
-      } else {
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r)
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(scale[(r0 + r) * blocks + b]), acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r0 + r) * n_out + kTile * t),
-                        _mm512_cvtepi32_epi16(bf16_lanes(Group > 0 ? acc[r] : _mm512_mul_ps(acc[r], _mm512_loadu_ps(d + kTile * t)))));
-}
-// `tile_pair` with one activation part (`tile_one` on 16 lanes): each 32 bytes of both tiles shuffled once for the R
-// rows, one vpdpbusd a row, rows 4 at a time beside the part's chunks
-template <int R, int Group>
-void tile_pair_one(const int8_t* w8, const float* d, const int8_t* hi, const int32_t* hsum, const float* scale,
-                   int64_t k, int64_t r0, int64_t t, uint16_t* y, int64_t n_out) {
-  const int64_t blocks = k / QK, tile_bytes = kTile * QK;
-  constexpr int parts = kParts<Group>, chunks = QK / 4 / parts, S = R < 4 ? R : 4;
-  __m512 acc[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int8_t* w0 = w8 + (t * blocks + b) * tile_bytes;
-    const int8_t* w1 = w0 + blocks * tile_bytes;
-    prefetch_block(w0);
-    prefetch_block(w1);
-#pragma GCC unroll 2
-    for (int part = 0; part < parts; ++part) {
-      __m512i u[chunks];
+      auto pair_scales = [&] {  // the two tiles' scales of this group, as `tile` takes them
+        if constexpr (Group == 0) return _mm512_setzero_ps();
+        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile)),
+                                  _mm256_loadu_ps(d + (((t + 1) * blocks + b) * parts + part) * kTile), 1);
+      };
+      if constexpr (One) {
+        const __m512 dg = pair_scales();
+        __m512i u[chunks];
 #pragma GCC unroll 8
-      for (int c = 0; c < chunks; ++c) {
-        const int at = 32 * (part * chunks + c);
-        u[c] = _mm512_inserti64x4(_mm512_castsi256_si512(as_quads(w0 + at)), as_quads(w1 + at), 1);
-      }
-      __m512 dg = _mm512_setzero_ps();
-      if constexpr (Group > 0)
-        dg = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(d + ((t * blocks + b) * parts + part) * kTile)),
-                                _mm256_loadu_ps(d + (((t + 1) * blocks + b) * parts + part) * kTile), 1);
-#pragma GCC unroll 16
-      for (int s0 = 0; s0 < R; s0 += S) {
-        __m512i dot[S];
-        for (int r = 0; r < S; ++r) dot[r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int c = 0; c < chunks; ++c)
-          for (int r = 0; r < S && s0 + r < R; ++r) {
-            const int8_t* x = hi + (r0 + s0 + r) * k + b * QK + 4 * (part * chunks + c);
-            dot[r] = _mm512_dpbusd_epi32(dot[r], u[c], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)));
-          }
-        for (int r = 0; r < S && s0 + r < R; ++r) {
-          const int64_t row = r0 + s0 + r;
-          const __m512i whole = _mm512_slli_epi32(
-              _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * hsum[(row * blocks + b) * parts + part])), 8);
-          const __m512 sc = _mm512_set1_ps(scale[row * blocks + b]);
-          acc[s0 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), Group > 0 ? _mm512_mul_ps(dg, sc) : sc, acc[s0 + r]);
+        for (int c = 0; c < chunks; ++c) {
+          const int at = 32 * (part * chunks + c);
+          u[c] = _mm512_inserti64x4(_mm512_castsi256_si512(as_quads(w0 + at)), as_quads(w1 + at), 1);
         }
+#pragma GCC unroll 16
+        for (int s0 = 0; s0 < R; s0 += S) {
+          __m512i dot[S];
+          for (int r = 0; r < S; ++r) dot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+          for (int c = 0; c < chunks; ++c)
+            for (int r = 0; r < S && s0 + r < R; ++r) {
+              const int8_t* xr = hi + (r0 + s0 + r) * k + b * QK + 4 * (part * chunks + c);
+              dot[r] = _mm512_dpbusd_epi32(dot[r], u[c], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr)));
+            }
+          for (int r = 0; r < S && s0 + r < R; ++r) {
+            const int64_t row_block = (r0 + s0 + r) * blocks + b;
+            const __m512i whole =
+                _mm512_slli_epi32(_mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * hsum[row_block * parts + part])), 8);
+            acc[s0 + r] = add_dot<Group>(acc[s0 + r], whole, dg, scale[row_block]);
+          }
+        }
+      } else {
+        __m512i dot[R];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+        for (int c0 = part * pairs; c0 < (part + 1) * pairs; c0 += kPairsAtOnce) {
+          __m512i wc[kPairsAtOnce];  // column pair c0 + c: 8 rows x 2 values from each tile, as int16
+#pragma GCC unroll 16
+          for (int c = 0; c < kPairsAtOnce; ++c)
+            wc[c] = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + 16 * (c0 + c)))),
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w1 + 16 * (c0 + c))), 1));
+#pragma GCC unroll 16
+          for (int c = 0; c < kPairsAtOnce; ++c)
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) {
+              const int32_t* xr = reinterpret_cast<const int32_t*>(x16 + (r0 + r) * k + b * QK);
+              dot[r] = _mm512_dpwssd_epi32(dot[r], wc[c], _mm512_set1_epi32(xr[c0 + c]));
+            }
+        }
+        const __m512 dg = pair_scales();  // here, not live beside the dots and the widened pairs (32 registers)
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[r] = add_dot<Group>(acc[r], dot[r], dg, scale[(r0 + r) * blocks + b]);
       }
     }
   }
@@ -494,30 +462,15 @@ void tile_pair_one(const int8_t* w8, const float* d, const int8_t* hi, const int
 #define Q8_TILE_PAIRS 0
 #endif
 
-// A call's activations as the tiles take them: the int16 values (hi * 256 + lo) and the blocks' scales, and for one
-// part (One) the int8 hi values and each row's sums of them per block (per group of 16 with such scales)
-struct Xs {
-  const int16_t* x16;
-  const int8_t* hi;
-  const int32_t* hsum;
-  const float* scale;
-};
-
 // Activation rows [r0, r0 + n), 0 < n <= Most, over tile t (or tiles t, t + 1: Pair) in one pass of exactly n rows
 template <int Most, bool Pair, int Group, bool One>
 void tile_rows(const int8_t* w8, const float* d, const Xs& x, int64_t k, int64_t r0, int64_t n, int64_t t, uint16_t* y,
                int64_t n_out) {
   with_count<Most>(n, [&](auto rows) {
-#if Q8_TILE_PAIRS && Q8_ONE_BYTES
-    if constexpr (Pair && One) return tile_pair_one<rows, Group>(w8, d, x.hi, x.hsum, x.scale, k, r0, t, y, n_out);
-#endif
 #if Q8_TILE_PAIRS
-    if constexpr (Pair) return tile_pair<rows, Group>(w8, d, x.x16, x.scale, k, r0, t, y, n_out);
+    if constexpr (Pair) return tile_pair<rows, Group, One>(w8, d, x, k, r0, t, y, n_out);
 #endif
-#if Q8_ONE_BYTES
-    if constexpr (One) return tile_one<rows, Group>(w8, d, x.hi, x.hsum, x.scale, k, r0, t, y, n_out);
-#endif
-    tile<rows, Group>(w8, d, x.x16, x.scale, k, r0, t, y, n_out);
+    tile<rows, Group, One && Q8_ONE_BYTES>(w8, d, x, k, r0, t, y, n_out);
   });
 }
 
@@ -559,6 +512,15 @@ void q8_tiles(const int8_t* w, const float* ds, const Xs& x, int64_t k, int64_t 
   });
 }
 
+// The sums of each `width` consecutive values of v[0, count): a row's groups or blocks (K is a multiple of width)
+template <typename T>
+std::vector<int32_t> run_sums(const T* v, int64_t count, int64_t width) {
+  std::vector<int32_t> sums(count / width);
+  for (size_t i = 0; i < sums.size(); ++i)
+    for (int64_t j = 0; j < width; ++j) sums[i] += v[i * width + j];
+  return sums;
+}
+
 }  // namespace
 
 namespace FLAGDEPLOY_OPS_NS {
@@ -597,22 +559,15 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor
   auto run = [&](auto one_part) {
     constexpr bool One = decltype(one_part)::value;
     if (bits < 8) {
-      std::vector<int32_t> xsum(rows_n * (k / group));  // per row and group: the sum of its int16 activations
-      for (int64_t i = 0; i < rows_n * (k / group); ++i) {
-        int32_t sum = 0;
-        for (int64_t j = 0; j < group; ++j) sum += x16[i * group + j];
-        xsum[i] = sum;
-      }
+      const std::vector<int32_t> xsum = run_sums(x16.data(), rows_n * k, group);  // per row and group of inputs
       const auto tiles = sub           ? low_tiles<16, Low<6, true>, One>
                          : group == 16 ? (bits == 6 ? low_tiles<16, Low<6, false>, One> : low_tiles<16, Low<5, false>, One>)
                                        : (bits == 6 ? low_tiles<32, Low<6, false>, One> : low_tiles<32, Low<5, false>, One>);
       return tiles(w, ds, a, xsum.data(), k, rows_n, n_tiles, out, n_out);
     }
     // one part on vpdpbusd: per row and block (per group of 16 of it, with such scales) the sum of its hi values
-    const int64_t sums = One && Q8_ONE_BYTES ? rows_n * k / (group == 16 ? 16 : QK) : 0, width = sums ? rows_n * k / sums : 0;
-    std::vector<int32_t> hsum(sums);
-    for (int64_t i = 0; i < sums; ++i)
-      for (int64_t j = 0; j < width; ++j) hsum[i] += a.hi[i * width + j];
+    const std::vector<int32_t> hsum =
+        One && Q8_ONE_BYTES ? run_sums(a.hi.data(), rows_n * k, group == 16 ? 16 : QK) : std::vector<int32_t>{};
     const Xs xs{x16.data(), a.hi.data(), hsum.data(), a.scale.data()};
     if (group == 16) return q8_tiles<16, One>(w, ds, xs, k, rows_n, n_tiles, out, n_out);
     if (group == 32) return q8_tiles<32, One>(w, ds, xs, k, rows_n, n_tiles, out, n_out);
