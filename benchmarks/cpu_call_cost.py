@@ -8,9 +8,13 @@ sixteenth pass), far above what their bytes take from its L3. This splits a call
     fixed cost above;
   - the 120 linears of a 1-row decode step, each layer's own weights (streamed as in a step), and the same 120 calls
     over one layer's four weights (held in the caches): the difference is the bytes' share.
+and then, per shape of a layer's linears and per row count (--rows: a lone stream, a verify step, 16 streams), us a
+call at each thread count and its speedup over one thread: how far a call of R rows splits over the cores. (On an
+H100 host's 16-core Xeon at 16 rows: the small linears' calls 2.9-4.2x faster on 16 threads than on one, gate_up's
+8.2x; docs/performance.md, issue 54's twenty-seventh pass.)
 Random weights in the kernels' layout: no model file, so it runs on a host cut off from the network.
 
-    python benchmarks/cpu_call_cost.py [--threads 1,2,4,8,12,16] [--reps 2000]
+    python benchmarks/cpu_call_cost.py [--threads 1,2,4,8,12,16] [--reps 2000] [--rows 1,5,16]
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1, 2, 4, ... the cores)")
     ap.add_argument("--reps", type=int, default=2000)
+    ap.add_argument("--rows", default="1,5,16", help="comma-separated activation row counts of the per-shape table")
     args = ap.parse_args()
     if not native.available():
         raise SystemExit(f"the cpu backend's kernels are not built here: {native.unsupported() or 'no C++ compiler'}")
@@ -79,6 +84,21 @@ def main() -> None:
                              max(1, args.reps // 100), 120)
         gbs = step_bytes / (streamed * 120 * 1e-6) / 1e9
         print(f"{t:7d} {fixed:7.2f} {loop:7.2f} {streamed:13.2f} {cached:11.2f} {gbs:6.1f}")
+    rows = [int(r) for r in args.rows.split(",")]
+    xs = {(r, k): torch.randn(r, k, generator=g).bfloat16() for r in rows for k in (576, 1536)}
+    us = {}
+    for t in threads:
+        torch.set_num_threads(t)
+        for r in rows:
+            for n, k in SHAPES:
+                _, nib, dm = next(w for w in layers[0] if w[0] == k and w[1].shape[0] * 16 == n)
+                us[(n, k, r, t)] = per_call_us(lambda: ops.q4_linear(xs[(r, k)], nib, dm), max(1, args.reps // 10))
+    print(f"\nper shape (in -> out) and rows: us a call at each thread count; its speedup over one thread at {threads[-1]}")
+    print(f"{'shape':>11} {'rows':>4} " + " ".join(f"{str(t) + ' thr':>7}" for t in threads) + f" {'speedup':>8}")
+    for n, k in SHAPES:
+        for r in rows:
+            cells = " ".join(f"{us[(n, k, r, t)]:7.1f}" for t in threads)
+            print(f"{f'{k}->{n}':>11} {r:4d} {cells} {us[(n, k, r, threads[0])] / us[(n, k, r, threads[-1])]:7.2f}x")
 
 
 if __name__ == "__main__":
