@@ -536,8 +536,8 @@ def test_cpu_kernels_thread_pool_gives_one_answer_to_concurrent_callers_thread_c
 
 
 def test_cpu_int4_kernel_cut_for_many_threads_gives_the_same_bits(kernel_builds):
-    """A small linear on many threads (36 tiles of a 576-wide output over 16) is handed out by single tiles and by
-    each row pass of a chunk rather than by chunks of tiles: every row count, on every build, the bits of one thread."""
+    """A small linear cut over many threads (36 tiles of a 576-wide output over 16: a chunk or two a thread, stolen
+    where a thread is late): every row count, on every build, the bits of one thread."""
     native = _cpu_kernels_or_skip()
     builds = {name: b for name, b in kernel_builds.items() if name in ("native", "avx2")}
     g = torch.Generator().manual_seed(36)
