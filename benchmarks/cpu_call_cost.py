@@ -90,8 +90,7 @@ def main() -> None:
     for t in threads:
         torch.set_num_threads(t)
         for r in rows:
-            for n, k in SHAPES:
-                _, nib, dm = next(w for w in layers[0] if w[0] == k and w[1].shape[0] * 16 == n)
+            for (n, k), (_, nib, dm) in zip(SHAPES, layers[0]):
                 us[(n, k, r, t)] = per_call_us(lambda: ops.q4_linear(xs[(r, k)], nib, dm), max(1, args.reps // 10))
     print(f"\nper shape (in -> out) and rows: us a call at each thread count; its speedup over one thread at {threads[-1]}")
     print(f"{'shape':>11} {'rows':>4} " + " ".join(f"{str(t) + ' thr':>7}" for t in threads) + f" {'speedup':>8}")

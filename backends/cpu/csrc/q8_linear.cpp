@@ -171,6 +171,14 @@ inline __m256i one_part_dot(__m256i sums, int32_t hsum) {
   return _mm256_slli_epi32(_mm256_sub_epi32(sums, _mm256_set1_epi32(128 * hsum)), 8);
 }
 
+// A row's int32 dot of a block's group into its float sum: times the activation block's scale, and the group's
+// scales of the outputs where they have them (dg; per channel, the finished sum is multiplied instead)
+template <int Group>
+inline __m256 add_dot(__m256 acc, __m256i dot, __m256 dg, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), Group > 0 ? _mm256_mul_ps(dg, s) : s, acc);
+}
+
 // Activations of one call as the tiles take them: the int16 values (hi * 256 + lo) and the blocks' scales, and for
 // one part on vpdpbusd the int8 hi values and each row's sums of them per block (per group of 16 with such scales)
 struct Xs {
@@ -219,8 +227,7 @@ void tile(const int8_t* w8, const float* d, const Xs& x, int64_t k, int64_t r0, 
       for (int r = 0; r < R; ++r) {
         const int64_t row_block = (r0 + r) * blocks + b;
         const __m256i whole = Bytes ? one_part_dot(dot[r], hsum[row_block * parts + part]) : dot[r];
-        const __m256 s = _mm256_set1_ps(scale[row_block]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole), Group > 0 ? _mm256_mul_ps(dg, s) : s, acc[r]);
+        acc[r] = add_dot<Group>(acc[r], whole, dg, scale[row_block]);
       }
     }
   }
@@ -365,12 +372,14 @@ void low_tiles(const int8_t* w, const float* ds, const Activations& a, const int
 
 constexpr int kPairsAtOnce = 8;  // column pairs widened into registers at a time (beside up to 16 rows' sums)
 
-// A row's int32 dot of a block's group into its float sum: times the activation block's scale, and the group's
-// scales of the 16 outputs where they have them (dg; per channel, the finished sum is multiplied instead)
+// add_dot and one_part_dot on 16 lanes (two tiles)
 template <int Group>
 inline __m512 add_dot(__m512 acc, __m512i dot, __m512 dg, float scale) {
   const __m512 s = _mm512_set1_ps(scale);
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), Group > 0 ? _mm512_mul_ps(dg, s) : s, acc);
+}
+inline __m512i one_part_dot(__m512i sums, int32_t hsum) {
+  return _mm512_slli_epi32(_mm512_sub_epi32(sums, _mm512_set1_epi32(128 * hsum)), 8);
 }
 
 // Tiles t and t + 1 (16 output rows) for activation rows [r0, r0 + R), `tile` on 16 lanes. Two parts: per block, the
@@ -423,8 +432,7 @@ void tile_pair(const int8_t* w8, const float* d, const Xs& x, int64_t k, int64_t
             }
           for (int r = 0; r < S && s0 + r < R; ++r) {
             const int64_t row_block = (r0 + s0 + r) * blocks + b;
-            const __m512i whole =
-                _mm512_slli_epi32(_mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * hsum[row_block * parts + part])), 8);
+            const __m512i whole = one_part_dot(dot[r], hsum[row_block * parts + part]);
             acc[s0 + r] = add_dot<Group>(acc[s0 + r], whole, dg, scale[row_block]);
           }
         }
