@@ -558,8 +558,10 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w8, const at::Tensor
   TORCH_CHECK(parts == 1 || parts == 2, "q8_linear: parts is 1 or 2 (the activations' int8 parts), not ", parts);
   const bool one = parts == 1;
   Activations a = quantize(x, one);
-  std::vector<int16_t> x16(rows_n * k);
-  for (int64_t i = 0; i < rows_n * k; ++i) x16[i] = static_cast<int16_t>(a.hi[i] * 256 + a.lo[i]);
+  // the int16 form (hi * 256 + lo), read by every form but one part on vpdpbusd over 8-bit weights (hi and hsum alone)
+  const bool bytes_only = one && Q8_ONE_BYTES && bits == 8;
+  std::vector<int16_t> x16(bytes_only ? 0 : rows_n * k);
+  for (size_t i = 0; i < x16.size(); ++i) x16[i] = static_cast<int16_t>(a.hi[i] * 256 + a.lo[i]);
   at::Tensor y = at::empty({rows_n, n_out}, x.options().dtype(at::kBFloat16));
   const int8_t* w = w8.data_ptr<int8_t>();
   const float* ds = d.data_ptr<float>();
