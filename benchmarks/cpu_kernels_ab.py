@@ -1,7 +1,7 @@
 """The cpu backend's kernels of this checkout against a git ref's, in one process, on the same weights and inputs:
 the default model's C++ decode step (a speculative verify step of one sequence, as cpu_few_rows.py shapes it),
-its 120 4-bit linears alone, its int8 LM head and a verify step's attention x 30, rounds alternating between the
-two builds.
+its 120 4-bit linears alone, its int8 LM head, a verify step's attention x 30 and that of a decode step of as many
+streams as rows (each layer's own caches, each stream its own blocks), rounds alternating between the two builds.
 
     python benchmarks/cpu_kernels_ab.py [--ref HEAD] [--rows 1 5 16] [--rounds 30] [--threads N] [--model M]
         [--q8-activations]
@@ -81,8 +81,11 @@ def main() -> None:
     packed = packed_linears(model)
     head = model.lm_head.qweight.prepared  # the int8 head: w8, d
     g = torch.Generator().manual_seed(0)
-    kc, vc = (torch.randn(400, 16, layer.kv_heads, cfg.head_dim, generator=g).bfloat16() for _ in range(2))
-    table = torch.randperm(400, generator=g)[:17]
+    # a cache pair a layer, as a step reads them (30 layers' do not stay in L2 from one call to the next)
+    caches = [tuple(torch.randn(400, 16, layer.kv_heads, cfg.head_dim, generator=g).bfloat16() for _ in range(2))
+              for _ in model.layers]
+    blocks = torch.randperm(400, generator=g)
+    table = blocks[:17]
     inputs = {}
     for r in args.rows:
         st = verify_step(r, 256, runner.block_size, cfg.vocab_size)
@@ -92,6 +95,8 @@ def main() -> None:
             "h": torch.randn(r, cfg.hidden_size, generator=g).bfloat16(),
             "q": torch.randn(r, layer.heads, cfg.head_dim, generator=g).bfloat16(),
             "attn": (table.expand(r, -1).contiguous(), torch.arange(257 - r, 257)),
+            # r sequences of 241-256 keys, each through its own blocks: a decode step of r streams
+            "streams": (blocks[:17 * r].view(r, 17), 256 - torch.arange(r)),
         }
     every_row = torch.empty(0, dtype=torch.int64)  # the rows whose logits step returns: all (from 8a74ff4 on)
     calls = {}
@@ -114,7 +119,9 @@ def main() -> None:
                                                             p.get("parts", 2)) for p in packed],
         "LM head": lambda k, r: head_call(k, inputs[r]["h"]),
         "attention x 30": lambda k, r: [ops[k].paged_decode_attention(inputs[r]["q"], kc, vc, *inputs[r]["attn"], 0.125)
-                                        for _ in range(len(model.layers))],
+                                        for kc, vc in caches],
+        "streams' attention": lambda k, r: [ops[k].paged_decode_attention(inputs[r]["q"], kc, vc, *inputs[r]["streams"],
+                                                                          0.125) for kc, vc in caches],
     }
     same = {}
     for name, fn in kinds.items():

@@ -311,11 +311,14 @@ def test_cpu_native_decode_attention_rows_do_not_depend_on_their_neighbours(dtyp
     batched = kernels.paged_decode_attention(q, k, v, tables, lens, 0.125)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        for r, n in enumerate(lens.tolist()):
-            w = -(-n // 16)
-            alone = kernels.paged_decode_attention(q[r:r + 1], k, v, tables[r:r + 1, :w], lens[r:r + 1], 0.125)
-            assert torch.equal(alone, batched[r:r + 1]), r
+        # 1 and 2 threads: a lone row's key heads as units; 16: its query heads one by one (kAlone)
+        for n_threads in (1, 2, 16):
+            torch.set_num_threads(n_threads)
+            assert torch.equal(kernels.paged_decode_attention(q, k, v, tables, lens, 0.125), batched), n_threads
+            for r, n in enumerate(lens.tolist()):
+                w = -(-n // 16)
+                alone = kernels.paged_decode_attention(q[r:r + 1], k, v, tables[r:r + 1, :w], lens[r:r + 1], 0.125)
+                assert torch.equal(alone, batched[r:r + 1]), (n_threads, r)
     finally:
         torch.set_num_threads(threads)
 

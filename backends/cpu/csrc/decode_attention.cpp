@@ -169,6 +169,24 @@ inline void softmax(float* s, int64_t n, float scale) {
   for (t = 0; t < n; ++t) s[t] *= inv;
 }
 
+// Asks for a block's keys and values of one key head (`width` values of each of its first `slots` slots, `stride`
+// values apart), two blocks before the pass over the keys reaches it: the values pass follows that one over the
+// same blocks. The blocks lie wherever the table puts them, so the hardware prefetcher's streams end at each
+// block, and a decode step's caches, 30 layers' worth, come from L3 or memory. Where a unit has few query heads
+// (a lone row, a stream of a decode batch): more hide the memory behind their arithmetic. No value changes.
+// A step's 30 layers, separate processes on the 2-core Xeon, ms: 16 streams of ~250 keys 13.5-13.9 -> 7.4-8.2
+// (AVX-512 build), 16.6-18.1 -> 8.9-9.1 (AVX2); a lone row 0.80-0.87 -> 0.62-0.64 (with kAlone's split; AVX2 0.87-0.90
+// -> 0.62-0.67); a verify step's 5 and 16 rows as before. (Asked for inside weighted_values instead, the prefetch
+// made GCC spill the 24 sums of weighted_values<24, 1> to the stack even where it was compiled out: 16 rows 1.2x.)
+template <typename T>
+inline void prefetch_block(const T* keys, const T* values, int64_t slots, int64_t stride, int64_t width) {
+  for (int64_t j = 0; j < slots; ++j)
+    for (int64_t at = 0; at < width * static_cast<int64_t>(sizeof(T)); at += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(keys + j * stride) + at, 0, 3);
+      __builtin_prefetch(reinterpret_cast<const char*>(values + j * stride) + at, 0, 3);
+    }
+}
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define ATTEND_ROWS 1
 // One vector of float32 lanes of the build's ISA: what attend_rows is written in.
@@ -295,6 +313,10 @@ void attend_rows(const float* q, const T* k_cache, const T* v_cache, const int64
   }
   for (int64_t t0 = 0, b = 0; t0 < longest; t0 += block_size, ++b) {
     const T* keys = k_cache + (table[b] * block_size * kv_heads + kh) * D;
+    if (count <= kQueries && t0 + 2 * block_size < longest) {
+      const int64_t ahead = (table[b + 2] * block_size * kv_heads + kh) * D;
+      prefetch_block(k_cache + ahead, v_cache + ahead, std::min(block_size, longest - t0 - 2 * block_size), stride, D);
+    }
     for (int64_t j = 0, end = std::min(block_size, longest - t0); j < end; j += kWidth) {
       const int64_t run = std::min<int64_t>(kWidth, end - j);
       // the scores of the units that read the run's first key (those of the run's keys past a unit's own: not read).
@@ -344,9 +366,17 @@ void attend_rows(const float* q, const T* k_cache, const T* v_cache, const int64
 // 2048 0.64x (32-row parts 0.87x, 0.71x, 0.63x, 0.69x). A unit's arithmetic is the same in any part: the same bits.
 constexpr int64_t kPieceRows = 16;
 
-// Runs of rows that read the same keys through attend_rows where those units keep the threads busy; else
-// each (row, query head) on its own: the units split over the threads evenly however few rows there are
-// (a lone row's 9 heads, not its 3 key heads). A unit's loops are the same wherever it runs. D is the
+// What a (row, query head) costs on its own (reading and widening the keys and values for itself alone) against one
+// of attend_rows' units' (which share them): a lone row over 1024 keys on the 2-core Xeon, the AVX-512 build, 11.3 us
+// a query head alone, 6.1 in a unit. Where the units are too few to keep the threads busy (a lone row: its key
+// heads), attend splits by query heads if that leaves the busiest thread less to do: a lone row's 3 units of 3 query
+// heads each go over 2 threads as units (6 units of work for the busier thread, where 5 alone cost 10), over 16 as
+// 9 query heads alone (3 against 2).
+constexpr int64_t kAlone = 2;
+
+// Runs of rows that read the same keys through attend_rows, unless their units are too few for the threads
+// (kAlone); then each (row, query head) on its own, split over the threads evenly however few rows there are
+// (a lone row's 9 heads on 16 threads, not its 3 key heads). A unit's loops are the same wherever it runs. D is the
 // head width where it is one the build knows (the partial sums then stay in registers), else 0: d at run
 // time, the same arithmetic.
 template <typename T, int D>
@@ -358,8 +388,8 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* t
   const int64_t most = rows ? *std::max_element(lens, lens + rows) : 0;
 #if ATTEND_ROWS
   // Rows that read the same keys go together with all their query heads (attend_rows), a unit of work being
-  // such a run of rows (or a part of it) and one key head: where those units are enough to keep the threads
-  // busy. Rows read the same keys where their tables agree over the blocks either reads (compared with the
+  // such a run of rows (or a part of it) and one key head, unless too few of them keep the threads busy (kAlone).
+  // Rows read the same keys where their tables agree over the blocks either reads (compared with the
   // run's first row, whose table the run reads through).
   if constexpr (D > 0 && D % 16 == 0) {
     std::vector<int64_t> runs{0};  // the runs' first rows, then `rows`
@@ -385,8 +415,13 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* t
         r += take;
       }
     }
-    if (static_cast<int64_t>(pieces.size()) * kv_heads >= 2 * threads) {
-      dynamic_for(pieces.size() * kv_heads, 1, [&](int64_t w0, int64_t w1) {
+    // attend_rows where the busiest thread's units cost no more than its share of (row, query head) units alone
+    int64_t widest = 0;
+    for (const Piece& p : pieces) widest = std::max(widest, p.r1 - p.r0);
+    const int64_t units = pieces.size() * kv_heads;
+    auto share = [&](int64_t n) { return (n + threads - 1) / threads; };
+    if (share(units) * widest * group <= kAlone * share(rows * heads)) {
+      dynamic_for(units, 1, [&](int64_t w0, int64_t w1) {
         Scratch sc;
         for (int64_t w = w0; w < w1; ++w) {
           const auto [r0, r1, reads] = pieces[w / kv_heads];
@@ -408,6 +443,10 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* t
       for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {
         const T* keys = k_cache + (table[b] * block_size * kv_heads + kh) * d;
         const int64_t end = std::min(block_size, n - t0);
+        if (t0 + 2 * block_size < n) {
+          const int64_t ahead = (table[b + 2] * block_size * kv_heads + kh) * d;
+          prefetch_block(k_cache + ahead, v_cache + ahead, std::min(block_size, n - t0 - 2 * block_size), stride, d);
+        }
 #if defined(__AVX512F__)
         if constexpr (D > 0 && D % 16 == 0) {
           for (int64_t j = 0; j < end; j += 16) dots16<T, D>(qh, keys + j * stride, stride, std::min<int64_t>(16, end - j), &s[t0 + j]);
@@ -422,7 +461,17 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* t
         for (int64_t j = 0; j < end; ++j) s[t0 + j] = fixed_dot(qh, keys + j * stride, d);
       }
       softmax(s.data(), n, scale);
-      // out = sum_t p_t v_t, each value summed in key order from 0, in a local array (registers when D > 0)
+#if ATTEND_ROWS
+      // out = sum_t p_t v_t through attend_rows' pass over the values, as one unit: its sums in registers, where
+      // this loop's array went through the stack key by key (a store-to-load chain per key: a lone row over 1024
+      // keys took 59 us on one thread, 77 us on two)
+      if constexpr (D > 0 && D % 16 == 0) {
+        const Unit unit{qh, out + p * d, s.data(), n};
+        weighted_values_of<1, T, D>(&unit, nullptr, v_cache + kh * d, table, block_size, stride, n, n);
+        continue;
+      }
+#endif
+      // out = sum_t p_t v_t, each value summed in key order from 0, in a local array
       float fixed[D > 0 ? D : 1] = {};
       float* a = D > 0 ? fixed : acc.data();
       if constexpr (D == 0) std::fill(acc.begin(), acc.end(), 0.f);
