@@ -1,6 +1,7 @@
 """Decode steps of a few rows against one row on the CPU, in-process: the default model (SmolLM2-135M GGUF, int4
 packed kernels, serve's engine defaults), each step shaped as a speculative verify step of one sequence
-(its last token and k drafts at positions L..L+k, context lengths L+1..L+1+k, one block table), timed through
+(its last token and k drafts at positions L..L+k, context lengths L+1..L+1+k, one block table, its caches holding
+random keys and values), timed through
 the runner's own `execute` as the engine calls it, and beside it the same step's 4-bit linears alone (the
 model's own packed weights through the few-row kernel). Prints ms per step and the ratio to a one-row step
 (issue 54: a 5-row step <= 1.5x one row). Rounds alternate over the row counts, so a host whose speed
@@ -62,6 +63,16 @@ def packed_linears(model) -> list[dict]:
             if getattr(m, "qweight", None) is not None and m is not model.lm_head and "nib" in m.qweight.prepared]
 
 
+def written(runner, blocks: list[int], seed: int = 0) -> None:
+    """Random keys and values in `blocks` of every layer's caches, as a sequence's tokens leave them: a fresh pool is
+    zeroed pages never written, which read from the one zero page at cache speed where a served step reads memory."""
+    g = torch.Generator().manual_seed(seed)
+    index = torch.tensor(sorted(set(blocks)), dtype=torch.int64)
+    for layer in runner.kv_caches:
+        for cache in layer:
+            cache[index] = torch.randn((len(index), *cache.shape[1:]), generator=g).to(cache.dtype)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=256, help="tokens already in the sequence's cache")
@@ -74,6 +85,7 @@ def main() -> None:
     runner, model = default_model(args.threads, args.model, args.q8_activations)
     packed = packed_linears(model)
     steps = {r: verify_step(r, args.context, runner.block_size, model.cfg.vocab_size) for r in ROWS}
+    written(runner, steps[max(ROWS)].tables[0])
     xs = {r: {p["nib"].shape[1] * 32: torch.randn(r, p["nib"].shape[1] * 32).bfloat16() for p in packed} for r in ROWS}
     native_step = runner.native
 

@@ -1,5 +1,6 @@
 """The cpu backend's kernels of this checkout against a git ref's, in one process, on the same weights and inputs:
-the default model's C++ decode step (a speculative verify step of one sequence, as cpu_few_rows.py shapes it),
+the default model's C++ decode step (a speculative verify step of one sequence, as cpu_few_rows.py shapes it, and
+a decode step of as many streams of ~250 keys as rows),
 its 120 4-bit linears alone, its int8 LM head, a verify step's attention x 30 and that of a decode step of as many
 streams as rows (each layer's own caches, each stream its own blocks), rounds alternating between the two builds.
 
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from cpu_few_rows import default_model, packed_linears, verify_step  # this script runs from benchmarks/
+from cpu_few_rows import default_model, packed_linears, verify_step, written  # this script runs from benchmarks/
 from cpu_vs_llama_server import cpu_name
 
 from flagdeploy.backends.cpu import llama_step, native
@@ -87,10 +88,19 @@ def main() -> None:
     blocks = torch.randperm(400, generator=g)
     table = blocks[:17]
     inputs = {}
+    bs = runner.block_size
+    cache_blocks = (torch.randperm(runner.kv_caches[0][0].shape[0] - 1, generator=g) + 1).tolist()  # 0 pads tables
     for r in args.rows:
-        st = verify_step(r, 256, runner.block_size, cfg.vocab_size)
+        st = verify_step(r, 256, bs, cfg.vocab_size)
+        # a decode step of r streams: sequence i at 256 - i keys, through its own blocks
+        lens = [256 - i for i in range(r)]
+        own = [cache_blocks[i * 17:(i + 1) * 17] for i in range(r)]
+        streams_step = llama_step.step_inputs(torch.randint(0, cfg.vocab_size, (r,), generator=g).tolist(),
+                                              [n - 1 for n in lens],
+                                              [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(own, lens)], own, lens)
         inputs[r] = {
             "step": llama_step.step_inputs(st.ids, st.positions, st.slots, st.tables, st.ctx_lens),
+            "streams' step": streams_step,
             "x": {p["nib"].shape[1] * 32: torch.randn(r, p["nib"].shape[1] * 32, generator=g).bfloat16() for p in packed},
             "h": torch.randn(r, cfg.hidden_size, generator=g).bfloat16(),
             "q": torch.randn(r, layer.heads, cfg.head_dim, generator=g).bfloat16(),
@@ -98,6 +108,7 @@ def main() -> None:
             # r sequences of 241-256 keys, each through its own blocks: a decode step of r streams
             "streams": (blocks[:17 * r].view(r, 17), 256 - torch.arange(r)),
         }
+    written(runner, [b for r in args.rows for b in verify_step(r, 256, bs, cfg.vocab_size).tables[0]] + cache_blocks[:17 * max(args.rows)])
     every_row = torch.empty(0, dtype=torch.int64)  # the rows whose logits step returns: all (from 8a74ff4 on)
     calls = {}
     for k, step in steps.items():  # a ref before 8a74ff4: step(rows, tables, head)
@@ -115,6 +126,7 @@ def main() -> None:
 
     kinds = {
         "step": lambda k, r: calls[k](inputs[r]["step"]),
+        "streams' step": lambda k, r: calls[k](inputs[r]["streams' step"]),
         "120 4-bit linears": lambda k, r: [ops[k].q4_linear(inputs[r]["x"][p["nib"].shape[1] * 32], p["nib"], p["dm"],
                                                             p.get("parts", 2)) for p in packed],
         "LM head": lambda k, r: head_call(k, inputs[r]["h"]),
