@@ -1,8 +1,8 @@
 """The cpu backend's kernels of this checkout against a git ref's, in one process, on the same weights and inputs:
-the default model's C++ decode step (a speculative verify step of one sequence, as cpu_few_rows.py shapes it, and
-a decode step of as many streams of ~250 keys as rows),
-its 120 4-bit linears alone, its int8 LM head, a verify step's attention x 30 and that of a decode step of as many
-streams as rows (each layer's own caches, each stream its own blocks), rounds alternating between the two builds.
+the default model's C++ decode step, shaped as a speculative verify step of one sequence (as cpu_few_rows.py shapes
+it) and as a decode step of as many streams of ~250 keys as rows (each through its own blocks), its 120 4-bit linears
+alone, its int8 LM head, and the attention of both shapes x 30 (a cache pair a layer), rounds alternating between the
+two builds.
 
     python benchmarks/cpu_kernels_ab.py [--ref HEAD] [--rows 1 5 16] [--rounds 30] [--threads N] [--model M]
         [--q8-activations]
@@ -87,7 +87,7 @@ def main() -> None:
               for _ in model.layers]
     blocks = torch.randperm(400, generator=g)
     table = blocks[:17]
-    inputs = {}
+    inputs, read = {}, set()  # read: the model's cache blocks the steps read
     bs = runner.block_size
     cache_blocks = (torch.randperm(runner.kv_caches[0][0].shape[0] - 1, generator=g) + 1).tolist()  # 0 pads tables
     for r in args.rows:
@@ -95,9 +95,10 @@ def main() -> None:
         # a decode step of r streams: sequence i at 256 - i keys, through its own blocks
         lens = [256 - i for i in range(r)]
         own = [cache_blocks[i * 17:(i + 1) * 17] for i in range(r)]
-        streams_step = llama_step.step_inputs(torch.randint(0, cfg.vocab_size, (r,), generator=g).tolist(),
-                                              [n - 1 for n in lens],
-                                              [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(own, lens)], own, lens)
+        read.update(st.tables[0], *own)
+        slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(own, lens)]
+        ids = torch.randint(0, cfg.vocab_size, (r,), generator=g).tolist()
+        streams_step = llama_step.step_inputs(ids, [n - 1 for n in lens], slots, own, lens)
         inputs[r] = {
             "step": llama_step.step_inputs(st.ids, st.positions, st.slots, st.tables, st.ctx_lens),
             "streams' step": streams_step,
@@ -108,7 +109,7 @@ def main() -> None:
             # r sequences of 241-256 keys, each through its own blocks: a decode step of r streams
             "streams": (blocks[:17 * r].view(r, 17), 256 - torch.arange(r)),
         }
-    written(runner, [b for r in args.rows for b in verify_step(r, 256, bs, cfg.vocab_size).tables[0]] + cache_blocks[:17 * max(args.rows)])
+    written(runner, sorted(read))
     every_row = torch.empty(0, dtype=torch.int64)  # the rows whose logits step returns: all (from 8a74ff4 on)
     calls = {}
     for k, step in steps.items():  # a ref before 8a74ff4: step(rows, tables, head)
