@@ -886,12 +886,16 @@ def test_cpu_tune_measures_where_the_amx_path_starts(kernel_builds):
         assert torch.ops.flagdeploy_cpu.q4_amx_min_rows(5) == 0
 
 
-def test_cpu_weight_kernels_keep_their_prefetches(kernel_builds):
+def test_cpu_kernels_keep_their_prefetches(kernel_builds):
     """The weight kernels ask for their weight 8 KiB ahead of the loads (a lone stream 151 -> 194 tok/s when that came,
-    csrc/q4_linear.cpp), and a compiler may drop every prefetch of a loop without a word: GCC 12 did, for a scale form
-    tried in issue 54's fourteenth pass whose prefetch address had `b % 8` in it, and 2-5 rows ran 30-50% slower with
-    the same results. So in each library built here (the CPU's own build and the AVX2 one beside it), every function
-    with a weight loop (8 or more int8 dot instructions: vpdpbusd, vpmaddubsw) still has its prefetches."""
+    csrc/q4_linear.cpp), and decode attention for a key head's blocks two ahead (16 streams' attention 1.75-1.9x,
+    csrc/decode_attention.cpp), and a compiler may drop every prefetch of a loop without a word: GCC 12 did, for a
+    scale form tried in issue 54's fourteenth pass whose prefetch address had `b % 8` in it (2-5 rows 30-50% slower,
+    the same results), and for the attention's two prefetch sites folded into one helper (twenty-ninth pass: 16
+    streams 1.9x slower). So in each library built here (the CPU's own build and the AVX2 one beside it), every
+    function with a weight loop (8 or more int8 dot instructions: vpdpbusd, vpmaddubsw) and every loop of the
+    attention over keys (attend_rows, attend's per-head loop: those with fused multiply-adds) still has its
+    prefetches."""
     import re
     import shutil
     import subprocess
@@ -902,15 +906,17 @@ def test_cpu_weight_kernels_keep_their_prefetches(kernel_builds):
     libraries = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
                  if re.search(r"flagdeploy_cpu[-_][^/]*\.so$", line)}
     assert libraries, "the kernels' libraries are loaded, so /proc/self/maps names them"
-    loops = 0  # a library without weight loops (another test's portable build) has none to check
+    loops = 0  # a library without such loops (another test's portable build) has none to check
     for lib in libraries:
         listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", lib], capture_output=True, text=True,
                                  check=True).stdout
         for function in re.split(r"\n(?=[0-9a-f]+ <)", listing):
-            if len(re.findall(r"\b(vpdpbusd|vpmaddubsw)\b", function)) >= 8:
+            attention = re.search(r"<(void \(anonymous namespace\)::attend_rows<|dynamic_for<\(anonymous namespace\)::attend<)",
+                                  function.split("\n", 1)[0]) and re.search(r"\bvfmadd", function)
+            if attention or len(re.findall(r"\b(vpdpbusd|vpmaddubsw)\b", function)) >= 8:
                 loops += 1
                 assert "prefetch" in function, f"{Path(lib).name}: no prefetch left in {function.splitlines()[0][:160]}"
-    assert loops, f"no weight loop found to check in {sorted(libraries)}"
+    assert loops, f"no weight or attention loop found to check in {sorted(libraries)}"
 
 
 def test_cpu_kernels_avx2_build_computes_what_the_avx512_one_does(kernel_builds):

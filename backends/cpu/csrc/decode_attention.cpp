@@ -177,7 +177,10 @@ inline void softmax(float* s, int64_t n, float scale) {
 // A step's 30 layers, separate processes on the 2-core Xeon, ms: 16 streams of ~250 keys 13.5-13.9 -> 7.4-8.2
 // (AVX-512 build), 16.6-18.1 -> 8.9-9.1 (AVX2); a lone row 0.80-0.87 -> 0.62-0.64 (with kAlone's split; AVX2 0.87-0.90
 // -> 0.62-0.67); a verify step's 5 and 16 rows as before. (Asked for inside weighted_values instead, the prefetch
-// made GCC spill the 24 sums of weighted_values<24, 1> to the stack even where it was compiled out: 16 rows 1.2x.)
+// made GCC spill the 24 sums of weighted_values<24, 1> to the stack even where it was compiled out: 16 rows 1.2x.
+// Its two call sites, attend_rows and attend's per-head loop, each work out block b + 2 themselves: folded into one
+// helper with the check inside, GCC 12 dropped every prefetch of both loops, 16 streams 1.9x slower;
+// tests/test_ops.py checks that the built library still has them.)
 template <typename T>
 inline void prefetch_block(const T* keys, const T* values, int64_t slots, int64_t stride, int64_t width) {
   for (int64_t j = 0; j < slots; ++j)
