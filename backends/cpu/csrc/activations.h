@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "ops_ns.h"
 
 // The same values either way (round half to even, saturated); AVX-512 only where q4_linear uses it too
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -19,19 +20,32 @@
 #define ACTIVATIONS_AVX512 0
 #endif
 
-namespace {
-
-constexpr int64_t QK = 32;
+namespace FLAGDEPLOY_OPS_NS {
 
 // Activations of one call, per row: x / s ~ hi + lo / 256 with hi and lo int8 (s = block absmax / 127),
 // i.e. ~15 bits per value, finer than the bf16 activations themselves, so the kernel answers as the
 // w4a16 reference does (one int8 part alone would add ~4x bf16's rounding noise). Per block of 32: the
 // scale s / 256 and the float sum. With `one` (q4_linear's parts = 1: llama.cpp's precision, asked for by
 // serve --q8-activations) lo stays 0: every path then computes the one-part dot with no change of its own.
+// Held by a caller that quantises call after call (llama_step.cpp's workspace), the vectors keep their memory.
 struct Activations {
   std::vector<int8_t> hi, lo;
   std::vector<float> scale, sum;
+
+  // room for rows x k values; lo zero with one part (the int8 kernel's int16 form reads it)
+  void size(int64_t rows, int64_t k, bool one) {
+    hi.resize(rows * k), scale.resize(rows * k / 32), sum.resize(rows * k / 32);
+    if (one) lo.assign(rows * k, 0);
+    else lo.resize(rows * k);
+  }
 };
+
+}  // namespace FLAGDEPLOY_OPS_NS
+
+namespace {
+
+using FLAGDEPLOY_OPS_NS::Activations;
+constexpr int64_t QK = 32;
 
 // A block's sum from its 8 partial sums (lane i: x[i] + x[i + 16] + x[i + 8] + x[i + 24]) in one fixed order,
 // written out (not _mm512_reduce_add_ps, whose order is the compiler's): the same float on every build
@@ -46,10 +60,9 @@ inline float sum_of_8(__m256 s) {
 inline __m128i round_to_int8(__m512 v) { return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)); }
 
 template <typename T>
-Activations quantize(const T* x, int64_t rows, int64_t k, bool one = false) {
+void quantize_into(Activations& a, const T* x, int64_t rows, int64_t k, bool one = false) {
   const int64_t blocks = k / QK;
-  Activations a{std::vector<int8_t>(rows * k), std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks),
-                std::vector<float>(rows * blocks)};
+  a.size(rows, k, one);
   const __m512 sign = _mm512_set1_ps(-0.0f), by256 = _mm512_set1_ps(256.0f);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
@@ -71,7 +84,6 @@ Activations quantize(const T* x, int64_t rows, int64_t k, bool one = false) {
       a.sum[r * blocks + b] = sum_of_8(_mm256_add_ps(upper, _mm512_castps512_ps256(pairs)));
     }
   }
-  return a;
 }
 
 #else
@@ -87,10 +99,9 @@ inline void store_int8(int8_t* out, __m256 v) {
 // The AVX-512 form's arithmetic 8 values at a time (the same bits): a decode step's activations are
 // quantised in every linear, 2-6% of an AVX2 step as a scalar loop
 template <typename T>
-Activations quantize(const T* x, int64_t rows, int64_t k, bool one = false) {
+void quantize_into(Activations& a, const T* x, int64_t rows, int64_t k, bool one = false) {
   const int64_t blocks = k / QK;
-  Activations a{std::vector<int8_t>(rows * k), std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks),
-                std::vector<float>(rows * blocks)};
+  a.size(rows, k, one);
   const __m256 sign = _mm256_set1_ps(-0.0f), by256 = _mm256_set1_ps(256.0f);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
@@ -114,7 +125,6 @@ Activations quantize(const T* x, int64_t rows, int64_t k, bool one = false) {
       a.sum[r * blocks + b] = sum_of_8(_mm256_add_ps(_mm256_add_ps(v[1], v[3]), _mm256_add_ps(v[0], v[2])));
     }
   }
-  return a;
 }
 
 #endif
@@ -122,9 +132,12 @@ Activations quantize(const T* x, int64_t rows, int64_t k, bool one = false) {
 // The activations of x [rows, K], float32 or bf16 (any other dtype is converted to float32 first).
 inline Activations quantize(const at::Tensor& x, bool one = false) {
   at::Tensor xc = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
-  return xc.scalar_type() == at::kBFloat16
-      ? quantize(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), xc.size(0), xc.size(1), one)
-      : quantize(xc.data_ptr<float>(), xc.size(0), xc.size(1), one);
+  Activations a;
+  if (xc.scalar_type() == at::kBFloat16)
+    quantize_into(a, reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), xc.size(0), xc.size(1), one);
+  else
+    quantize_into(a, xc.data_ptr<float>(), xc.size(0), xc.size(1), one);
+  return a;
 }
 
 }  // namespace

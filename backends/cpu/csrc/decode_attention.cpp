@@ -507,6 +507,16 @@ void attend_any(const float* q, const T* k_cache, const T* v_cache, const int64_
 
 namespace FLAGDEPLOY_OPS_NS {
 
+void paged_decode_attention_rows(const uint16_t* q, int64_t rows, int64_t heads, int64_t d, const uint16_t* k_cache,
+                                 const uint16_t* v_cache, int64_t kv_heads, int64_t block_size, const int64_t* tables,
+                                 int64_t width, const int64_t* lens, float scale, float* q32, float* out32,
+                                 uint16_t* out) {
+  const int64_t values = rows * heads * d;
+  for (int64_t i = 0; i < values; ++i) q32[i] = as_float(q[i]);
+  attend_any(q32, k_cache, v_cache, tables, lens, rows, heads, kv_heads, d, block_size, width, scale, out32);
+  for (int64_t i = 0; i < values; ++i) out[i] = bf16_bits(out32[i]);
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && block_tables.dim() == 2,
@@ -529,6 +539,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   std::vector<float> q32, out32;
   const float* qf = nullptr;
   float* of = nullptr;
+  if (bf16 && k_cache.scalar_type() == at::kBFloat16) {
+    q32.resize(values);
+    out32.resize(values);
+    paged_decode_attention_rows(reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>()), rows, heads, d,
+                                reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                                reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), kv_heads, block_size,
+                                tables.data_ptr<int64_t>(), width, lens.data_ptr<int64_t>(), static_cast<float>(scale),
+                                q32.data(), out32.data(), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+    return out;
+  }
   if (bf16) {
     const uint16_t* src = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
     q32.resize(values);

@@ -3,8 +3,14 @@
 // A lone stream of a small 4-bit model on a 2-core CPU spends about a third of each token between kernels:
 // ~300 calls a token through the interpreter and the dispatcher (or, compiled, through dynamo's and the
 // generated wrapper's argument handling), while the second core spins. Here the same calls are plain C++
-// function calls on tensors held by this object, so a token costs its kernels and little else, from the
-// first request on (no compile).
+// function calls, so a token costs its kernels and little else, from the first request on (no compile).
+//
+// Nor do the calls go through tensors: each op's allocations, views and dispatch (~20 a layer) cost 0.3-0.9 us
+// warm, but 3-10 us in a step, where every linear's weight has just gone through the caches and taken the
+// dispatcher's code and tables with it (a probe: 3 narrow + view 2.5 us warm, 24 us after 6 MB were read). The
+// kernels take raw rows (kernels.h) from a workspace this object keeps from step to step: the default model's
+// C++ step 0.90-0.91x the time of the tensor form at 1 row, 0.92-0.95x at 5 and 0.94-0.97x at 16 (2-core Xeon,
+// AVX-512 and AVX2 builds, cpu_kernels_ab.py), the same bits.
 //
 // It computes exactly what the eager step (models/llama.py through backends/cpu/ops.py) computes on the
 // same inputs: the same kernels (kernels.h) and torch's embedding rows, in the same order and dtypes.
@@ -17,25 +23,27 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "activations.h"
 #include "bf16.h"
 #include "dynamic_for.h"
 #include "kernels.h"
 
 namespace {
 
-// The logits' first `vocab` columns as float32, on the kernels' threads: Tensor::to would open an OpenMP
-// region, whose worker then spins for milliseconds on a core the pool's worker needs (thread_pool.h).
-at::Tensor widen(const at::Tensor& y, int64_t vocab) {
-  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.is_contiguous(), "LlamaStep: the head gives contiguous bf16 rows");
-  const int64_t rows = y.size(0), stride = y.size(1);
+// The logits' first `vocab` columns of rows of bf16 `stride` values apart, as float32, on the kernels' threads:
+// Tensor::to would open an OpenMP region, whose worker then spins for milliseconds on a core the pool's worker needs
+// (thread_pool.h).
+at::Tensor widen(const uint16_t* in, int64_t rows, int64_t stride, int64_t vocab) {
   constexpr int64_t kPiece = 8192;
   const int64_t pieces = (vocab + kPiece - 1) / kPiece;
-  at::Tensor out = at::empty({rows, vocab}, y.options().dtype(at::kFloat));
-  const uint16_t* in = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::Tensor out = at::empty({rows, vocab}, at::kFloat);
   float* o = out.data_ptr<float>();
   dynamic_for(rows * pieces, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
@@ -53,23 +61,37 @@ namespace k = FLAGDEPLOY_OPS_NS;
 // eager Linear's PiecewiseWeight); an empty bias is none. parts: the activations' int8 parts (q4_linear, q8_linear).
 struct Linear {
   std::vector<std::pair<at::Tensor, at::Tensor>> pieces;
-  at::Tensor bias;
-  int64_t parts = 2;
+  at::Tensor bias;  // bf16, as the eager step adds it
+  int64_t parts = 2, width = 0;  // width: the outputs of all pieces
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    auto run = [&](const std::pair<at::Tensor, at::Tensor>& p) {
-      return p.first.scalar_type() == at::kByte ? k::q4_linear(x, p.first, p.second, parts)
-                                                : k::q8_linear(x, p.first, p.second, parts);
-    };
-    at::Tensor y;
-    if (pieces.size() == 1) {
-      y = run(pieces[0]);
-    } else {
-      std::vector<at::Tensor> ys;
-      for (const auto& p : pieces) ys.push_back(run(p));
-      y = at::cat(ys, 1);
+  // y [n, width] (bf16) of x [n, depth] (float32 or bf16 rows), as the ops give it: the int4 pieces straight into y on
+  // activations quantised once into `act` (each op quantises the same x to the same values), the int8 ones through
+  // their op; then the bias added in float32 and rounded, as torch's bf16 add does
+  template <typename X>
+  void operator()(const X* x, int64_t n, int64_t depth, uint16_t* y, Activations& act) const {
+    bool quantised = false;
+    int64_t col = 0;
+    for (const auto& piece : pieces) {
+      const at::Tensor &w = piece.first, &s = piece.second;
+      if (w.scalar_type() == at::kByte) {
+        if (!quantised) quantize_into(act, x, n, depth, parts == 1), quantised = true;
+        k::q4_linear_into(act, n, depth, w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>()),
+                          w.size(0), parts == 1, y + col, width);
+        col += 16 * w.size(0);
+      } else {
+        const auto dtype = std::is_same_v<X, float> ? at::kFloat : at::kBFloat16;
+        const at::Tensor out = k::q8_linear(at::from_blob(const_cast<X*>(x), {n, depth}, dtype), w, s, parts);
+        const int64_t cols = out.size(1);
+        const uint16_t* o = reinterpret_cast<const uint16_t*>(out.data_ptr<at::BFloat16>());
+        for (int64_t r = 0; r < n; ++r) std::memcpy(y + r * width + col, o + r * cols, cols * sizeof(uint16_t));
+        col += cols;
+      }
     }
-    return bias.numel() ? y + bias.to(y.scalar_type()) : y;
+    if (bias.numel()) {
+      const uint16_t* b = reinterpret_cast<const uint16_t*>(bias.data_ptr<at::BFloat16>());
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t c = 0; c < width; ++c) y[r * width + c] = bf16_bits(as_float(y[r * width + c]) + as_float(b[c]));
+    }
   }
 };
 
@@ -100,8 +122,10 @@ class LlamaStep : public torch::CustomClassHolder {
       for (int64_t i = 0, n = dims[count++]; i < n; ++i) {
         at::Tensor a = next();
         l.pieces.emplace_back(a, next());
+        l.width += (a.scalar_type() == at::kByte ? 16 : 8) * a.size(0);  // a tile's outputs: q4_linear's, q8_linear's
       }
-      l.bias = next();
+      const at::Tensor bias = next();
+      l.bias = bias.numel() ? bias.to(at::kBFloat16).contiguous() : bias;
       l.parts = parts;
       return l;
     };
@@ -122,33 +146,17 @@ class LlamaStep : public torch::CustomClassHolder {
   // caller's head: more rows than its packed kernel takes go to its dense copy, which the eager step calls from
   // Python)
   at::Tensor step(const at::Tensor& rows, const at::Tensor& tables, bool head, const at::Tensor& out) const {
-    const int64_t n = rows.size(1);
-    const at::Tensor ids = rows[0], positions = rows[1], slots = rows[2], ctx = rows[3];
-    const int64_t q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
-    const at::Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);
-    at::Tensor x = embed_.index_select(0, ids), residual, h;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& l = layers_[i];
-      if (i == 0) {
-        residual = x;
-        h = k::rms_norm(x, l.input_norm, eps_);
-      } else {
-        std::tie(h, residual) = k::add_rms_norm(x, residual, l.input_norm, eps_);
-      }
-      at::Tensor qkv = l.qkv(h);
-      at::Tensor q = qkv.narrow(1, 0, q_width).view({n, heads_, head_dim_});
-      at::Tensor kk = qkv.narrow(1, q_width, kv_width).view({n, kv_heads_, head_dim_});
-      at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({n, kv_heads_, head_dim_});
-      std::tie(q, kk) = k::rope_write_kv(q, kk, v, cos, sin, l.k_cache, l.v_cache, slots);
-      at::Tensor a = k::paged_decode_attention(q, l.k_cache, l.v_cache, tables, ctx, scale_);
-      std::tie(h, residual) = k::add_rms_norm(l.o(a.flatten(1)), residual, l.post_norm, eps_);
-      x = l.down(k::swiglu(l.gate_up(h)));
+    TORCH_CHECK(rows.dim() == 2 && rows.size(0) == 4 && rows.scalar_type() == at::kLong && tables.dim() == 2 &&
+                    tables.size(0) == rows.size(1) && tables.scalar_type() == at::kLong,
+                "LlamaStep.step: rows [4, n] and tables [n, W], int64");
+    const at::Tensor r = rows.contiguous(), t = tables.contiguous(), o = out.to(at::kLong).contiguous();
+    std::unique_lock<std::mutex> mine(busy_, std::try_to_lock);  // another thread's step meanwhile: buffers of its own
+    if (embed_.scalar_type() == at::kFloat) {
+      Workspace<float> local;
+      return run<float>(mine.owns_lock() ? work_f32_ : local, r, t, head, o);
     }
-    if (out.numel() > 0 && out.numel() < n) {  // the head and the final norm for those rows only
-      x = x.index_select(0, out), residual = residual.index_select(0, out);
-    }
-    h = std::get<0>(k::add_rms_norm(x, residual, norm_, eps_));
-    return head ? widen(head_(h), vocab_) : h;
+    Workspace<uint16_t> local;
+    return run<uint16_t>(mine.owns_lock() ? work_bf16_ : local, r, t, head, o);
   }
 
   // Several decode steps of the same sequences in one call (vLLM's multi-step scheduling, --num-scheduler-steps):
@@ -213,6 +221,79 @@ class LlamaStep : public torch::CustomClassHolder {
   }
 
  private:
+  // A step's buffers, kept from step to step: R the residual stream's dtype (float, or bf16 as uint16_t)
+  template <typename R>
+  struct Workspace {
+    std::vector<R> residual, h;
+    std::vector<uint16_t> qkv, q, attn, o, gate_up, act, x, logits;
+    std::vector<float> q32, out32;
+    Activations quantised;
+  };
+
+  // step's body: the eager step's kernels in its order, on the workspace's rows (every row's arithmetic is the ops')
+  template <typename R>
+  at::Tensor run(Workspace<R>& w, const at::Tensor& rows, const at::Tensor& tables, bool head,
+                 const at::Tensor& out) const {
+    const int64_t n = rows.size(1), width = tables.size(1), hidden = embed_.size(1), d = head_dim_;
+    const int64_t* ids = rows.data_ptr<int64_t>();
+    const int64_t *positions = ids + n, *slots = ids + 2 * n, *ctx = ids + 3 * n;
+    const int64_t* table = tables.data_ptr<int64_t>();
+    const float e = static_cast<float>(eps_);
+    auto data = [](const at::Tensor& x) { return reinterpret_cast<const R*>(x.data_ptr()); };
+    auto bits = [](const at::Tensor& x) { return reinterpret_cast<uint16_t*>(x.data_ptr()); };
+    const int64_t q_width = heads_ * d, qkv_width = layers_.empty() ? 0 : layers_[0].qkv.width;
+    const int64_t inner = layers_.empty() ? 0 : layers_[0].gate_up.width / 2;
+    w.residual.resize(n * hidden), w.h.resize(n * hidden), w.qkv.resize(n * qkv_width), w.q.resize(n * q_width);
+    w.attn.resize(n * q_width), w.o.resize(n * hidden), w.gate_up.resize(n * 2 * inner), w.act.resize(n * inner);
+    w.x.resize(n * hidden), w.q32.resize(n * q_width), w.out32.resize(n * q_width);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < embed_.size(0), "LlamaStep.step: token id ", ids[i], " out of range");
+      TORCH_CHECK(positions[i] >= 0 && positions[i] < cos_.size(0), "LlamaStep.step: position ", positions[i],
+                  " past the rope tables' ", cos_.size(0));
+      std::memcpy(w.residual.data() + i * hidden, data(embed_) + ids[i] * hidden, hidden * sizeof(R));
+    }
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      if (i == 0)
+        k::rms_norm_rows(w.residual.data(), data(l.input_norm), w.h.data(), n, hidden, e);
+      else
+        k::add_rms_norm_rows(w.x.data(), w.residual.data(), data(l.input_norm), w.residual.data(), w.h.data(), n,
+                             hidden, e);
+      l.qkv(w.h.data(), n, hidden, w.qkv.data(), w.quantised);
+      k::rope_write_kv_rows(w.qkv.data(), qkv_width, n, heads_, kv_heads_, d, cos_.data_ptr<float>(),
+                            sin_.data_ptr<float>(), cos_.stride(0), positions, slots, bits(l.k_cache), bits(l.v_cache),
+                            w.q.data());
+      k::paged_decode_attention_rows(w.q.data(), n, heads_, d, bits(l.k_cache), bits(l.v_cache), kv_heads_,
+                                     l.k_cache.size(1), table, width, ctx, static_cast<float>(scale_), w.q32.data(),
+                                     w.out32.data(), w.attn.data());
+      l.o(w.attn.data(), n, q_width, w.o.data(), w.quantised);
+      k::add_rms_norm_rows(w.o.data(), w.residual.data(), data(l.post_norm), w.residual.data(), w.h.data(), n, hidden, e);
+      l.gate_up(w.h.data(), n, hidden, w.gate_up.data(), w.quantised);
+      k::swiglu_rows(w.gate_up.data(), 2 * inner, n, inner, w.act.data());
+      l.down(w.act.data(), n, inner, w.x.data(), w.quantised);
+    }
+    // the final norm (and the head) for the rows asked for: out's, or all of them
+    const int64_t m = out.numel() > 0 && out.numel() < n ? out.numel() : n;
+    const int64_t* pick = m < n ? out.data_ptr<int64_t>() : nullptr;
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t i = pick ? pick[j] : j;
+      TORCH_CHECK(i >= 0 && i < n, "LlamaStep.step: a row to keep, ", i, ", is not one of the step's ", n);
+      k::add_rms_norm_rows(w.x.data() + i * hidden, w.residual.data() + i * hidden, data(norm_),
+                           w.residual.data() + i * hidden, w.h.data() + j * hidden, 1, hidden, e);
+    }
+    if (!head) {
+      at::Tensor h = at::empty({m, hidden}, embed_.options());
+      std::memcpy(h.data_ptr(), w.h.data(), m * hidden * sizeof(R));
+      return h;
+    }
+    w.logits.resize(m * head_.width);
+    head_(w.h.data(), m, hidden, w.logits.data(), w.quantised);
+    return widen(w.logits.data(), m, head_.width, vocab_);
+  }
+
+  mutable std::mutex busy_;  // held by the step that uses the workspaces
+  mutable Workspace<float> work_f32_;
+  mutable Workspace<uint16_t> work_bf16_;
   std::vector<Layer> layers_;
   at::Tensor embed_, norm_, cos_, sin_;
   Linear head_;

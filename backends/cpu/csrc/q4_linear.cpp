@@ -455,23 +455,10 @@ void tiles(const uint8_t* nib, const uint16_t* dm, const Activations& a, int64_t
 
 namespace FLAGDEPLOY_OPS_NS {
 
-// parts: the activations as two int8 parts (~15 bits, the default) or one (llama.cpp's Q8 precision: half the
-// products, and on AVX2 twice the rows a pass; docs/performance.md, issue 54's twenty-fifth pass).
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& dm, int64_t parts) {
-  TORCH_CHECK(x.dim() == 2 && nib.dim() == 5 && dm.dim() == 4,
-              "q4_linear: x [M, K], nib [N/16, K/32, 4, 16, 4], dm [N/16, K/32, 2, 16]");
-  const int64_t rows_n = x.size(0), k = x.size(1), n_tiles = nib.size(0), n_out = 16 * n_tiles;
-  TORCH_CHECK(k % QK == 0 && nib.size(1) == k / QK && dm.size(0) == n_tiles && dm.size(1) == k / QK,
-              "q4_linear: x's width does not match the packed weight's (K a multiple of 32)");
-  TORCH_CHECK(nib.scalar_type() == at::kByte && dm.scalar_type() == at::kHalf && nib.is_contiguous() && dm.is_contiguous(),
-              "q4_linear: nib must be contiguous uint8, dm contiguous float16");
-  TORCH_CHECK(parts == 1 || parts == 2, "q4_linear: parts is 1 or 2 (the activations' int8 parts), not ", parts);
-  const bool one = parts == 1;
-  Activations a = quantize(x, one);
-  at::Tensor y = at::empty({rows_n, n_out}, x.options().dtype(at::kBFloat16));
-  const uint8_t* w = nib.data_ptr<uint8_t>();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
-  uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+// Rows [0, rows_n) of x, quantised as `a`, times the packed weight (nib, dm: n_tiles tiles of 16 outputs) into y, whose
+// rows are ldy values apart (a piece of a wider output, llama_step.cpp's workspace); q4_linear is this on tensors.
+void q4_linear_into(const Activations& a, int64_t rows_n, int64_t k, const uint8_t* w, const uint16_t* s, int64_t n_tiles,
+                    bool one, uint16_t* out, int64_t ldy) {
   // Every row group over one tile before the next tile: the tile's bytes (K/32 x 256) are read from memory
   // once and stay in L1 for the other rows, where rows outermost streamed the whole weight once per group
   // (16 rows took ~10x one row's time; the kernel is bound by the weight's bytes at few rows).
@@ -483,7 +470,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
     constexpr bool One = decltype(one_part)::value;
     constexpr int most = max_rows<One>() / T;  // the registers hold T x most rows' sums
     equal_passes(rows_n, most, [&](int64_t r, int64_t n) {
-      with_count<most>(n, [&](auto rows) { tiles<rows, T, One>(w, s, a, k, r, t, out, n_out); });
+      with_count<most>(n, [&](auto rows) { tiles<rows, T, One>(w, s, a, k, r, t, out, ldy); });
     });
   };
 #if Q4_AMX
@@ -498,12 +485,12 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
       for (const Pass& p : passes) {
         configure_tiles(static_cast<int>(p.n));
         with_count<kAmxMaxRows>(p.n, [&](auto rows) {
-          for (int64_t t = t0; t < t1; ++t) amx_tile<rows>(w, s, a, p.parts.data(), k, p.r, t, out, n_out);
+          for (int64_t t = t0; t < t1; ++t) amx_tile<rows>(w, s, a, p.parts.data(), k, p.r, t, out, ldy);
         });
       }
       _tile_release();
     });
-    return y;
+    return;
   }
 #endif
   // chunks of an even count of tiles (pairs stay pairs), about eight a thread
@@ -516,7 +503,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
       if (rows_n >= kBlockMajorRows) {
         for (; t < t1; ++t)
           equal_passes(rows_n, kBlockRows,
-                       [&](int64_t r, int64_t n) { tile_rows<kBlockRows, One>(w, s, a, k, r, n, t, out, n_out); });
+                       [&](int64_t r, int64_t n) { tile_rows<kBlockRows, One>(w, s, a, k, r, n, t, out, ldy); });
         return;
       }
 #endif
@@ -529,6 +516,24 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tenso
     run(std::true_type{});
   else
     run(std::false_type{});
+}
+
+// parts: the activations as two int8 parts (~15 bits, the default) or one (llama.cpp's Q8 precision: half the
+// products, and on AVX2 twice the rows a pass; docs/performance.md, issue 54's twenty-fifth pass).
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& dm, int64_t parts) {
+  TORCH_CHECK(x.dim() == 2 && nib.dim() == 5 && dm.dim() == 4,
+              "q4_linear: x [M, K], nib [N/16, K/32, 4, 16, 4], dm [N/16, K/32, 2, 16]");
+  const int64_t rows_n = x.size(0), k = x.size(1), n_tiles = nib.size(0), n_out = 16 * n_tiles;
+  TORCH_CHECK(k % QK == 0 && nib.size(1) == k / QK && dm.size(0) == n_tiles && dm.size(1) == k / QK,
+              "q4_linear: x's width does not match the packed weight's (K a multiple of 32)");
+  TORCH_CHECK(nib.scalar_type() == at::kByte && dm.scalar_type() == at::kHalf && nib.is_contiguous() && dm.is_contiguous(),
+              "q4_linear: nib must be contiguous uint8, dm contiguous float16");
+  TORCH_CHECK(parts == 1 || parts == 2, "q4_linear: parts is 1 or 2 (the activations' int8 parts), not ", parts);
+  const bool one = parts == 1;
+  Activations a = quantize(x, one);
+  at::Tensor y = at::empty({rows_n, n_out}, x.options().dtype(at::kBFloat16));
+  q4_linear_into(a, rows_n, k, nib.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()),
+                 n_tiles, one, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), n_out);
   return y;
 }
 

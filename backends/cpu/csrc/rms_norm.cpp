@@ -78,6 +78,34 @@ void over_rows(int64_t rows, int64_t n, F body) {
 
 namespace FLAGDEPLOY_OPS_NS {
 
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t n, float eps) {
+  over_rows(rows, n, [&](int64_t r) { norm_row(x + r * n, w, out + r * n, n, eps); });
+}
+
+void rms_norm_rows(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t rows, int64_t n, float eps) {
+  over_rows(rows, n, [&](int64_t r) { norm_row(x + r * n, w, out + r * n, n, eps); });
+}
+
+namespace {
+template <typename X, typename T>
+void add_norm(const X* x, const T* r, const T* w, T* h, T* out, int64_t rows, int64_t n, float eps) {
+  over_rows(rows, n, [&](int64_t i) {
+    add_row(x + i * n, r + i * n, h + i * n, n);
+    norm_row(h + i * n, w, out + i * n, n, eps);
+  });
+}
+}  // namespace
+
+void add_rms_norm_rows(const uint16_t* x, const float* r, const float* w, float* h, float* out, int64_t rows, int64_t n,
+                       float eps) {
+  add_norm(x, r, w, h, out, rows, n, eps);
+}
+
+void add_rms_norm_rows(const uint16_t* x, const uint16_t* r, const uint16_t* w, uint16_t* h, uint16_t* out, int64_t rows,
+                       int64_t n, float eps) {
+  add_norm(x, r, w, h, out, rows, n, eps);
+}
+
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
   check(x_in, w_in);
   at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
@@ -85,14 +113,10 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   const float e = static_cast<float>(eps);
   if (x.scalar_type() == at::kFloat) {
-    const float *px = x.data_ptr<float>(), *pw = w.data_ptr<float>();
-    float* po = out.data_ptr<float>();
-    over_rows(rows, n, [&](int64_t r) { norm_row(px + r * n, pw, po + r * n, n, e); });
+    rms_norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), rows, n, e);
   } else {
-    auto px = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    auto pw = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    auto po = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    over_rows(rows, n, [&](int64_t r) { norm_row(px + r * n, pw, po + r * n, n, e); });
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    rms_norm_rows(bits(x), bits(w), bits(out), rows, n, e);
   }
   return out;
 }
@@ -107,19 +131,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
   at::Tensor h = at::empty_like(res), out = at::empty_like(res);
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   const float e = static_cast<float>(eps);
-  auto run = [&](const auto* px, const auto* pr, const auto* pw, auto* ph, auto* po) {
-    over_rows(rows, n, [&](int64_t r) {
-      add_row(px + r * n, pr + r * n, ph + r * n, n);
-      norm_row(ph + r * n, pw, po + r * n, n, e);
-    });
-  };
   auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
   if (res.scalar_type() == at::kBFloat16)
-    run(bits(x), bits(res), bits(w), bits(h), bits(out));
+    add_rms_norm_rows(bits(x), bits(res), bits(w), bits(h), bits(out), rows, n, e);
   else if (widen)
-    run(bits(x), res.data_ptr<float>(), w.data_ptr<float>(), h.data_ptr<float>(), out.data_ptr<float>());
+    add_rms_norm_rows(bits(x), res.data_ptr<float>(), w.data_ptr<float>(), h.data_ptr<float>(), out.data_ptr<float>(),
+                      rows, n, e);
   else
-    run(x.data_ptr<float>(), res.data_ptr<float>(), w.data_ptr<float>(), h.data_ptr<float>(), out.data_ptr<float>());
+    add_norm(x.data_ptr<float>(), res.data_ptr<float>(), w.data_ptr<float>(), h.data_ptr<float>(), out.data_ptr<float>(),
+             rows, n, e);
   return {out, h};
 }
 

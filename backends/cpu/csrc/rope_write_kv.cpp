@@ -39,38 +39,55 @@ inline void rotate(const T* x, T* out, const float* c, const float* s, int64_t h
   }
 }
 
+// Rows [0, t) of q [t, h, d], k and v [t, kh, d] (strides in elements): each row's cos / sin the tables' row
+// positions[i] (or i without positions); the rotated q to qo [t, h, d], the rotated k to ko (where not null) and to the
+// row's slot of k_cache, v to v_cache's
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
-         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, at::Tensor& q_out, at::Tensor& k_out) {
-  const int64_t t = q.size(0), h = q.size(1), kh = k.size(1), d = q.size(2), half = d / 2;
-  const T *pq = reinterpret_cast<const T*>(q.data_ptr()), *pk = reinterpret_cast<const T*>(k.data_ptr()),
-          *pv = reinterpret_cast<const T*>(v.data_ptr());
-  T *qo = reinterpret_cast<T*>(q_out.data_ptr()), *ko = reinterpret_cast<T*>(k_out.data_ptr());
-  T *kc = reinterpret_cast<T*>(k_cache.data_ptr()), *vc = reinterpret_cast<T*>(v_cache.data_ptr());
-  const float *pc = cos.data_ptr<float>(), *ps = sin.data_ptr<float>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0),
-                vs1 = v.stride(1), cs = cos.stride(0);
-  const int64_t row = kh * d;  // one slot of a cache: [kv heads, head dim]
+void rope_rows(const T* pq, int64_t qs0, int64_t qs1, const T* pk, int64_t ks0, int64_t ks1, const T* pv, int64_t vs0,
+               int64_t vs1, int64_t t, int64_t h, int64_t kh, int64_t d, const float* pc, const float* ps, int64_t cs,
+               const int64_t* positions, const int64_t* slot, T* kc, T* vc, T* qo, T* ko) {
+  const int64_t half = d / 2, row = kh * d;  // row: one slot of a cache, [kv heads, head dim]
   dynamic_for(t, std::max<int64_t>(1, 4096 / std::max<int64_t>((h + kh) * d, 1)), [&](int64_t t0, int64_t t1) {
     for (int64_t i = t0; i < t1; ++i) {
-      const float *c = pc + i * cs, *s = ps + i * cs;
+      const int64_t at = positions ? positions[i] : i;
+      const float *c = pc + at * cs, *s = ps + at * cs;
       for (int64_t j = 0; j < h; ++j) rotate(pq + i * qs0 + j * qs1, qo + (i * h + j) * d, c, s, half);
       T* kslot = kc + slot[i] * row;
       T* vslot = vc + slot[i] * row;
       for (int64_t j = 0; j < kh; ++j) {
-        T* kr = ko + (i * kh + j) * d;
-        rotate(pk + i * ks0 + j * ks1, kr, c, s, half);
-        std::memcpy(kslot + j * d, kr, d * sizeof(T));
+        if (ko) {
+          T* kr = ko + (i * kh + j) * d;
+          rotate(pk + i * ks0 + j * ks1, kr, c, s, half);
+          std::memcpy(kslot + j * d, kr, d * sizeof(T));
+        } else {
+          rotate(pk + i * ks0 + j * ks1, kslot + j * d, c, s, half);
+        }
         std::memcpy(vslot + j * d, pv + i * vs0 + j * vs1, d * sizeof(T));
       }
     }
   });
 }
 
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, at::Tensor& q_out, at::Tensor& k_out) {
+  auto ptr = [](const at::Tensor& x) { return reinterpret_cast<T*>(x.data_ptr()); };
+  rope_rows<T>(ptr(q), q.stride(0), q.stride(1), ptr(k), k.stride(0), k.stride(1), ptr(v), v.stride(0), v.stride(1),
+               q.size(0), q.size(1), k.size(1), q.size(2), cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0),
+               nullptr, slots.data_ptr<int64_t>(), ptr(k_cache), ptr(v_cache), ptr(q_out), ptr(k_out));
+}
+
 }  // namespace
 
 namespace FLAGDEPLOY_OPS_NS {
+
+void rope_write_kv_rows(const uint16_t* qkv, int64_t ld, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d,
+                        const float* cos, const float* sin, int64_t cs, const int64_t* positions, const int64_t* slots,
+                        uint16_t* k_cache, uint16_t* v_cache, uint16_t* q_out) {
+  const uint16_t *k = qkv + heads * d, *v = k + kv_heads * d;
+  rope_rows<uint16_t>(qkv, ld, d, k, ld, d, v, ld, d, rows, heads, kv_heads, d, cos, sin, cs, positions, slots, k_cache,
+                      v_cache, q_out, nullptr);
+}
 
 std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                                  const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor k_cache,

@@ -45,6 +45,12 @@ void swiglu_row(const T* gate, const T* up, T* out, int64_t n) {
 
 namespace FLAGDEPLOY_OPS_NS {
 
+void swiglu_rows(const uint16_t* x, int64_t stride, int64_t rows, int64_t n, uint16_t* out) {
+  dynamic_for(rows, std::max<int64_t>(1, kGrainValues / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) swiglu_row(x + r * stride, x + r * stride + n, out + r * n, n);
+  });
+}
+
 at::Tensor swiglu(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 &&
                   (gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16),
@@ -60,7 +66,8 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
   if (x.scalar_type() == at::kFloat)
     run(x.data_ptr<float>(), out.data_ptr<float>());
   else
-    run(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+    swiglu_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), stride, rows, n,
+                reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }
 
