@@ -66,6 +66,20 @@ def test_the_default_model_decodes_bit_for_bit_as_the_eager_step_and_compiles_no
     assert served[0] == sum(map(len, prompts)) + len(prompts[0]) or runner.native.prompt_max_keys == 0
 
 
+def test_a_bf16_residual_stream_decodes_bit_for_bit_as_the_eager_step(default_model):
+    """The default model loaded in bfloat16 (embedding, norms and residual stream in bf16: the step's other
+    workspace) through the C++ step: every served step's logits are the eager step's."""
+    engine = make_engine(default_model, "auto", dtype=torch.bfloat16, max_num_seqs=4, max_model_len=256,
+                         num_scheduler_steps=1)
+    runner = engine.runner
+    assert runner.native is not None and runner.model.embed_tokens.dtype == torch.bfloat16
+    served = _checking(runner)
+    tok = engine.tokenizer
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def fib(n):")]
+    engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert 2 in served and len(served) >= 7  # the two decoding together, step after step
+
+
 def test_speculative_verify_steps_run_in_the_cpp_step_and_keep_greedy_output_exact(default_model):
     """A verify step (a sequence's last token and its drafts) runs in the C++ step too, every row's logits those of
     the eager step's verify mode bit for bit, its head on the packed kernel at any row count (as a plain decode row
