@@ -224,7 +224,7 @@ class LlamaStep : public torch::CustomClassHolder {
   // A step's buffers, kept from step to step: R the residual stream's dtype (float, or bf16 as uint16_t)
   template <typename R>
   struct Workspace {
-    std::vector<R> residual, h;
+    std::vector<R> residual, h, sum;
     std::vector<uint16_t> qkv, q, attn, o, gate_up, act, x, logits;
     std::vector<float> q32, out32;
     Activations quantised;
@@ -272,14 +272,19 @@ class LlamaStep : public torch::CustomClassHolder {
       k::swiglu_rows(w.gate_up.data(), 2 * inner, n, inner, w.act.data());
       l.down(w.act.data(), n, inner, w.x.data(), w.quantised);
     }
-    // the final norm (and the head) for the rows asked for: out's, or all of them
+    // the final norm (and the head) for the rows asked for: out's (each may be asked for more than once), or all
     const int64_t m = out.numel() > 0 && out.numel() < n ? out.numel() : n;
-    const int64_t* pick = m < n ? out.data_ptr<int64_t>() : nullptr;
-    for (int64_t j = 0; j < m; ++j) {
-      const int64_t i = pick ? pick[j] : j;
-      TORCH_CHECK(i >= 0 && i < n, "LlamaStep.step: a row to keep, ", i, ", is not one of the step's ", n);
-      k::add_rms_norm_rows(w.x.data() + i * hidden, w.residual.data() + i * hidden, data(norm_),
-                           w.residual.data() + i * hidden, w.h.data() + j * hidden, 1, hidden, e);
+    if (m == n) {
+      k::add_rms_norm_rows(w.x.data(), w.residual.data(), data(norm_), w.residual.data(), w.h.data(), n, hidden, e);
+    } else {
+      const int64_t* pick = out.data_ptr<int64_t>();
+      w.sum.resize(hidden);
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t i = pick[j];
+        TORCH_CHECK(i >= 0 && i < n, "LlamaStep.step: a row to keep, ", i, ", is not one of the step's ", n);
+        k::add_rms_norm_rows(w.x.data() + i * hidden, w.residual.data() + i * hidden, data(norm_), w.sum.data(),
+                             w.h.data() + j * hidden, 1, hidden, e);
+      }
     }
     if (!head) {
       at::Tensor h = at::empty({m, hidden}, embed_.options());
