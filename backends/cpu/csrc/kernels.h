@@ -29,8 +29,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
 
 // The same kernels on raw rows (bf16 as uint16_t), for a caller that owns its buffers: llama_step.cpp's step, where each
-// op's tensors (allocation, views, the dispatcher) cost more than its arithmetic at a few rows, their code and data cold
-// after every linear's weight has gone through the caches. Each op above is its checks, its tensors and one of these.
+// op's tensors (allocation, views, the dispatcher) cost more than its arithmetic at a few rows, their code and data
+// cold after every linear's weight has gone through the caches. The layer ops above are their checks and tensors
+// around these.
 struct Activations;  // activations.h
 void q4_linear_into(const Activations& a, int64_t rows, int64_t k, const uint8_t* nib, const uint16_t* dm, int64_t n_tiles,
                     bool one, uint16_t* y, int64_t ldy);
