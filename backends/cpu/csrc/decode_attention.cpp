@@ -503,6 +503,17 @@ void attend_any(const float* q, const T* k_cache, const T* v_cache, const int64_
   }
 }
 
+// A bf16 q over caches of T: q widened to float32 in q32, the sums in out32, rounded to bf16 into out
+template <typename T>
+void attend_bf16(const uint16_t* q, int64_t rows, int64_t heads, int64_t d, const T* k_cache, const T* v_cache,
+                 int64_t kv_heads, int64_t block_size, const int64_t* tables, int64_t width, const int64_t* lens,
+                 float scale, float* q32, float* out32, uint16_t* out) {
+  const int64_t values = rows * heads * d;
+  for (int64_t i = 0; i < values; ++i) q32[i] = as_float(q[i]);
+  attend_any(q32, k_cache, v_cache, tables, lens, rows, heads, kv_heads, d, block_size, width, scale, out32);
+  for (int64_t i = 0; i < values; ++i) out[i] = bf16_bits(out32[i]);
+}
+
 }  // namespace
 
 namespace FLAGDEPLOY_OPS_NS {
@@ -511,10 +522,7 @@ void paged_decode_attention_rows(const uint16_t* q, int64_t rows, int64_t heads,
                                  const uint16_t* v_cache, int64_t kv_heads, int64_t block_size, const int64_t* tables,
                                  int64_t width, const int64_t* lens, float scale, float* q32, float* out32,
                                  uint16_t* out) {
-  const int64_t values = rows * heads * d;
-  for (int64_t i = 0; i < values; ++i) q32[i] = as_float(q[i]);
-  attend_any(q32, k_cache, v_cache, tables, lens, rows, heads, kv_heads, d, block_size, width, scale, out32);
-  for (int64_t i = 0; i < values; ++i) out[i] = bf16_bits(out32[i]);
+  attend_bf16(q, rows, heads, d, k_cache, v_cache, kv_heads, block_size, tables, width, lens, scale, q32, out32, out);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -536,40 +544,30 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   at::Tensor qc = bf16 ? q.contiguous() : q.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({rows, heads, d}, q.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-  std::vector<float> q32, out32;
-  const float* qf = nullptr;
-  float* of = nullptr;
-  if (bf16 && k_cache.scalar_type() == at::kBFloat16) {
-    q32.resize(values);
-    out32.resize(values);
-    paged_decode_attention_rows(reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>()), rows, heads, d,
-                                reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                                reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), kv_heads, block_size,
-                                tables.data_ptr<int64_t>(), width, lens.data_ptr<int64_t>(), static_cast<float>(scale),
-                                q32.data(), out32.data(), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  const float f = static_cast<float>(scale);
+  if (bf16) {
+    std::vector<float> q32(values), out32(values);
+    const uint16_t* qb = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
+    uint16_t* ob = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    if (k_cache.scalar_type() == at::kFloat)
+      attend_bf16(qb, rows, heads, d, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), kv_heads, block_size,
+                  tables.data_ptr<int64_t>(), width, lens.data_ptr<int64_t>(), f, q32.data(), out32.data(), ob);
+    else
+      attend_bf16(qb, rows, heads, d, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), kv_heads, block_size,
+                  tables.data_ptr<int64_t>(), width, lens.data_ptr<int64_t>(), f, q32.data(), out32.data(), ob);
     return out;
   }
-  if (bf16) {
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
-    q32.resize(values);
-    out32.resize(values);
-    for (int64_t i = 0; i < values; ++i) q32[i] = as_float(src[i]);
-    qf = q32.data(), of = out32.data();
-  } else {
-    qf = qc.data_ptr<float>(), of = out.data_ptr<float>();
-  }
+  const float* qf = qc.data_ptr<float>();
+  float* of = out.data_ptr<float>();
   if (k_cache.scalar_type() == at::kFloat)
     attend_any(qf, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
-               lens.data_ptr<int64_t>(), rows, heads, kv_heads, d, block_size, width, static_cast<float>(scale), of);
+               lens.data_ptr<int64_t>(), rows, heads, kv_heads, d, block_size, width, f, of);
   else
     attend_any(qf, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), tables.data_ptr<int64_t>(),
-               lens.data_ptr<int64_t>(), rows, heads, kv_heads, d, block_size, width, static_cast<float>(scale), of);
-  if (bf16) {
-    uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < values; ++i) dst[i] = bf16_bits(out32[i]);
-  }
-  return bf16 || q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+               lens.data_ptr<int64_t>(), rows, heads, kv_heads, d, block_size, width, f, of);
+  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
 }  // namespace FLAGDEPLOY_OPS_NS

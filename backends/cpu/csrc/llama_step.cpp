@@ -25,7 +25,6 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
